@@ -1,0 +1,47 @@
+# kvrouter-ha: build, test, demo, bench.
+GO      ?= go
+BIN     := bin/kvrouter-ha
+PKGS    := ./...
+# Each fuzz target runs this long in `make test` (CI); `make fuzz FUZZTIME=5m` digs deeper.
+FUZZTIME ?= 5s
+# package:target pairs that `make fuzz` runs.
+FUZZ_TARGETS := \
+	./transport/openai:FuzzParse \
+	./sim:FuzzDecodeRequest \
+	./sim/trace:FuzzRead
+
+.PHONY: all build test unit fuzz demo bench lint clean
+
+all: build
+
+build:
+	$(GO) build -trimpath -o $(BIN) ./cmd/kvrouter-ha
+
+## test: lint, every test with the race detector, then a short run of each fuzz target.
+test: lint unit fuzz
+
+unit:
+	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		pkg=$${t%%:*}; name=$${t##*:}; \
+		echo "fuzz $$pkg $$name ($(FUZZTIME))"; \
+		$(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg; \
+	done
+
+## demo: the main job on its embedded defaults: simulated workers, one router, kv vs round-robin.
+demo: build
+	./$(BIN) demo
+
+## bench: the microbenchmarks behind the performance targets (figures, not assertions).
+bench:
+	$(GO) test -run '^$$' -bench . -benchtime 2s ./indexer ./routing ./transport/openai
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet $(PKGS)
+
+clean:
+	rm -rf bin

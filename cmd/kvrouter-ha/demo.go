@@ -1,0 +1,226 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/peterbourgon/ff/v3/ffcli"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/sim"
+	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
+	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
+)
+
+// demoConfig is one comparison run: simulated workers, a router per policy, one trace slice.
+type demoConfig struct {
+	Workers        int
+	CapacityBlocks int
+	Policies       []string
+	TracePath      string
+	Start, Limit   int
+	Speedup        float64
+	Concurrency    int
+	MaxOutput      int
+	Sim            sim.Config
+	JSONPath       string
+	Progress       bool
+	Logger         *slog.Logger
+}
+
+func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
+	fs := flag.NewFlagSet("kvrouter-ha demo", flag.ContinueOnError)
+	var cfg demoConfig
+	policies := fs.String("policies", "kv,round-robin", "comma-separated policies to compare ("+strings.Join(routing.Policies(), ", ")+")")
+	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers")
+	fs.IntVar(&cfg.CapacityBlocks, "capacity-blocks", 32768, "each worker's KV cache in 16-token blocks (too small to hold the whole trace)")
+	fs.StringVar(&cfg.TracePath, "trace", "", "Mooncake-format trace (default: the bundled synthetic trace)")
+	fs.IntVar(&cfg.Start, "start", 0, "first request of the trace to replay")
+	fs.IntVar(&cfg.Limit, "requests", 600, "requests to replay (0: all)")
+	fs.Float64Var(&cfg.Speedup, "speedup", 10, "replay and simulate this many times faster than real time")
+	fs.IntVar(&cfg.Concurrency, "concurrency", 256, "most requests in flight")
+	fs.IntVar(&cfg.MaxOutput, "max-output-tokens", 0, "cap each request's output tokens (0: as in the trace)")
+	fs.DurationVar(&cfg.Sim.PrefillPerToken, "prefill-per-token", 50*time.Microsecond, "simulated prefill time per uncached token")
+	fs.DurationVar(&cfg.Sim.DecodePerToken, "decode-per-token", 10*time.Millisecond, "simulated time per output token")
+	fs.StringVar(&cfg.JSONPath, "json", "", "also write the summaries as JSON to this file")
+	fs.BoolVar(&cfg.Progress, "progress", true, "show a progress bar")
+	logLevel := fs.String("log-level", "error", "router and worker log level: debug, info, warn or error")
+	return &ffcli.Command{
+		Name:       "demo",
+		ShortUsage: "kvrouter-ha demo [flags]",
+		ShortHelp:  "simulated workers and a router replaying a trace slice: kv routing against round-robin",
+		FlagSet:    fs,
+		Exec: func(ctx context.Context, _ []string) error {
+			cfg.Policies = splitList(*policies)
+			log, err := newLogger(stderr, *logLevel)
+			if err != nil {
+				return err
+			}
+			cfg.Logger = log
+			var progress io.Writer
+			if cfg.Progress {
+				progress = stderr
+			}
+			return runDemo(ctx, cfg, stdout, progress)
+		},
+	}
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// loadTrace reads the trace at path, or the bundled one, with sessions assigned.
+func loadTrace(path string) ([]trace.Request, error) {
+	var reqs []trace.Request
+	var err error
+	if path == "" {
+		reqs, err = trace.Bundled()
+	} else {
+		reqs, err = trace.Load(path)
+	}
+	if err != nil {
+		return nil, err
+	}
+	trace.AssignSessions(reqs)
+	return reqs, nil
+}
+
+func runDemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) error {
+	if len(cfg.Policies) == 0 {
+		return errors.New("no policies to compare")
+	}
+	reqs, err := loadTrace(cfg.TracePath)
+	if err != nil {
+		return err
+	}
+	if cfg.Start > 0 {
+		if cfg.Start >= len(reqs) {
+			return fmt.Errorf("--start %d past the trace's %d requests", cfg.Start, len(reqs))
+		}
+		reqs = reqs[cfg.Start:]
+	}
+	if cfg.Limit > 0 && cfg.Limit < len(reqs) {
+		reqs = reqs[:cfg.Limit]
+	}
+	blocks, tokens := trace.Ceiling(reqs)
+	fmt.Fprintf(stdout, "replaying %d requests over %d simulated workers (%d blocks of 16 tokens each), %.0fx speed\n",
+		len(reqs), cfg.Workers, cfg.CapacityBlocks, cfg.Speedup)
+	fmt.Fprintf(stdout, "unlimited single-cache ceiling for this slice: %.1f%% of blocks, %.1f%% of tokens\n\n", 100*blocks, 100*tokens)
+	var sums []*replay.Summary
+	for _, policy := range cfg.Policies {
+		if err := ctx.Err(); err != nil {
+			break
+		}
+		s, err := demoRun(ctx, cfg, policy, reqs, progress)
+		if err != nil {
+			return fmt.Errorf("policy %s: %w", policy, err)
+		}
+		sums = append(sums, s)
+	}
+	fmt.Fprintln(stdout)
+	replay.Table(stdout, sums)
+	if cfg.JSONPath != "" {
+		b, err := json.MarshalIndent(sums, "", "  ")
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(cfg.JSONPath, b, 0o644); err != nil {
+			return fmt.Errorf("write %s: %w", cfg.JSONPath, err)
+		}
+	}
+	return nil
+}
+
+// simFleet is a set of simulated workers serving on loopback.
+type simFleet struct {
+	specs  []routing.WorkerSpec
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// startSimFleet starts n simulated workers on 127.0.0.1 ephemeral ports.
+func startSimFleet(ctx context.Context, n int, base sim.Config) (*simFleet, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	f := &simFleet{cancel: cancel}
+	for i := range n {
+		c := base
+		c.ID = fmt.Sprintf("w%d", i)
+		w, err := sim.New(c)
+		if err != nil {
+			f.Close()
+			return nil, err
+		}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			f.Close()
+			return nil, err
+		}
+		f.specs = append(f.specs, routing.WorkerSpec{ID: c.ID, URL: "http://" + ln.Addr().String(), CapacityBlocks: c.CapacityBlocks})
+		f.wg.Add(1)
+		go func() { defer f.wg.Done(); w.Serve(ctx, ln) }()
+	}
+	return f, nil
+}
+
+// Close stops every worker and waits for them.
+func (f *simFleet) Close() {
+	f.cancel()
+	f.wg.Wait()
+}
+
+// demoRun replays reqs through a fresh fleet and a fresh router using policy.
+func demoRun(ctx context.Context, cfg demoConfig, policy string, reqs []trace.Request, progress io.Writer) (*replay.Summary, error) {
+	quiet := cfg.Logger
+	sc := cfg.Sim
+	sc.CapacityBlocks = cfg.CapacityBlocks
+	sc.Speedup = cfg.Speedup
+	sc.MaxModelLen = 262144
+	sc.Logger = quiet
+	fleet, err := startSimFleet(ctx, cfg.Workers, sc)
+	if err != nil {
+		return nil, err
+	}
+	defer fleet.Close()
+	rep, err := startReplica(ctx, serveConfig{
+		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ReplicaID: "demo",
+		Workers: fleet.specs,
+		Router:  routing.Config{Policy: policy},
+		// The decision index forgets on the workers' scale: a decision stays for the
+		// trace's reuse gap, and a worker remembers no more than its cache holds.
+		ApproxTTL: time.Duration(float64(120*time.Second) / cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
+		SessionTTL: time.Duration(float64(10*time.Minute) / cfg.Speedup), MaxSessions: 1_000_000,
+		Logger: quiet,
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer rep.Close()
+	rc := replay.DefaultConfig()
+	rc.Target = "http://" + rep.Addr()
+	rc.Requests = reqs
+	rc.Speedup = cfg.Speedup
+	rc.Concurrency = cfg.Concurrency
+	rc.MaxOutputTokens = cfg.MaxOutput
+	rc.Model = sim.DefaultModel
+	rc.Label = policy
+	rc.Progress = progress
+	rc.Logger = quiet
+	return replay.Run(ctx, rc)
+}

@@ -1,0 +1,74 @@
+// Command kvrouter-ha is a highly available, KV-cache-aware router for LLM serving fleets.
+//
+//	kvrouter-ha serve       run a router replica
+//	kvrouter-ha sim-worker  run a simulated OpenAI-compatible inference worker
+//	kvrouter-ha replay      replay a request trace against a router or workers
+//	kvrouter-ha demo        simulated workers + a router, kv routing against round-robin
+//
+// Every flag can also be set from the environment: --foo-bar is KVROUTER_FOO_BAR.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/peterbourgon/ff/v3"
+	"github.com/peterbourgon/ff/v3/ffcli"
+)
+
+// envPrefix names the environment variables that mirror flags.
+const envPrefix = "KVROUTER"
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	if err != nil && !errors.Is(err, flag.ErrHelp) {
+		fmt.Fprintln(os.Stderr, "kvrouter-ha:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	root := &ffcli.Command{
+		Name:       "kvrouter-ha",
+		ShortUsage: "kvrouter-ha <serve|sim-worker|replay|demo> [flags]",
+		ShortHelp:  "a highly available, KV-cache-aware router for LLM serving fleets",
+		LongHelp: strings.TrimSpace(`
+kvrouter-ha routes OpenAI-compatible requests to the inference worker that already holds
+their prompt prefix in its KV cache, keeps sessions on their worker, and balances the rest.
+
+Every flag can also come from the environment: --foo-bar is KVROUTER_FOO_BAR.`),
+		FlagSet: flag.NewFlagSet("kvrouter-ha", flag.ContinueOnError),
+		Subcommands: []*ffcli.Command{
+			serveCommand(stdout, stderr),
+			simWorkerCommand(stderr),
+			replayCommand(stdout, stderr),
+			demoCommand(stdout, stderr),
+		},
+		Exec: func(context.Context, []string) error { return flag.ErrHelp },
+	}
+	for _, c := range root.Subcommands {
+		c.FlagSet.SetOutput(stderr)
+		c.Options = append(c.Options, ff.WithEnvVarPrefix(envPrefix))
+	}
+	root.FlagSet.SetOutput(stderr)
+	return root.ParseAndRun(ctx, args)
+}
+
+// newLogger returns a text logger at the named level.
+func newLogger(w io.Writer, level string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("log level %q: %w", level, err)
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}

@@ -1,0 +1,273 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/peterbourgon/ff/v3/ffcli"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
+)
+
+// serveConfig is everything a router replica is started with.
+type serveConfig struct {
+	Listen, AdminListen string
+	ReplicaID           string
+	Workers             []routing.WorkerSpec
+	Router              routing.Config
+	ApproxTTL           time.Duration
+	ApproxMaxBlocks     int
+	SessionTTL          time.Duration
+	MaxSessions         int
+	Proxy               openai.Config
+	Health              openai.HealthConfig
+	Logger              *slog.Logger
+}
+
+// workerFlag collects --worker values: "id=url" or a bare url (id w<n>).
+type workerFlag struct{ specs *[]routing.WorkerSpec }
+
+func (f workerFlag) String() string {
+	if f.specs == nil {
+		return ""
+	}
+	var parts []string
+	for _, s := range *f.specs {
+		parts = append(parts, s.ID+"="+s.URL)
+	}
+	return strings.Join(parts, ",")
+}
+
+func (f workerFlag) Set(v string) error {
+	for _, item := range strings.Split(v, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		id, url, ok := strings.Cut(item, "=")
+		if !ok {
+			id, url = fmt.Sprintf("w%d", len(*f.specs)), item
+		}
+		*f.specs = append(*f.specs, routing.WorkerSpec{ID: id, URL: url})
+	}
+	return nil
+}
+
+// loadWorkersFile reads a JSON array of worker specs.
+func loadWorkersFile(path string) ([]routing.WorkerSpec, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("workers file: %w", err)
+	}
+	var specs []routing.WorkerSpec
+	dec := json.NewDecoder(strings.NewReader(string(b)))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&specs); err != nil {
+		return nil, fmt.Errorf("workers file %s: %w", path, err)
+	}
+	return specs, nil
+}
+
+func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
+	fs := flag.NewFlagSet("kvrouter-ha serve", flag.ContinueOnError)
+	var cfg serveConfig
+	host, _ := os.Hostname()
+	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8080", "client (OpenAI) listen address")
+	fs.StringVar(&cfg.AdminListen, "admin-listen", "127.0.0.1:9090", "admin listen address (/metrics)")
+	fs.StringVar(&cfg.ReplicaID, "replica-id", host, "this replica's name, sent as X-Kvrouter-Replica")
+	fs.Var(workerFlag{&cfg.Workers}, "worker", "a worker as id=url (repeatable, or comma-separated)")
+	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events, role, dp_size, capacity_blocks, loras")
+	fs.StringVar(&cfg.Router.Policy, "policy", "kv", "selection policy: "+strings.Join(routing.Policies(), ", "))
+	fs.IntVar(&cfg.Router.BlockSize, "block-size", indexer.DefaultBlockSize, "KV block size in tokens (must match the workers')")
+	fs.Float64Var(&cfg.Router.PrefillWeight, "prefill-weight", 1, "kv policy: weight of prefill blocks in the cost")
+	fs.Float64Var(&cfg.Router.Temperature, "temperature", 0, "kv policy: 0 picks the cheapest worker; >0 samples by softmax over costs")
+	fs.Float64Var(&cfg.Router.BusyDecodeFraction, "busy-decode-fraction", 0, "a worker whose decode blocks exceed this share of capacity_blocks is busy (0: off)")
+	fs.Int64Var(&cfg.Router.BusyPrefillTokens, "busy-prefill-tokens", 0, "a worker with more in-flight prefill tokens is busy (0: off)")
+	fs.IntVar(&cfg.Router.QueueSize, "queue-size", 64, "requests that may wait while every worker is busy")
+	fs.DurationVar(&cfg.Router.QueueWait, "queue-wait", 5*time.Second, "how long a request waits for a non-busy worker before 503")
+	fs.IntVar(&cfg.Router.MaxRetries, "max-retries", 2, "retries on another worker before the first byte")
+	fs.DurationVar(&cfg.ApproxTTL, "approx-ttl", 120*time.Second, "how long a routing decision counts as cached on its worker")
+	fs.IntVar(&cfg.ApproxMaxBlocks, "approx-max-blocks", 1<<20, "per-worker cap of remembered blocks from decisions")
+	fs.DurationVar(&cfg.SessionTTL, "session-ttl", 10*time.Minute, "a session binding idles out this long after its last request ends")
+	fs.IntVar(&cfg.MaxSessions, "max-sessions", 1_000_000, "cap on bound sessions; beyond it new sessions get 429")
+	fs.Int64Var(&cfg.Proxy.MaxBodyBytes, "max-body-bytes", 8<<20, "largest request body accepted (413 beyond)")
+	fs.DurationVar(&cfg.Proxy.ConnectTimeout, "connect-timeout", 2*time.Second, "worker connect timeout")
+	fs.DurationVar(&cfg.Proxy.FirstByteTimeout, "first-byte-timeout", 5*time.Minute, "time for a worker to start answering")
+	fs.DurationVar(&cfg.Proxy.IdleTimeout, "idle-timeout", 2*time.Minute, "longest gap between streamed chunks")
+	fs.DurationVar(&cfg.Health.Interval, "health-interval", time.Second, "worker health probe interval")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	return &ffcli.Command{
+		Name:       "serve",
+		ShortUsage: "kvrouter-ha serve --worker w0=http://127.0.0.1:8001 [--worker ...] [flags]",
+		ShortHelp:  "run a router replica",
+		FlagSet:    fs,
+		Exec: func(ctx context.Context, _ []string) error {
+			log, err := newLogger(stderr, *logLevel)
+			if err != nil {
+				return err
+			}
+			cfg.Logger = log
+			if *workersFile != "" {
+				specs, err := loadWorkersFile(*workersFile)
+				if err != nil {
+					return err
+				}
+				cfg.Workers = append(cfg.Workers, specs...)
+			}
+			if len(cfg.Workers) == 0 {
+				return errors.New("no workers: give --worker id=url or --workers-file")
+			}
+			rep, err := startReplica(ctx, cfg)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "kvrouter-ha %s: serving on http://%s, admin on http://%s, %d workers, policy %s\n",
+				cfg.ReplicaID, rep.Addr(), rep.AdminAddr(), len(cfg.Workers), rep.router.Policy())
+			<-ctx.Done()
+			return rep.Close()
+		},
+	}
+}
+
+// replica is one running router: listeners, router, health checks and housekeeping.
+type replica struct {
+	cfg      serveConfig
+	router   *routing.Router
+	registry *routing.Registry
+	tracker  *routing.Tracker
+	approx   *indexer.Index
+	affinity *routing.MemoryAffinity
+	server   *openai.Server
+	http     *http.Server
+	admin    *http.Server
+	ln, aln  net.Listener
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+}
+
+// startReplica wires a router replica and starts serving; Close stops it.
+func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	reg, err := routing.NewRegistry(cfg.Workers)
+	if err != nil {
+		return nil, err
+	}
+	r := &replica{cfg: cfg, registry: reg, tracker: routing.NewTracker()}
+	r.approx = indexer.New(indexer.Options{TTL: cfg.ApproxTTL, MaxBlocksPerWorker: cfg.ApproxMaxBlocks})
+	r.affinity = routing.NewMemoryAffinity(cfg.SessionTTL, cfg.MaxSessions)
+	r.router, err = routing.New(cfg.Router, routing.Deps{
+		Index: r.approx, Recorder: r.approx, Workers: reg, Tracker: r.tracker, Affinity: r.affinity,
+	})
+	if err != nil {
+		return nil, err
+	}
+	reg.OnChange(func(st routing.WorkerStatus, removed bool) {
+		if !removed {
+			return
+		}
+		for rank := 0; rank < st.Spec.DPSize; rank++ {
+			w := indexer.Worker{ID: st.Spec.ID, DPRank: uint32(rank)}
+			r.approx.RemoveWorker(w)
+			r.tracker.Forget(w)
+		}
+	})
+	promReg := prometheus.NewRegistry()
+	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	pcfg := cfg.Proxy
+	pcfg.ReplicaID = cfg.ReplicaID
+	pcfg.Logger = log
+	pcfg.Registerer = promReg
+	r.server, err = openai.NewServer(pcfg, r.router, reg, r.tracker)
+	if err != nil {
+		return nil, err
+	}
+	if r.ln, err = net.Listen("tcp", cfg.Listen); err != nil {
+		return nil, fmt.Errorf("client listener: %w", err)
+	}
+	if r.aln, err = net.Listen("tcp", cfg.AdminListen); err != nil {
+		r.ln.Close()
+		return nil, fmt.Errorf("admin listener: %w", err)
+	}
+	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	r.cancel = cancel
+	hcfg := cfg.Health
+	hcfg.Logger = log
+	hcfg.Registerer = promReg
+	checker, err := openai.NewHealthChecker(reg, hcfg)
+	if err != nil {
+		cancel()
+		r.ln.Close()
+		r.aln.Close()
+		return nil, err
+	}
+	r.http = &http.Server{Handler: r.server.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	r.admin = &http.Server{Handler: openai.AdminHandler(promReg), ReadHeaderTimeout: 10 * time.Second}
+	r.goRun(func() { checker.Run(bg) })
+	r.goRun(func() { r.housekeeping(bg) })
+	r.goRun(func() {
+		if err := r.http.Serve(r.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("client listener stopped", "err", err)
+		}
+	})
+	r.goRun(func() {
+		if err := r.admin.Serve(r.aln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("admin listener stopped", "err", err)
+		}
+	})
+	return r, nil
+}
+
+func (r *replica) goRun(fn func()) {
+	r.wg.Add(1)
+	go func() { defer r.wg.Done(); fn() }()
+}
+
+// housekeeping expires approximate index entries and idle sessions.
+func (r *replica) housekeeping(ctx context.Context) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			r.approx.Expire()
+			r.affinity.Expire()
+		}
+	}
+}
+
+// Addr is the client listener's address.
+func (r *replica) Addr() string { return r.ln.Addr().String() }
+
+// AdminAddr is the admin listener's address.
+func (r *replica) AdminAddr() string { return r.aln.Addr().String() }
+
+// Close drains in-flight requests (bounded) and stops everything.
+func (r *replica) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err := r.http.Shutdown(ctx)
+	r.admin.Shutdown(ctx)
+	r.cancel()
+	r.wg.Wait()
+	return err
+}

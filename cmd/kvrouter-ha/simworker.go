@@ -1,0 +1,57 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+
+	"github.com/peterbourgon/ff/v3/ffcli"
+
+	"github.com/kvrouter-ha/kvrouter-ha/sim"
+)
+
+func simWorkerCommand(stderr io.Writer) *ffcli.Command {
+	fs := flag.NewFlagSet("kvrouter-ha sim-worker", flag.ContinueOnError)
+	var cfg sim.Config
+	listen := fs.String("listen", "127.0.0.1:8001", "listen address")
+	fs.StringVar(&cfg.ID, "id", sim.DefaultID, "worker id, sent as X-Worker-ID")
+	fs.StringVar(&cfg.Model, "model", sim.DefaultModel, "served model name")
+	fs.IntVar(&cfg.BlockSize, "block-size", sim.DefaultBlockSize, "KV block size in tokens")
+	fs.IntVar(&cfg.CapacityBlocks, "capacity-blocks", sim.DefaultCapacityBlocks, "KV cache size in blocks")
+	fs.IntVar(&cfg.MaxModelLen, "max-model-len", 262144, "largest prompt plus max_tokens")
+	fs.DurationVar(&cfg.Overhead, "overhead", sim.DefaultOverhead, "fixed part of time to first token")
+	fs.DurationVar(&cfg.PrefillPerToken, "prefill-per-token", sim.DefaultPrefillPerToken, "prefill time per uncached prompt token")
+	fs.DurationVar(&cfg.DecodePerToken, "decode-per-token", sim.DefaultDecodePerToken, "time between output tokens")
+	fs.IntVar(&cfg.MaxRunning, "max-running", sim.DefaultMaxRunning, "requests running at once; more wait")
+	fs.Float64Var(&cfg.Speedup, "speedup", 1, "divide every simulated duration by this")
+	fs.Float64Var(&cfg.ErrorRate, "error-rate", 0, "share of requests answered 500")
+	fs.Float64Var(&cfg.StallRate, "stall-rate", 0, "share of requests that hang before the first byte")
+	fs.DurationVar(&cfg.Stall, "stall", 0, "how long a stalled request hangs (0: until the client leaves)")
+	fs.Int64Var(&cfg.Seed, "seed", 1, "seed of the fault draws")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	return &ffcli.Command{
+		Name:       "sim-worker",
+		ShortUsage: "kvrouter-ha sim-worker [--listen 127.0.0.1:8001] [--id w0] [flags]",
+		ShortHelp:  "run a simulated OpenAI-compatible inference worker with a paged prefix cache",
+		FlagSet:    fs,
+		Exec: func(ctx context.Context, _ []string) error {
+			log, err := newLogger(stderr, *logLevel)
+			if err != nil {
+				return err
+			}
+			cfg.Logger = log
+			w, err := sim.New(cfg)
+			if err != nil {
+				return err
+			}
+			ln, err := net.Listen("tcp", *listen)
+			if err != nil {
+				return fmt.Errorf("listen: %w", err)
+			}
+			log.Info("sim-worker serving", "id", cfg.ID, "addr", ln.Addr().String())
+			return w.Serve(ctx, ln)
+		},
+	}
+}

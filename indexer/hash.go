@@ -1,0 +1,142 @@
+package indexer
+
+import (
+	"encoding/binary"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// BaseSeed is the block-hash seed of a prompt with no LoRA adapter and no cache salt, so that
+// such prompts hash as plain xxhash64 and are easy to reproduce outside the router.
+const BaseSeed uint64 = 0
+
+// seedDomain keeps seeds apart from any other use of xxhash over the same strings.
+const seedDomain = "kvrouter-ha/seed/v1\x00"
+
+// encodeTokens is how many tokens BlockHashes encodes per write; it bounds the stack buffer
+// while keeping one write per block for every common block size (16, 32, 64).
+const encodeTokens = 64
+
+// Seed returns the block-hash seed for a LoRA adapter name and a cache salt. Both empty gives
+// BaseSeed; any other pair gives a seed that differs from every other pair, because the two
+// names are length-prefixed before they are mixed ("a","" and "","a" are different seeds).
+func Seed(lora, salt string) uint64 {
+	if lora == "" && salt == "" {
+		return BaseSeed
+	}
+	var d xxhash.Digest
+	d.ResetWithSeed(0)
+	var n [binary.MaxVarintLen64]byte
+	_, _ = d.WriteString(seedDomain)
+	_, _ = d.Write(n[:binary.PutUvarint(n[:], uint64(len(lora)))])
+	_, _ = d.WriteString(lora)
+	_, _ = d.Write(n[:binary.PutUvarint(n[:], uint64(len(salt)))])
+	_, _ = d.WriteString(salt)
+	return d.Sum64()
+}
+
+// BlockHashes appends to dst[:0] the local hash of every full block of blockSize tokens:
+// xxhash64 with seed over the block's tokens as little-endian uint32 bytes. A partial last
+// block is not hashed, and a blockSize below 1 hashes nothing. It does not allocate when dst
+// has room for len(tokens)/blockSize hashes.
+func BlockHashes(tokens []uint32, blockSize int, seed uint64, dst []uint64) []uint64 {
+	dst = dst[:0]
+	if blockSize < 1 {
+		return dst
+	}
+	var d xxhash.Digest
+	for start := 0; start+blockSize <= len(tokens); start += blockSize {
+		dst = append(dst, hashBlock(&d, tokens[start:start+blockSize], seed))
+	}
+	return dst
+}
+
+// hashBlock is the local hash of one block; d is scratch, passed in so it stays on the caller's
+// stack.
+func hashBlock(d *xxhash.Digest, block []uint32, seed uint64) uint64 {
+	var buf [4 * encodeTokens]byte
+	d.ResetWithSeed(seed)
+	for len(block) > 0 {
+		n := min(len(block), encodeTokens)
+		for i, t := range block[:n] {
+			binary.LittleEndian.PutUint32(buf[4*i:], t)
+		}
+		_, _ = d.Write(buf[:4*n])
+		block = block[n:]
+	}
+	return d.Sum64()
+}
+
+// chainStep is H(prev, local): xxhash64 of the 16 little-endian bytes of prev then local.
+func chainStep(prev, local uint64) uint64 {
+	var b [16]byte
+	binary.LittleEndian.PutUint64(b[:8], prev)
+	binary.LittleEndian.PutUint64(b[8:], local)
+	return xxhash.Sum64(b[:])
+}
+
+// Chain appends to dst[:0] the sequence hashes of local block hashes: seq[0] is local[0], or
+// H(parent, local[0]) when hasParent, and seq[i] = H(seq[i-1], local[i]). Chaining a tail of
+// a prompt from the sequence hash of the block before it gives the same keys as chaining the
+// whole prompt, which is how a KV event that names a parent block is keyed. dst may be local
+// itself (the chain is computed in place). It does not allocate when dst has room.
+func Chain(parent uint64, hasParent bool, local []uint64, dst []uint64) []uint64 {
+	dst = dst[:0]
+	prev, chained := parent, hasParent
+	for _, l := range local {
+		h := l
+		if chained {
+			h = chainStep(prev, l)
+		}
+		dst = append(dst, h)
+		prev, chained = h, true
+	}
+	return dst
+}
+
+// SequenceHashes appends to dst[:0] the sequence hashes of a token prompt: Chain(0, false,
+// BlockHashes(tokens, blockSize, seed, nil), dst) in one pass. It does not allocate when dst
+// has room for len(tokens)/blockSize hashes.
+func SequenceHashes(tokens []uint32, blockSize int, seed uint64, dst []uint64) []uint64 {
+	dst = dst[:0]
+	if blockSize < 1 {
+		return dst
+	}
+	var d xxhash.Digest
+	var prev uint64
+	for start := 0; start+blockSize <= len(tokens); start += blockSize {
+		h := hashBlock(&d, tokens[start:start+blockSize], seed)
+		if start > 0 {
+			h = chainStep(prev, h)
+		}
+		dst = append(dst, h)
+		prev = h
+	}
+	return dst
+}
+
+// TextSequenceHashes appends to dst[:0] the sequence hashes of a text prompt that has no token
+// ids (approximate mode only): the text is cut into chunks of chunkBytes bytes, each chunk's
+// local hash is xxhash64 with seed over its bytes, and the chunks chain as in Chain. A partial
+// last chunk is not hashed, and a chunkBytes below 1 hashes nothing. Chunks cut bytes, not
+// characters: a multi-byte character may straddle two chunks, which is harmless because only
+// equality of prefixes matters.
+func TextSequenceHashes(text string, chunkBytes int, seed uint64, dst []uint64) []uint64 {
+	dst = dst[:0]
+	if chunkBytes < 1 {
+		return dst
+	}
+	var d xxhash.Digest
+	var prev uint64
+	for start := 0; start+chunkBytes <= len(text); start += chunkBytes {
+		d.ResetWithSeed(seed)
+		_, _ = d.WriteString(text[start : start+chunkBytes])
+		h := d.Sum64()
+		if start > 0 {
+			h = chainStep(prev, h)
+		}
+		dst = append(dst, h)
+		prev = h
+	}
+	return dst
+}

@@ -1,0 +1,211 @@
+package routing
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+// MemoryAffinity is the in-memory AffinityStore of one replica: the reference router's
+// semantics without replication. Revisions come from a counter, so they only ever grow.
+type MemoryAffinity struct {
+	ttl time.Duration
+	max int
+	now func() time.Time
+
+	mu       sync.Mutex
+	sessions map[string]*session
+	revision uint64
+}
+
+// session is one session's state: bound to a worker, or being initialised by one request.
+type session struct {
+	binding Binding
+	bound   bool
+	// initDone is closed when the initializer commits or gives up.
+	initDone chan struct{}
+	active   int // leases in flight
+	idle     time.Time
+}
+
+// NewMemoryAffinity returns a store whose bindings idle out ttl after their last request
+// ends, holding at most max sessions (0: no cap).
+func NewMemoryAffinity(ttl time.Duration, max int) *MemoryAffinity {
+	return &MemoryAffinity{ttl: ttl, max: max, now: time.Now, sessions: make(map[string]*session)}
+}
+
+// WithClock replaces the clock (tests).
+func (m *MemoryAffinity) WithClock(now func() time.Time) *MemoryAffinity {
+	m.now = now
+	return m
+}
+
+func (m *MemoryAffinity) expired(s *session, now time.Time) bool {
+	return s.bound && s.active == 0 && m.ttl > 0 && now.Sub(s.idle) > m.ttl
+}
+
+// Acquire implements AffinityStore.
+func (m *MemoryAffinity) Acquire(ctx context.Context, key string, explicit *indexer.Worker) (Lease, error) {
+	for {
+		m.mu.Lock()
+		now := m.now()
+		s := m.sessions[key]
+		if s != nil && m.expired(s, now) {
+			delete(m.sessions, key)
+			s = nil
+		}
+		switch {
+		case s == nil:
+			if m.max > 0 && len(m.sessions) >= m.max {
+				m.sweepLocked(now)
+				if len(m.sessions) >= m.max {
+					m.mu.Unlock()
+					return nil, fmt.Errorf("%d sessions bound: %w", m.max, ErrTooManySessions)
+				}
+			}
+			s = &session{binding: Binding{Session: key}, initDone: make(chan struct{}), active: 1}
+			m.sessions[key] = s
+			m.mu.Unlock()
+			return &memoryLease{store: m, s: s}, nil
+		case s.bound:
+			if explicit != nil && *explicit != s.binding.Worker {
+				b := s.binding
+				m.mu.Unlock()
+				return nil, fmt.Errorf("session bound to %s at revision %d, target %s: %w",
+					b.Worker, b.Revision, explicit, ErrTargetConflict)
+			}
+			s.active++
+			m.mu.Unlock()
+			return &memoryLease{store: m, s: s, bound: true, binding: s.binding}, nil
+		default:
+			wait := s.initDone
+			m.mu.Unlock()
+			select {
+			case <-wait:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		}
+	}
+}
+
+// Peek implements AffinityStore.
+func (m *MemoryAffinity) Peek(_ context.Context, key string) (Binding, bool, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s := m.sessions[key]
+	if s == nil || !s.bound || m.expired(s, m.now()) {
+		return Binding{}, false, nil
+	}
+	return s.binding, true, nil
+}
+
+// Invalidate implements AffinityStore.
+func (m *MemoryAffinity) Invalidate(_ context.Context, key string, revision uint64) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if s := m.sessions[key]; s != nil && s.bound && s.binding.Revision == revision {
+		delete(m.sessions, key)
+	}
+	return nil
+}
+
+// Expire drops bindings idle past the TTL and returns how many.
+func (m *MemoryAffinity) Expire() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.sweepLocked(m.now())
+}
+
+func (m *MemoryAffinity) sweepLocked(now time.Time) int {
+	n := 0
+	for k, s := range m.sessions {
+		if m.expired(s, now) {
+			delete(m.sessions, k)
+			n++
+		}
+	}
+	return n
+}
+
+// Len is the number of sessions held (bound or initialising).
+func (m *MemoryAffinity) Len() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.sessions)
+}
+
+// memoryLease is one request's hold on a session of a MemoryAffinity.
+type memoryLease struct {
+	store   *MemoryAffinity
+	s       *session
+	bound   bool
+	binding Binding
+	done    bool
+}
+
+func (l *memoryLease) Binding() (Binding, bool) { return l.binding, l.bound }
+
+func (l *memoryLease) Commit(_ context.Context, w indexer.Worker) (Binding, error) {
+	m := l.store
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if l.done || l.bound {
+		return Binding{}, fmt.Errorf("commit of session %q: lease is not an open initializer", l.s.binding.Session)
+	}
+	m.revision++
+	l.s.binding.Worker = w
+	l.s.binding.Revision = m.revision
+	l.s.bound = true
+	close(l.s.initDone)
+	l.bound, l.binding = true, l.s.binding
+	return l.binding, nil
+}
+
+func (l *memoryLease) Invalidate(_ context.Context) {
+	m := l.store
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if l.done {
+		return
+	}
+	l.done = true
+	l.s.active--
+	cur := m.sessions[l.s.binding.Session]
+	if cur != l.s {
+		return // already replaced: a newer binding is not ours to drop
+	}
+	if !l.s.bound {
+		close(l.s.initDone)
+		delete(m.sessions, l.s.binding.Session)
+		return
+	}
+	if l.s.binding.Revision == l.binding.Revision {
+		delete(m.sessions, l.s.binding.Session)
+	}
+}
+
+func (l *memoryLease) Release() {
+	m := l.store
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if l.done {
+		return
+	}
+	l.done = true
+	l.s.active--
+	if !l.s.bound {
+		// The initializer never committed: give up so a waiter initialises instead.
+		close(l.s.initDone)
+		if m.sessions[l.s.binding.Session] == l.s {
+			delete(m.sessions, l.s.binding.Session)
+		}
+		return
+	}
+	if l.s.active == 0 {
+		l.s.idle = m.now()
+	}
+}

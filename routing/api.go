@@ -1,0 +1,128 @@
+// Package routing chooses the worker for a request: filters, cost policies, load accounting
+// and the session-affinity flow (acquire, commit, invalidate) of DESIGN.md sections 3, 5 and 7.
+//
+// It knows nothing of HTTP or Raft: the interfaces it needs (a prefix index, the set of
+// workers, a load view, an affinity store) are defined here and implemented in memory here
+// and over the network elsewhere.
+package routing
+
+import (
+	"context"
+	"errors"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+// Role is a worker's part in disaggregated serving.
+type Role string
+
+// The roles. A worker with no role serves both phases.
+const (
+	RoleBoth    Role = ""
+	RolePrefill Role = "prefill"
+	RoleDecode  Role = "decode"
+)
+
+// WorkerSpec is a worker as an operator configures it.
+type WorkerSpec struct {
+	ID  string `json:"id"`
+	URL string `json:"url"`
+	// KVEvents is the worker's ZMQ KV-event endpoint, if it publishes events.
+	KVEvents string `json:"kv_events,omitempty"`
+	Role     Role   `json:"role,omitempty"`
+	// DPSize is the number of data-parallel ranks; 0 means 1.
+	DPSize int `json:"dp_size,omitempty"`
+	// CapacityBlocks is the KV cache size in blocks, for the busy threshold; 0 is unknown.
+	CapacityBlocks int `json:"capacity_blocks,omitempty"`
+	// LoRAs lists the adapters the worker serves; "*" serves any.
+	LoRAs []string `json:"loras,omitempty"`
+}
+
+// Target is one routable destination: a worker and one of its data-parallel ranks.
+type Target struct {
+	Worker indexer.Worker
+	Spec   *WorkerSpec
+}
+
+// Load is a worker's in-flight work as the kv cost model reads it.
+type Load struct {
+	Requests      int64
+	PrefillTokens int64
+	DecodeBlocks  int64
+}
+
+// LoadView reports the in-flight load of a worker (this replica's, plus others' when merged).
+type LoadView interface {
+	Load(w indexer.Worker) Load
+}
+
+// PrefixIndex answers how many leading blocks of a prompt each worker holds.
+type PrefixIndex interface {
+	FindMatches(seq []uint64, dst []indexer.Match) []indexer.Match
+}
+
+// DecisionRecorder learns from routing decisions (the approximate index).
+type DecisionRecorder interface {
+	Record(w indexer.Worker, seq []uint64)
+}
+
+// Workers is the set of workers requests may go to.
+type Workers interface {
+	// Routable returns the healthy, undrained targets, one per worker and rank. The slice is
+	// shared and must not be modified.
+	Routable() []Target
+	// Lookup finds a configured worker by id, routable or not.
+	Lookup(id string) (WorkerSpec, bool)
+}
+
+// Binding is a session's worker and the revision that created it.
+type Binding struct {
+	Session  string
+	Worker   indexer.Worker
+	Revision uint64
+}
+
+// AffinityStore keeps session -> worker bindings. The in-memory MemoryAffinity has the
+// semantics; the Raft-backed store in cluster replaces it behind this interface.
+type AffinityStore interface {
+	// Acquire returns a lease on the session. If the session has a live binding the lease is
+	// bound to it; otherwise the caller becomes the session's initializer and concurrent
+	// Acquires of the same session wait until it commits or gives up. With explicit set, a
+	// live binding to another worker is ErrTargetConflict; no binding makes the caller the
+	// initializer, expected to commit explicit.
+	Acquire(ctx context.Context, session string, explicit *indexer.Worker) (Lease, error)
+	// Peek reads a binding without taking a lease (query-only routing).
+	Peek(ctx context.Context, session string) (Binding, bool, error)
+	// Invalidate drops the binding if it still has this revision.
+	Invalidate(ctx context.Context, session string, revision uint64) error
+}
+
+// Lease is one request's hold on a session.
+type Lease interface {
+	// Binding returns the binding this lease found; false means this lease initializes it.
+	Binding() (Binding, bool)
+	// Commit binds the session to w (initializer only) and returns the new binding.
+	Commit(ctx context.Context, w indexer.Worker) (Binding, error)
+	// Invalidate drops the lease's binding (revision-guarded) or, for an initializer, gives
+	// up so that waiters proceed. The lease is released.
+	Invalidate(ctx context.Context)
+	// Release ends the request: the binding's idle TTL counts from now. An initializer that
+	// never committed gives up. Release after Invalidate is a no-op.
+	Release()
+}
+
+// Errors a caller maps to HTTP answers.
+var (
+	// ErrNoWorker: no routable worker passes the filters (503).
+	ErrNoWorker = errors.New("no healthy worker available")
+	// ErrBusy: every candidate is over its busy threshold and the wait queue timed out or is full (503).
+	ErrBusy = errors.New("all workers are busy")
+	// ErrUnknownTarget: an explicit target names no configured worker (404).
+	ErrUnknownTarget = errors.New("unknown target worker")
+	// ErrTargetConflict: an explicit target disagrees with the session's live binding (409).
+	ErrTargetConflict = errors.New("target worker conflicts with the session's binding")
+	// ErrTooManySessions: the binding cap is reached (429).
+	ErrTooManySessions = errors.New("too many sessions")
+	// ErrRetriesExhausted: the bounded retries before the first byte are used up (502).
+	ErrRetriesExhausted = errors.New("retries exhausted")
+)

@@ -1,0 +1,149 @@
+package routing
+
+import (
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+// Tracker is this replica's per-worker load accounting. It implements LoadView.
+//
+// A request counts as one in-flight request and its uncached prompt tokens as prefill work
+// until its first token arrives; the KV blocks it occupies count as decode blocks from start
+// to finish, because the engine allocates them at admission.
+type Tracker struct {
+	mu      sync.RWMutex
+	workers map[indexer.Worker]*counters
+
+	// waiters is how many selections wait for load to drop; only then does a release
+	// pay for waking them.
+	waiters atomic.Int64
+	wakeMu  sync.Mutex
+	wake    chan struct{}
+}
+
+type counters struct {
+	requests, prefill, decode atomic.Int64
+}
+
+// NewTracker returns an empty tracker.
+func NewTracker() *Tracker {
+	return &Tracker{workers: make(map[indexer.Worker]*counters)}
+}
+
+func (t *Tracker) counters(w indexer.Worker) *counters {
+	t.mu.RLock()
+	c := t.workers[w]
+	t.mu.RUnlock()
+	if c != nil {
+		return c
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if c = t.workers[w]; c == nil {
+		c = &counters{}
+		t.workers[w] = c
+	}
+	return c
+}
+
+// Load implements LoadView.
+func (t *Tracker) Load(w indexer.Worker) Load {
+	t.mu.RLock()
+	c := t.workers[w]
+	t.mu.RUnlock()
+	if c == nil {
+		return Load{}
+	}
+	return Load{Requests: c.requests.Load(), PrefillTokens: c.prefill.Load(), DecodeBlocks: c.decode.Load()}
+}
+
+// Snapshot returns every worker's load (for metrics and gossip).
+func (t *Tracker) Snapshot() map[indexer.Worker]Load {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	out := make(map[indexer.Worker]Load, len(t.workers))
+	for w, c := range t.workers {
+		out[w] = Load{Requests: c.requests.Load(), PrefillTokens: c.prefill.Load(), DecodeBlocks: c.decode.Load()}
+	}
+	return out
+}
+
+// Forget drops a worker's counters (it was removed). In-flight tickets still release safely.
+func (t *Tracker) Forget(w indexer.Worker) {
+	t.mu.Lock()
+	delete(t.workers, w)
+	t.mu.Unlock()
+}
+
+// Start counts a request on w: prefillTokens until its first token, decodeBlocks until it ends.
+func (t *Tracker) Start(w indexer.Worker, prefillTokens, decodeBlocks int64) *Ticket {
+	c := t.counters(w)
+	c.requests.Add(1)
+	c.prefill.Add(prefillTokens)
+	c.decode.Add(decodeBlocks)
+	return &Ticket{tracker: t, c: c, prefill: prefillTokens, decode: decodeBlocks}
+}
+
+// changed returns a channel closed at the next release of load.
+func (t *Tracker) changed() <-chan struct{} {
+	t.wakeMu.Lock()
+	defer t.wakeMu.Unlock()
+	if t.wake == nil {
+		t.wake = make(chan struct{})
+	}
+	return t.wake
+}
+
+func (t *Tracker) released() {
+	if t.waiters.Load() == 0 {
+		return
+	}
+	t.wakeMu.Lock()
+	if t.wake != nil {
+		close(t.wake)
+		t.wake = nil
+	}
+	t.wakeMu.Unlock()
+}
+
+// Ticket is one request's share of a worker's load. Its methods are idempotent and safe to
+// call from several goroutines.
+type Ticket struct {
+	tracker         *Tracker
+	c               *counters
+	prefill, decode int64
+	state           atomic.Int32 // 0 prefill, 1 decoding, 2 done
+}
+
+// FirstToken ends the request's prefill: its prefill tokens no longer count.
+func (k *Ticket) FirstToken() {
+	if k == nil || !k.state.CompareAndSwap(0, 1) {
+		return
+	}
+	k.c.prefill.Add(-k.prefill)
+	k.tracker.released()
+}
+
+// Finish releases everything the request still holds.
+func (k *Ticket) Finish() {
+	if k == nil {
+		return
+	}
+	for {
+		s := k.state.Load()
+		if s == 2 {
+			return
+		}
+		if k.state.CompareAndSwap(s, 2) {
+			if s == 0 {
+				k.c.prefill.Add(-k.prefill)
+			}
+			k.c.decode.Add(-k.decode)
+			k.c.requests.Add(-1)
+			k.tracker.released()
+			return
+		}
+	}
+}

@@ -1,0 +1,212 @@
+package routing
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"sort"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+// MaxDPSize bounds a worker's data-parallel ranks.
+const MaxDPSize = 1024
+
+// WorkerStatus is a configured worker and its state.
+type WorkerStatus struct {
+	Spec    WorkerSpec `json:"spec"`
+	Healthy bool       `json:"healthy"`
+	Drained bool       `json:"drained"`
+	Reason  string     `json:"reason,omitempty"`
+}
+
+// Registry is the in-memory set of workers with their health and drain state. It implements
+// Workers. Reads on the request path take no lock: the routable set is rebuilt on every change
+// and published through an atomic pointer.
+type Registry struct {
+	mu       sync.Mutex
+	workers  map[string]*WorkerStatus
+	routable atomic.Pointer[[]Target]
+	onChange []func(WorkerStatus, bool)
+}
+
+// NewRegistry validates specs and returns a registry where every worker starts healthy.
+func NewRegistry(specs []WorkerSpec) (*Registry, error) {
+	r := &Registry{workers: make(map[string]*WorkerStatus)}
+	for _, s := range specs {
+		if err := r.add(s); err != nil {
+			return nil, err
+		}
+	}
+	r.publish()
+	return r, nil
+}
+
+// ValidateSpec checks a worker spec and fills its defaults.
+func ValidateSpec(s *WorkerSpec) error {
+	if s.ID == "" {
+		return errors.New("worker id is empty")
+	}
+	if len(s.ID) > 128 {
+		return fmt.Errorf("worker id %.20q...: longer than 128 bytes", s.ID)
+	}
+	for _, c := range []byte(s.ID) {
+		if c <= 0x20 || c >= 0x7f || c == '/' {
+			return fmt.Errorf("worker id %q: only printable ASCII without spaces or '/'", s.ID)
+		}
+	}
+	u, err := url.Parse(s.URL)
+	if err != nil {
+		return fmt.Errorf("worker %s: url: %w", s.ID, err)
+	}
+	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("worker %s: url %q must be http(s)://host[:port]", s.ID, s.URL)
+	}
+	switch s.Role {
+	case RoleBoth, RolePrefill, RoleDecode:
+	default:
+		return fmt.Errorf("worker %s: role %q must be prefill, decode or empty", s.ID, s.Role)
+	}
+	if s.DPSize == 0 {
+		s.DPSize = 1
+	}
+	if s.DPSize < 0 || s.DPSize > MaxDPSize {
+		return fmt.Errorf("worker %s: dp_size %d out of range 1..%d", s.ID, s.DPSize, MaxDPSize)
+	}
+	if s.CapacityBlocks < 0 {
+		return fmt.Errorf("worker %s: capacity_blocks %d is negative", s.ID, s.CapacityBlocks)
+	}
+	return nil
+}
+
+func (r *Registry) add(s WorkerSpec) error {
+	if err := ValidateSpec(&s); err != nil {
+		return err
+	}
+	if _, dup := r.workers[s.ID]; dup {
+		return fmt.Errorf("worker %s: already registered", s.ID)
+	}
+	r.workers[s.ID] = &WorkerStatus{Spec: s, Healthy: true}
+	return nil
+}
+
+// publish rebuilds the routable set; r.mu must be held (or r not yet shared).
+func (r *Registry) publish() {
+	ids := make([]string, 0, len(r.workers))
+	for id := range r.workers {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	var out []Target
+	for _, id := range ids {
+		st := r.workers[id]
+		if !st.Healthy || st.Drained {
+			continue
+		}
+		spec := st.Spec
+		for rank := 0; rank < spec.DPSize; rank++ {
+			out = append(out, Target{Worker: indexer.Worker{ID: id, DPRank: uint32(rank)}, Spec: &spec})
+		}
+	}
+	r.routable.Store(&out)
+}
+
+// OnChange registers fn to run after any change of a worker's state; removed is true when the
+// worker was removed. It runs with no lock held.
+func (r *Registry) OnChange(fn func(st WorkerStatus, removed bool)) {
+	r.mu.Lock()
+	r.onChange = append(r.onChange, fn)
+	r.mu.Unlock()
+}
+
+func (r *Registry) changed(st WorkerStatus, removed bool) {
+	r.publish()
+	fns := r.onChange
+	r.mu.Unlock()
+	for _, fn := range fns {
+		fn(st, removed)
+	}
+}
+
+// Routable implements Workers.
+func (r *Registry) Routable() []Target { return *r.routable.Load() }
+
+// Lookup implements Workers.
+func (r *Registry) Lookup(id string) (WorkerSpec, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st, ok := r.workers[id]
+	if !ok {
+		return WorkerSpec{}, false
+	}
+	return st.Spec, true
+}
+
+// List returns every configured worker with its state, sorted by id.
+func (r *Registry) List() []WorkerStatus {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]WorkerStatus, 0, len(r.workers))
+	for _, st := range r.workers {
+		out = append(out, *st)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Spec.ID < out[j].Spec.ID })
+	return out
+}
+
+// SetHealthy records a health observation; reason says why a worker is unhealthy. It
+// reports whether the state changed.
+func (r *Registry) SetHealthy(id string, healthy bool, reason string) bool {
+	r.mu.Lock()
+	st, ok := r.workers[id]
+	if !ok || st.Healthy == healthy {
+		r.mu.Unlock()
+		return false
+	}
+	st.Healthy = healthy
+	st.Reason = ""
+	if !healthy {
+		st.Reason = reason
+	}
+	r.changed(*st, false)
+	return true
+}
+
+// Add registers a new worker.
+func (r *Registry) Add(spec WorkerSpec) error {
+	r.mu.Lock()
+	if err := r.add(spec); err != nil {
+		r.mu.Unlock()
+		return err
+	}
+	r.changed(*r.workers[spec.ID], false)
+	return nil
+}
+
+// Drain stops new requests to a worker; in-flight ones finish.
+func (r *Registry) Drain(id string) error {
+	r.mu.Lock()
+	st, ok := r.workers[id]
+	if !ok {
+		r.mu.Unlock()
+		return fmt.Errorf("worker %s: %w", id, ErrUnknownTarget)
+	}
+	st.Drained = true
+	r.changed(*st, false)
+	return nil
+}
+
+// Remove forgets a worker.
+func (r *Registry) Remove(id string) error {
+	r.mu.Lock()
+	st, ok := r.workers[id]
+	if !ok {
+		r.mu.Unlock()
+		return fmt.Errorf("worker %s: %w", id, ErrUnknownTarget)
+	}
+	delete(r.workers, id)
+	r.changed(*st, true)
+	return nil
+}

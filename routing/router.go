@@ -1,0 +1,537 @@
+package routing
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+// workerKey is the index's name for a worker and rank.
+type workerKey = indexer.Worker
+
+// Request is what selection needs to know of one client request.
+type Request struct {
+	// PromptTokens is the prompt length in tokens (estimated for text prompts).
+	PromptTokens int
+	// Hashes are the sequence hashes of the prompt's full blocks.
+	Hashes []uint64
+	// Session is the session key, "" for none.
+	Session string
+	// Target is an explicit target worker (X-Target-Worker), nil for none.
+	Target *indexer.Worker
+	LoRA   string
+	// Role restricts candidates to workers of this role (RoleBoth: any but prefill-only).
+	Role Role
+	// DPRank restricts candidates to one rank; -1 is any.
+	DPRank int
+	// QueryOnly returns a decision and changes nothing: no load, no binding, no record.
+	QueryOnly bool
+}
+
+// Decision is the outcome of a selection.
+type Decision struct {
+	Target       Target
+	Overlap      int // blocks the chosen worker is predicted to hold
+	PromptBlocks int
+	// Binding is the session's binding once known (Revision 0 until committed).
+	Binding Binding
+	// Bound reports that the worker came from an existing binding.
+	Bound bool
+	// Took is how long selection took, affinity wait excluded.
+	Took time.Duration
+}
+
+// Config tunes selection.
+type Config struct {
+	// Policy is one of kv (default), round-robin, random, least-loaded, power-of-two,
+	// session-hash, cache-aware.
+	Policy        string
+	BlockSize     int     // tokens per block (16)
+	PrefillWeight float64 // kv cost weight of prefill blocks (1.0)
+	Temperature   float64 // 0: argmin with random tie-break; >0: softmax sampling
+	// BusyDecodeFraction marks a worker busy when its decode blocks exceed this share of its
+	// capacity; 0 disables.
+	BusyDecodeFraction float64
+	// BusyPrefillTokens marks a worker busy when its in-flight prefill tokens exceed it; 0 disables.
+	BusyPrefillTokens int64
+	QueueSize         int           // requests that may wait for a non-busy worker (64)
+	QueueWait         time.Duration // how long they wait before ErrBusy (5s)
+	MaxRetries        int           // retries on another worker before the first byte (2)
+	// TextChunkBytes is the chunk size for hashing text prompts (BlockSize*4: about a block).
+	TextChunkBytes int
+	Seed           uint64 // random source seed; 0 = unseeded
+}
+
+// Deps are the parts a Router reads.
+type Deps struct {
+	Index    PrefixIndex      // nil: no KV awareness
+	Recorder DecisionRecorder // nil: decisions are not recorded
+	Workers  Workers
+	Tracker  *Tracker      // this replica's load accounting (required)
+	Load     LoadView      // the load the policies read; nil = Tracker
+	Affinity AffinityStore // nil: no session affinity
+}
+
+// Router selects workers. It is safe for concurrent use.
+type Router struct {
+	cfg    Config
+	deps   Deps
+	policy policy
+	seed   uint64
+
+	rngMu sync.Mutex
+	rng   *rand.Rand // nil: the runtime's lock-free source
+
+	queued  atomic.Int64
+	scratch sync.Pool // *[]indexer.Match
+}
+
+// New checks cfg and builds a Router.
+func New(cfg Config, deps Deps) (*Router, error) {
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = indexer.DefaultBlockSize
+	}
+	if cfg.BlockSize < 1 || cfg.BlockSize > 4096 {
+		return nil, fmt.Errorf("block size %d out of range 1..4096", cfg.BlockSize)
+	}
+	if cfg.PrefillWeight == 0 {
+		cfg.PrefillWeight = 1
+	}
+	if cfg.PrefillWeight < 0 || cfg.Temperature < 0 || cfg.BusyDecodeFraction < 0 || cfg.BusyPrefillTokens < 0 {
+		return nil, errors.New("prefill weight, temperature and busy thresholds must not be negative")
+	}
+	if cfg.QueueSize == 0 {
+		cfg.QueueSize = 64
+	}
+	if cfg.QueueWait == 0 {
+		cfg.QueueWait = 5 * time.Second
+	}
+	if cfg.MaxRetries == 0 {
+		cfg.MaxRetries = 2
+	}
+	if cfg.MaxRetries < 0 {
+		cfg.MaxRetries = 0
+	}
+	if cfg.TextChunkBytes == 0 {
+		cfg.TextChunkBytes = cfg.BlockSize * 4
+	}
+	if deps.Workers == nil || deps.Tracker == nil {
+		return nil, errors.New("router needs Workers and a Tracker")
+	}
+	if deps.Load == nil {
+		deps.Load = deps.Tracker
+	}
+	p, err := newPolicy(cfg.Policy)
+	if err != nil {
+		return nil, err
+	}
+	r := &Router{cfg: cfg, deps: deps, policy: p}
+	if cfg.Seed != 0 {
+		r.rng = rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15))
+	}
+	r.scratch.New = func() any { s := make([]indexer.Match, 0, 64); return &s }
+	return r, nil
+}
+
+func (r *Router) intn(n int) int {
+	if r.rng == nil {
+		return rand.IntN(n)
+	}
+	r.rngMu.Lock()
+	defer r.rngMu.Unlock()
+	return r.rng.IntN(n)
+}
+
+func (r *Router) float64() float64 {
+	if r.rng == nil {
+		return rand.Float64()
+	}
+	r.rngMu.Lock()
+	defer r.rngMu.Unlock()
+	return r.rng.Float64()
+}
+
+// BlockSize returns the block size in tokens.
+func (r *Router) BlockSize() int { return r.cfg.BlockSize }
+
+// Policy returns the policy's name.
+func (r *Router) Policy() string {
+	if r.cfg.Policy == "" {
+		return "kv"
+	}
+	return r.cfg.Policy
+}
+
+// HashTokens returns the sequence hashes of a token prompt.
+func (r *Router) HashTokens(tokens []uint32, lora string, dst []uint64) []uint64 {
+	return indexer.SequenceHashes(tokens, r.cfg.BlockSize, indexer.Seed(lora, ""), dst)
+}
+
+// HashText returns the approximate sequence hashes of a text prompt.
+func (r *Router) HashText(text string, lora string, dst []uint64) []uint64 {
+	return indexer.TextSequenceHashes(text, r.cfg.TextChunkBytes, indexer.Seed(lora, ""), dst)
+}
+
+// errPreferredGone is a selection failure of a bound or explicit worker that is not routable.
+var errPreferredGone = fmt.Errorf("bound worker is not routable: %w", ErrNoWorker)
+
+// Route selects a worker for req (with session affinity when req.Session is set) and starts
+// its load accounting. The caller dispatches to Decision().Target and then calls Commit
+// (worker accepted), FirstToken, and Finish; or Retry when the dispatch failed before any
+// byte reached the client.
+func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
+	if req.Target != nil {
+		spec, ok := r.deps.Workers.Lookup(req.Target.ID)
+		if !ok || int(req.Target.DPRank) >= max(spec.DPSize, 1) {
+			return nil, fmt.Errorf("%s: %w", req.Target, ErrUnknownTarget)
+		}
+	}
+	a := &Attempt{router: r, req: req}
+	if req.QueryOnly {
+		return a, r.routeQuery(ctx, a)
+	}
+	useAffinity := req.Session != "" && r.deps.Affinity != nil
+	if useAffinity {
+		lease, err := r.deps.Affinity.Acquire(ctx, req.Session, req.Target)
+		if err != nil {
+			return nil, err
+		}
+		a.lease = lease
+	}
+	err := a.selectAndStart(ctx)
+	if err == nil {
+		return a, nil
+	}
+	if ctx.Err() != nil {
+		// Cancellation during selection keeps an existing binding.
+		a.releaseLease()
+		return nil, ctx.Err()
+	}
+	if a.lease != nil {
+		if _, bound := a.lease.Binding(); bound && req.Target == nil {
+			// The bound worker cannot take it: drop the binding and choose once more, freely.
+			a.lease.Invalidate(ctx)
+			lease, aerr := r.deps.Affinity.Acquire(ctx, req.Session, nil)
+			if aerr != nil {
+				a.lease = nil
+				return nil, aerr
+			}
+			a.lease = lease
+			if err = a.selectAndStart(ctx); err == nil {
+				return a, nil
+			}
+		}
+		a.lease.Invalidate(ctx)
+		a.lease = nil
+	}
+	return nil, err
+}
+
+// routeQuery fills a query-only decision: the binding is read, never taken or changed.
+func (r *Router) routeQuery(ctx context.Context, a *Attempt) error {
+	req := a.req
+	var pref *indexer.Worker
+	if req.Target != nil {
+		pref = req.Target
+	}
+	if req.Session != "" && r.deps.Affinity != nil {
+		b, ok, err := r.deps.Affinity.Peek(ctx, req.Session)
+		if err != nil {
+			return err
+		}
+		if ok {
+			if req.Target != nil && *req.Target != b.Worker {
+				return fmt.Errorf("session bound to %s: %w", b.Worker, ErrTargetConflict)
+			}
+			a.decision.Binding, pref = b, &b.Worker
+		}
+	}
+	d, err := r.selectWorker(ctx, req, pref, nil)
+	if errors.Is(err, errPreferredGone) && req.Target == nil {
+		d, err = r.selectWorker(ctx, req, nil, nil)
+	}
+	if err != nil {
+		return err
+	}
+	d.Binding = a.decision.Binding
+	d.Bound = d.Binding.Revision != 0 && d.Binding.Worker == d.Target.Worker
+	a.decision = d
+	a.finished = true
+	return nil
+}
+
+// selectWorker picks a target. A preferred worker (bound or explicit) is taken if routable,
+// busy or not: affinity outranks balance.
+func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.Worker, exclude []indexer.Worker) (Decision, error) {
+	start := time.Now()
+	promptBlocks := max(len(req.Hashes), (req.PromptTokens+r.cfg.BlockSize-1)/r.cfg.BlockSize)
+	mp := r.scratch.Get().(*[]indexer.Match)
+	defer r.scratch.Put(mp)
+	matches := (*mp)[:0]
+	if r.deps.Index != nil && len(req.Hashes) > 0 {
+		matches = r.deps.Index.FindMatches(req.Hashes, matches)
+		*mp = matches
+	}
+	overlap := func(w indexer.Worker) int {
+		for _, m := range matches {
+			if m.Worker == w {
+				return m.Blocks
+			}
+		}
+		return 0
+	}
+	routable := r.deps.Workers.Routable()
+	if pref != nil {
+		for _, t := range routable {
+			if t.Worker == *pref {
+				return Decision{Target: t, Overlap: overlap(t.Worker), PromptBlocks: promptBlocks, Took: time.Since(start)}, nil
+			}
+		}
+		return Decision{}, fmt.Errorf("%s: %w", pref, errPreferredGone)
+	}
+	var buf, freeBuf [64]candidate
+	cands := buf[:0]
+	for _, t := range routable {
+		if !r.eligible(req, t, exclude) {
+			continue
+		}
+		cands = append(cands, candidate{target: t, overlap: overlap(t.Worker)})
+	}
+	if len(cands) == 0 {
+		return Decision{}, ErrNoWorker
+	}
+	waited := time.Duration(0)
+	for {
+		free := freeBuf[:0]
+		for _, c := range cands {
+			c.load = r.deps.Load.Load(c.target.Worker)
+			if !r.busy(c) {
+				free = append(free, c)
+			}
+		}
+		if len(free) > 0 {
+			c := free[r.policy.choose(req, promptBlocks, free, r)]
+			return Decision{Target: c.target, Overlap: c.overlap, PromptBlocks: promptBlocks, Took: time.Since(start) - waited}, nil
+		}
+		w, err := r.waitForRoom(ctx, start.Add(r.cfg.QueueWait+waited))
+		if err != nil {
+			return Decision{}, err
+		}
+		waited += w
+	}
+}
+
+func (r *Router) eligible(req *Request, t Target, exclude []indexer.Worker) bool {
+	for _, x := range exclude {
+		if x == t.Worker {
+			return false
+		}
+	}
+	switch req.Role {
+	case RoleBoth:
+		if t.Spec.Role == RolePrefill {
+			return false
+		}
+	default:
+		if t.Spec.Role != RoleBoth && t.Spec.Role != req.Role {
+			return false
+		}
+	}
+	if req.DPRank >= 0 && int(t.Worker.DPRank) != req.DPRank {
+		return false
+	}
+	if req.LoRA != "" {
+		for _, l := range t.Spec.LoRAs {
+			if l == req.LoRA || l == "*" {
+				return true
+			}
+		}
+		return false
+	}
+	return true
+}
+
+func (r *Router) busy(c candidate) bool {
+	if r.cfg.BusyPrefillTokens > 0 && c.load.PrefillTokens > r.cfg.BusyPrefillTokens {
+		return true
+	}
+	capacity := c.target.Spec.CapacityBlocks
+	return r.cfg.BusyDecodeFraction > 0 && capacity > 0 &&
+		float64(c.load.DecodeBlocks) > r.cfg.BusyDecodeFraction*float64(capacity)
+}
+
+// waitForRoom waits in the bounded queue until some load is released, and returns how long.
+func (r *Router) waitForRoom(ctx context.Context, deadline time.Time) (time.Duration, error) {
+	if r.queued.Add(1) > int64(r.cfg.QueueSize) {
+		r.queued.Add(-1)
+		return 0, fmt.Errorf("wait queue full: %w", ErrBusy)
+	}
+	defer r.queued.Add(-1)
+	t := r.deps.Tracker
+	t.waiters.Add(1)
+	defer t.waiters.Add(-1)
+	ch := t.changed()
+	start := time.Now()
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	select {
+	case <-ch:
+		return time.Since(start), nil
+	case <-timer.C:
+		return 0, fmt.Errorf("waited %s: %w", r.cfg.QueueWait, ErrBusy)
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+}
+
+// Attempt is one request's routing in flight: the decision, its load accounting and its
+// session lease. Finish, or a Retry that fails, ends it.
+type Attempt struct {
+	router   *Router
+	req      *Request
+	decision Decision
+	lease    Lease
+	ticket   *Ticket
+	tried    []indexer.Worker
+	retries  int
+	finished bool
+	recorded bool
+}
+
+// Decision returns the attempt's current decision.
+func (a *Attempt) Decision() Decision { return a.decision }
+
+// selectAndStart selects a target (the lease's bound worker when there is one) and starts
+// its load accounting.
+func (a *Attempt) selectAndStart(ctx context.Context) error {
+	var pref *indexer.Worker
+	var binding Binding
+	if a.lease != nil {
+		if b, ok := a.lease.Binding(); ok {
+			binding, pref = b, &b.Worker
+		}
+	}
+	if pref == nil && a.req.Target != nil {
+		pref = a.req.Target
+	}
+	d, err := a.router.selectWorker(ctx, a.req, pref, a.tried)
+	if err != nil {
+		return err
+	}
+	d.Binding = binding
+	d.Bound = binding.Revision != 0
+	if a.lease != nil && !d.Bound {
+		d.Binding = Binding{Session: a.req.Session}
+	}
+	a.decision = d
+	bs := int64(a.router.cfg.BlockSize)
+	prefill := int64(a.req.PromptTokens) - int64(d.Overlap)*bs
+	a.ticket = a.router.deps.Tracker.Start(d.Target.Worker, max(prefill, 0), int64(d.PromptBlocks))
+	return nil
+}
+
+// Retry handles a dispatch that failed before the first byte: it invalidates a bound binding
+// (revision-guarded), releases the failed worker's load and selects another worker, excluding
+// those tried. It returns ErrRetriesExhausted (or a selection error) when no retry is
+// possible; the attempt is then finished.
+func (a *Attempt) Retry(ctx context.Context, cause error) error {
+	if a.finished {
+		return fmt.Errorf("retry of a finished attempt: %w", cause)
+	}
+	a.ticket.Finish()
+	a.tried = append(a.tried, a.decision.Target.Worker)
+	if a.req.Target != nil || a.retries >= a.router.cfg.MaxRetries {
+		a.fail(ctx)
+		return fmt.Errorf("%w after %d tries: %w", ErrRetriesExhausted, len(a.tried), cause)
+	}
+	a.retries++
+	if a.lease != nil {
+		if _, bound := a.lease.Binding(); bound {
+			// The bound worker failed: its binding goes, and the session is chosen afresh.
+			a.lease.Invalidate(ctx)
+			lease, err := a.router.deps.Affinity.Acquire(ctx, a.req.Session, nil)
+			if err != nil {
+				a.lease = nil
+				a.finished = true
+				return err
+			}
+			a.lease = lease
+		}
+	}
+	if err := a.selectAndStart(ctx); err != nil {
+		if errors.Is(err, errPreferredGone) && a.lease != nil {
+			// Someone rebound the session meanwhile to a worker that is gone too.
+			a.lease.Invalidate(ctx)
+			a.lease = nil
+		}
+		a.fail(ctx)
+		return err
+	}
+	return nil
+}
+
+// fail ends an attempt whose request will not be served: an initializer gives up, a bound
+// lease is released (its binding stays unless Retry invalidated it).
+func (a *Attempt) fail(ctx context.Context) {
+	a.finished = true
+	if a.lease == nil {
+		return
+	}
+	if _, bound := a.lease.Binding(); !bound {
+		a.lease.Invalidate(ctx)
+	} else {
+		a.lease.Release()
+	}
+	a.lease = nil
+}
+
+// Commit records that the worker accepted the request; for a new session it binds the
+// session to the worker and returns the binding with its revision. Without a session it
+// returns a zero Binding. The decision is recorded into the approximate index here, when the
+// worker starts prefilling, so that concurrent siblings of the prompt already see it.
+func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
+	if a.finished {
+		return a.decision.Binding, errors.New("commit of a finished attempt")
+	}
+	if !a.recorded && a.router.deps.Recorder != nil && len(a.req.Hashes) > 0 {
+		a.router.deps.Recorder.Record(a.decision.Target.Worker, a.req.Hashes)
+		a.recorded = true
+	}
+	if a.lease == nil || a.decision.Bound {
+		return a.decision.Binding, nil
+	}
+	b, err := a.lease.Commit(ctx, a.decision.Target.Worker)
+	if err != nil {
+		return Binding{}, fmt.Errorf("bind session: %w", err)
+	}
+	a.decision.Binding = b
+	return b, nil
+}
+
+// FirstToken moves the request's load from prefill to decode.
+func (a *Attempt) FirstToken() { a.ticket.FirstToken() }
+
+// Finish ends the attempt: releases load and the session lease. It is idempotent.
+func (a *Attempt) Finish() {
+	if a.ticket != nil {
+		a.ticket.Finish()
+	}
+	if a.finished {
+		return
+	}
+	a.finished = true
+	a.releaseLease()
+}
+
+func (a *Attempt) releaseLease() {
+	if a.lease != nil {
+		a.lease.Release()
+		a.lease = nil
+	}
+}

@@ -1,0 +1,501 @@
+package routing
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+func route(t *testing.T, r *Router, req Request) *Attempt {
+	t.Helper()
+	if req.DPRank == 0 {
+		req.DPRank = -1
+	}
+	a, err := r.Route(context.Background(), &req)
+	if err != nil {
+		t.Fatalf("route: %v", err)
+	}
+	return a
+}
+
+func TestKVPolicyPrefersTheWorkerHoldingThePrefix(t *testing.T) {
+	rg := newRig(t, 4, Config{})
+	prefix := hashes(100, 32)
+	rg.index.Record(worker("w2"), prefix)
+	for i := range 20 {
+		req := Request{PromptTokens: 40 * 16, Hashes: append(append([]uint64{}, prefix...), hashes(uint64(1000*(i+1)), 8)...)}
+		a := route(t, rg.router, req)
+		if got := a.Decision().Target.Worker; got != worker("w2") {
+			t.Fatalf("request %d went to %s, want w2", i, got)
+		}
+		if a.Decision().Overlap != 32 {
+			t.Fatalf("overlap = %d, want 32", a.Decision().Overlap)
+		}
+		a.Finish()
+	}
+}
+
+func TestKVPolicySpreadsDistinctPromptsByLoad(t *testing.T) {
+	rg := newRig(t, 4, Config{})
+	counts := map[string]int{}
+	var open []*Attempt
+	for i := range 40 {
+		a := route(t, rg.router, Request{PromptTokens: 320, Hashes: hashes(uint64(i)<<20, 20)})
+		counts[a.Decision().Target.Worker.ID]++
+		open = append(open, a)
+	}
+	for _, a := range open {
+		a.Finish()
+	}
+	for id, n := range counts {
+		if n != 10 {
+			t.Fatalf("distinct prompts in flight spread unevenly: %s got %d of 40 (%v)", id, n, counts)
+		}
+	}
+	for w, l := range rg.tracker.Snapshot() {
+		if l != (Load{}) {
+			t.Fatalf("%s load %+v after all finished", w, l)
+		}
+	}
+}
+
+func TestKVCostWeighsOverlapAgainstLoad(t *testing.T) {
+	rg := newRig(t, 2, Config{})
+	prefix := hashes(1, 10)
+	rg.index.Record(worker("w0"), prefix)
+	// w0 holds 10 blocks, but carries 100 blocks of prefill work: the cost model sends the
+	// request to the idle w1 (cost 2*10=20) rather than w0 (100+0+10=110).
+	rg.tracker.Start(worker("w0"), 100*16, 0)
+	a := route(t, rg.router, Request{PromptTokens: 160, Hashes: prefix})
+	if got := a.Decision().Target.Worker; got != worker("w1") {
+		t.Fatalf("went to %s, want the idle w1", got)
+	}
+}
+
+func TestPolicies(t *testing.T) {
+	tests := []struct {
+		policy string
+		check  func(t *testing.T, picks []string)
+	}{
+		{"round-robin", func(t *testing.T, picks []string) {
+			for i, p := range picks {
+				if p != picks[i%4] {
+					t.Fatalf("round-robin broke its cycle at %d: %v", i, picks)
+				}
+			}
+			seen := map[string]bool{}
+			for _, p := range picks[:4] {
+				seen[p] = true
+			}
+			if len(seen) != 4 {
+				t.Fatalf("round-robin skipped a worker: %v", picks[:4])
+			}
+		}},
+		{"session-hash", func(t *testing.T, picks []string) {
+			for _, p := range picks {
+				if p != picks[0] {
+					t.Fatalf("one session key moved between workers: %v", picks)
+				}
+			}
+		}},
+		{"least-loaded", func(t *testing.T, picks []string) {
+			seen := map[string]int{}
+			for _, p := range picks[:4] {
+				seen[p]++
+			}
+			if len(seen) != 4 {
+				t.Fatalf("least-loaded doubled up while a worker was idle: %v", picks[:4])
+			}
+		}},
+		{"random", func(t *testing.T, picks []string) {
+			if len(picks) != 16 {
+				t.Fatal("missing picks")
+			}
+		}},
+		{"power-of-two", func(t *testing.T, picks []string) {
+			seen := map[string]int{}
+			for _, p := range picks {
+				seen[p]++
+			}
+			for w, n := range seen {
+				if n > 8 {
+					t.Fatalf("power-of-two piled %d of 16 on %s", n, w)
+				}
+			}
+		}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.policy, func(t *testing.T) {
+			rg := newRig(t, 4, Config{Policy: tc.policy, Seed: 7})
+			var picks []string
+			for i := range 16 {
+				// Same "session key" for session-hash: the hash policy ignores affinity state.
+				req := Request{PromptTokens: 64, Hashes: hashes(uint64(i)<<20, 4), DPRank: -1}
+				if tc.policy == "session-hash" {
+					req.Hashes = hashes(5, 4)
+				}
+				a := route(t, rg.router, req)
+				picks = append(picks, a.Decision().Target.Worker.ID)
+			}
+			tc.check(t, picks)
+		})
+	}
+}
+
+func TestSessionHashMovesOnlyTheRemovedWorkersSessions(t *testing.T) {
+	rg := newRig(t, 5, Config{Policy: "session-hash"})
+	before := map[string]string{}
+	for i := range 200 {
+		key := fmt.Sprintf("s%d", i)
+		a := route(t, rg.router, Request{Hashes: hashes(1, 2), DPRank: -1, Session: ""})
+		_ = a
+		d, _ := rg.router.selectWorker(context.Background(), &Request{Session: key, DPRank: -1}, nil, nil)
+		before[key] = d.Target.Worker.ID
+	}
+	rg.reg.SetHealthy("w3", false, "test")
+	for key, was := range before {
+		d, _ := rg.router.selectWorker(context.Background(), &Request{Session: key, DPRank: -1}, nil, nil)
+		if was != "w3" && d.Target.Worker.ID != was {
+			t.Fatalf("session %s moved from %s to %s though %s is healthy", key, was, d.Target.Worker.ID, was)
+		}
+	}
+}
+
+func TestCacheAwareFollowsMatchUntilImbalanced(t *testing.T) {
+	rg := newRig(t, 2, Config{Policy: "cache-aware"})
+	prefix := hashes(1, 10)
+	rg.index.Record(worker("w1"), prefix)
+	a := route(t, rg.router, Request{PromptTokens: 160, Hashes: prefix})
+	if a.Decision().Target.Worker != worker("w1") {
+		t.Fatalf("balanced: went to %s, want the matching w1", a.Decision().Target.Worker)
+	}
+	a.Finish()
+	for range 100 { // imbalance: w1 has 100 in flight, w0 none (100-0 > 64 and 100 > 0*1.5)
+		rg.tracker.Start(worker("w1"), 0, 0)
+	}
+	a = route(t, rg.router, Request{PromptTokens: 160, Hashes: prefix})
+	if a.Decision().Target.Worker != worker("w0") {
+		t.Fatalf("imbalanced: went to %s, want the least loaded w0", a.Decision().Target.Worker)
+	}
+}
+
+func TestFiltersRoleLoRAAndRank(t *testing.T) {
+	reg, err := NewRegistry([]WorkerSpec{
+		{ID: "p", URL: "http://127.0.0.1:1", Role: RolePrefill},
+		{ID: "d", URL: "http://127.0.0.1:2", Role: RoleDecode, DPSize: 2},
+		{ID: "l", URL: "http://127.0.0.1:3", LoRAs: []string{"sql"}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := New(Config{}, Deps{Workers: reg, Tracker: NewTracker()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name string
+		req  Request
+		want map[string]bool
+	}{
+		{"aggregated skips prefill-only", Request{DPRank: -1}, map[string]bool{"d": true, "d/1": true, "l": true}},
+		{"prefill role", Request{Role: RolePrefill, DPRank: -1}, map[string]bool{"p": true, "l": true}},
+		{"lora", Request{LoRA: "sql", DPRank: -1}, map[string]bool{"l": true}},
+		{"rank 1", Request{DPRank: 1}, map[string]bool{"d/1": true}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got := map[string]bool{}
+			for _, tg := range reg.Routable() {
+				if r.eligible(&tc.req, tg, nil) {
+					got[tg.Worker.String()] = true
+				}
+			}
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Fatalf("eligible = %v, want %v", got, tc.want)
+			}
+		})
+	}
+	if _, err := r.Route(context.Background(), &Request{LoRA: "nope", DPRank: -1}); !errors.Is(err, ErrNoWorker) {
+		t.Fatalf("no eligible worker: err = %v, want ErrNoWorker", err)
+	}
+}
+
+func TestAllBusyWaitsThenAnswersBusy(t *testing.T) {
+	rg := newRig(t, 1, Config{BusyPrefillTokens: 100, QueueWait: 50 * time.Millisecond})
+	hold := route(t, rg.router, Request{PromptTokens: 1000})
+	if _, err := rg.router.Route(context.Background(), &Request{PromptTokens: 10, DPRank: -1}); !errors.Is(err, ErrBusy) {
+		t.Fatalf("err = %v, want ErrBusy", err)
+	}
+	// A waiting request proceeds as soon as load is released.
+	rg.router.cfg.QueueWait = time.Minute
+	done := make(chan error, 1)
+	go func() {
+		a, err := rg.router.Route(context.Background(), &Request{PromptTokens: 10, DPRank: -1})
+		if err == nil {
+			a.Finish()
+		}
+		done <- err
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for rg.router.queued.Load() == 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	hold.FirstToken()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("queued request: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("queued request never proceeded after load was released")
+	}
+}
+
+func TestBoundSessionStaysOnItsWorker(t *testing.T) {
+	rg := newRig(t, 4, Config{})
+	ctx := context.Background()
+	a := route(t, rg.router, Request{Session: "chat-1", PromptTokens: 32, Hashes: hashes(1, 2)})
+	b, err := a.Commit(ctx)
+	if err != nil || b.Revision == 0 {
+		t.Fatalf("commit = %+v, %v", b, err)
+	}
+	a.Finish()
+	for i := range 10 {
+		// Different prompts, busy elsewhere: a bound session ignores both.
+		a := route(t, rg.router, Request{Session: "chat-1", PromptTokens: 32, Hashes: hashes(uint64(i)<<30, 2)})
+		d := a.Decision()
+		if d.Target.Worker != b.Worker || !d.Bound || d.Binding != b {
+			t.Fatalf("request %d: decision %+v, want bound to %+v", i, d, b)
+		}
+		a.Finish()
+	}
+}
+
+func TestFailedBoundWorkerIsInvalidatedAndReselectedOnce(t *testing.T) {
+	rg := newRig(t, 3, Config{})
+	ctx := context.Background()
+	a := route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	old, _ := a.Commit(ctx)
+	a.Finish()
+	rg.reg.SetHealthy(old.Worker.ID, false, "down")
+	a = route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	d := a.Decision()
+	if d.Bound || d.Target.Worker == old.Worker {
+		t.Fatalf("decision %+v still on the failed worker", d)
+	}
+	fresh, err := a.Commit(ctx)
+	if err != nil || fresh.Revision <= old.Revision || fresh.Worker != d.Target.Worker {
+		t.Fatalf("rebind = %+v, %v (old %+v)", fresh, err, old)
+	}
+}
+
+func TestRetryBeforeFirstByteMovesAndRebinds(t *testing.T) {
+	rg := newRig(t, 3, Config{MaxRetries: 2})
+	ctx := context.Background()
+	a := route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	old, _ := a.Commit(ctx)
+	a.Finish()
+	a = route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	if err := a.Retry(ctx, errors.New("connection refused")); err != nil {
+		t.Fatal(err)
+	}
+	second := a.Decision().Target.Worker
+	if second == old.Worker {
+		t.Fatal("retry chose the failed worker again")
+	}
+	if _, ok, _ := rg.affinity.Peek(ctx, "s"); ok {
+		t.Fatal("the failed worker's binding survived the retry")
+	}
+	if err := a.Retry(ctx, errors.New("500")); err != nil {
+		t.Fatal(err)
+	}
+	third := a.Decision().Target.Worker
+	if third == old.Worker || third == second {
+		t.Fatalf("retries went %s -> %s -> %s", old.Worker, second, third)
+	}
+	if err := a.Retry(ctx, errors.New("500")); !errors.Is(err, ErrRetriesExhausted) {
+		t.Fatalf("err = %v, want ErrRetriesExhausted", err)
+	}
+	for w, l := range rg.tracker.Snapshot() {
+		if l != (Load{}) {
+			t.Fatalf("%s still loaded %+v after retries ended", w, l)
+		}
+	}
+	// The session is free for the next request.
+	a = route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	if a.Decision().Bound {
+		t.Fatal("session should initialise afresh")
+	}
+}
+
+func TestCancellationDuringSelectionKeepsTheBinding(t *testing.T) {
+	rg := newRig(t, 1, Config{BusyPrefillTokens: 10, QueueWait: time.Minute})
+	bg := context.Background()
+	a := route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	b, _ := a.Commit(bg)
+	a.Finish()
+	hold := route(t, rg.router, Request{PromptTokens: 1000}) // makes the only worker busy
+	defer hold.Finish()
+	// A request with no session waits in the queue; cancelling it gives a cancellation error.
+	ctx, cancel := context.WithCancel(bg)
+	done := make(chan error, 1)
+	go func() {
+		_, err := rg.router.Route(ctx, &Request{PromptTokens: 16, DPRank: -1})
+		done <- err
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for rg.router.queued.Load() == 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("err = %v, want canceled", err)
+	}
+	// A cancelled request of the bound session keeps the binding.
+	ctx2, cancel2 := context.WithCancel(bg)
+	cancel2()
+	if _, err := rg.router.Route(ctx2, &Request{Session: "s", PromptTokens: 16, DPRank: -1}); err == nil {
+		t.Log("bound request was served before cancellation was seen; binding must hold either way")
+	}
+	if got, ok, _ := rg.affinity.Peek(bg, "s"); !ok || got != b {
+		t.Fatalf("binding after cancellation = %+v ok=%v, want %+v", got, ok, b)
+	}
+}
+
+func TestExplicitTargetRouting(t *testing.T) {
+	rg := newRig(t, 3, Config{})
+	ctx := context.Background()
+	w2 := worker("w2")
+	a := route(t, rg.router, Request{Session: "s", Target: &w2, PromptTokens: 16})
+	if a.Decision().Target.Worker != w2 {
+		t.Fatalf("explicit target ignored: %s", a.Decision().Target.Worker)
+	}
+	b, _ := a.Commit(ctx)
+	a.Finish()
+	if b.Worker != w2 {
+		t.Fatalf("explicit target created binding %+v", b)
+	}
+	w1 := worker("w1")
+	if _, err := rg.router.Route(ctx, &Request{Session: "s", Target: &w1, DPRank: -1}); !errors.Is(err, ErrTargetConflict) {
+		t.Fatalf("err = %v, want ErrTargetConflict", err)
+	}
+	unknown := worker("nope")
+	if _, err := rg.router.Route(ctx, &Request{Target: &unknown, DPRank: -1}); !errors.Is(err, ErrUnknownTarget) {
+		t.Fatalf("err = %v, want ErrUnknownTarget", err)
+	}
+	// An explicit target does not retry elsewhere.
+	a = route(t, rg.router, Request{Target: &w1, PromptTokens: 16})
+	if err := a.Retry(ctx, errors.New("refused")); !errors.Is(err, ErrRetriesExhausted) {
+		t.Fatalf("err = %v, want ErrRetriesExhausted", err)
+	}
+}
+
+func TestQueryOnlyChangesNothing(t *testing.T) {
+	rg := newRig(t, 3, Config{})
+	ctx := context.Background()
+	a := route(t, rg.router, Request{Session: "new", QueryOnly: true, PromptTokens: 16, Hashes: hashes(9, 1)})
+	if _, err := a.Commit(ctx); err == nil {
+		t.Log("commit of a query-only attempt is refused")
+	}
+	a.Finish()
+	if _, ok, _ := rg.affinity.Peek(ctx, "new"); ok {
+		t.Fatal("query-only created a binding")
+	}
+	if len(rg.tracker.Snapshot()) != 0 {
+		t.Fatalf("query-only counted load: %v", rg.tracker.Snapshot())
+	}
+	if m := rg.index.FindMatches(hashes(9, 1), nil); len(m) != 0 {
+		t.Fatalf("query-only recorded a decision: %v", m)
+	}
+	// It reports an existing binding.
+	b := route(t, rg.router, Request{Session: "old", PromptTokens: 16})
+	bind, _ := b.Commit(ctx)
+	b.Finish()
+	q := route(t, rg.router, Request{Session: "old", QueryOnly: true, PromptTokens: 16})
+	if d := q.Decision(); !d.Bound || d.Binding != bind || d.Target.Worker != bind.Worker {
+		t.Fatalf("query-only decision %+v, want bound %+v", d, bind)
+	}
+}
+
+func TestCommitRecordsTheDecision(t *testing.T) {
+	rg := newRig(t, 2, Config{})
+	h := hashes(77, 4)
+	a := route(t, rg.router, Request{PromptTokens: 64, Hashes: h})
+	if m := rg.index.FindMatches(h, nil); len(m) != 0 {
+		t.Fatal("recorded before the worker accepted")
+	}
+	a.Commit(context.Background())
+	a.Finish()
+	m := rg.index.FindMatches(h, nil)
+	if len(m) != 1 || m[0].Worker != a.Decision().Target.Worker || m[0].Blocks != 4 {
+		t.Fatalf("matches after commit = %v", m)
+	}
+}
+
+func TestTrackerAccounting(t *testing.T) {
+	tr := NewTracker()
+	w := indexer.Worker{ID: "w"}
+	k := tr.Start(w, 100, 7)
+	if got := tr.Load(w); got != (Load{Requests: 1, PrefillTokens: 100, DecodeBlocks: 7}) {
+		t.Fatalf("after start: %+v", got)
+	}
+	k.FirstToken()
+	k.FirstToken()
+	if got := tr.Load(w); got != (Load{Requests: 1, DecodeBlocks: 7}) {
+		t.Fatalf("after first token: %+v", got)
+	}
+	k.Finish()
+	k.Finish()
+	if got := tr.Load(w); got != (Load{}) {
+		t.Fatalf("after finish: %+v", got)
+	}
+	k2 := tr.Start(w, 50, 3)
+	k2.Finish() // cancelled before its first token
+	if got := tr.Load(w); got != (Load{}) {
+		t.Fatalf("after cancel: %+v", got)
+	}
+}
+
+func TestRegistryValidatesAndExpandsRanks(t *testing.T) {
+	bad := []WorkerSpec{
+		{ID: "", URL: "http://x:1"},
+		{ID: "a b", URL: "http://x:1"},
+		{ID: "a/b", URL: "http://x:1"},
+		{ID: "a", URL: "ftp://x"},
+		{ID: "a", URL: "http://x:1", Role: "teacher"},
+		{ID: "a", URL: "http://x:1", DPSize: -1},
+		{ID: "a", URL: "http://x:1", DPSize: MaxDPSize + 1},
+	}
+	for _, s := range bad {
+		if _, err := NewRegistry([]WorkerSpec{s}); err == nil {
+			t.Errorf("spec %+v accepted", s)
+		}
+	}
+	if _, err := NewRegistry([]WorkerSpec{{ID: "a", URL: "http://x:1"}, {ID: "a", URL: "http://x:2"}}); err == nil {
+		t.Error("duplicate id accepted")
+	}
+	reg, err := NewRegistry([]WorkerSpec{{ID: "a", URL: "http://x:1", DPSize: 3}, {ID: "b", URL: "http://x:2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(reg.Routable()); n != 4 {
+		t.Fatalf("routable = %d, want 4 (3 ranks + 1)", n)
+	}
+	reg.Drain("a")
+	if n := len(reg.Routable()); n != 1 {
+		t.Fatalf("after drain routable = %d, want 1", n)
+	}
+	if !reg.SetHealthy("b", false, "probe failed") || len(reg.Routable()) != 0 {
+		t.Fatal("unhealthy worker still routable")
+	}
+	if reg.SetHealthy("b", false, "again") {
+		t.Fatal("no-op health change reported as a change")
+	}
+	if err := reg.Remove("zzz"); !errors.Is(err, ErrUnknownTarget) {
+		t.Fatalf("remove unknown: %v", err)
+	}
+}

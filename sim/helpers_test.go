@@ -1,0 +1,158 @@
+package sim
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+// testConfig fills in a fast, quiet configuration for tests.
+func testConfig(cfg Config) Config {
+	if cfg.Speedup == 0 {
+		cfg.Speedup = 1000
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	return cfg
+}
+
+func newTestWorker(t *testing.T, cfg Config) (*Worker, *httptest.Server) {
+	t.Helper()
+	w, err := New(testConfig(cfg))
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	srv := httptest.NewServer(w.Handler())
+	t.Cleanup(srv.Close)
+	return w, srv
+}
+
+// post sends body (marshalled unless it is already []byte or a string) and returns the
+// status and the whole response body.
+func post(t *testing.T, ctx context.Context, client *http.Client, url string, body any) (int, http.Header, []byte) {
+	t.Helper()
+	var raw []byte
+	switch b := body.(type) {
+	case []byte:
+		raw = b
+	case string:
+		raw = []byte(b)
+	default:
+		var err error
+		if raw, err = json.Marshal(body); err != nil {
+			t.Fatalf("marshal: %v", err)
+		}
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(raw))
+	if err != nil {
+		t.Fatalf("new request: %v", err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("read body: %v", err)
+	}
+	return resp.StatusCode, resp.Header, data
+}
+
+// testResponse is the part of an OpenAI response or chunk the tests read.
+type testResponse struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Model   string `json:"model"`
+	Choices []struct {
+		Index   int    `json:"index"`
+		Text    string `json:"text"`
+		Message *struct {
+			Role    string `json:"role"`
+			Content string `json:"content"`
+		} `json:"message"`
+		Delta *struct {
+			Role    string `json:"role"`
+			Content string `json:"content"`
+		} `json:"delta"`
+		FinishReason *string `json:"finish_reason"`
+	} `json:"choices"`
+	Usage *struct {
+		PromptTokens        int `json:"prompt_tokens"`
+		CompletionTokens    int `json:"completion_tokens"`
+		TotalTokens         int `json:"total_tokens"`
+		PromptTokensDetails struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+	} `json:"usage"`
+}
+
+// parseSSE splits a stream body into its data payloads and checks the framing.
+func parseSSE(t *testing.T, body []byte) (chunks []testResponse, done bool) {
+	t.Helper()
+	sc := bufio.NewScanner(bytes.NewReader(body))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" {
+			continue
+		}
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok {
+			t.Fatalf("stream line without data prefix: %q", line)
+		}
+		if done {
+			t.Fatalf("data after [DONE]: %q", data)
+		}
+		if data == "[DONE]" {
+			done = true
+			continue
+		}
+		var c testResponse
+		if err := json.Unmarshal([]byte(data), &c); err != nil {
+			t.Fatalf("chunk %q: %v", data, err)
+		}
+		chunks = append(chunks, c)
+	}
+	return chunks, done
+}
+
+// eventually polls cond until it holds or the deadline passes.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func seqTokens(start, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(start + i)
+	}
+	return out
+}
+
+func commonPrefix(a, b []uint32) int {
+	n := 0
+	for n < len(a) && n < len(b) && a[n] == b[n] {
+		n++
+	}
+	return n
+}
+
+func newLoopbackServer(h http.Handler) *httptest.Server { return httptest.NewServer(h) }

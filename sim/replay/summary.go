@@ -1,0 +1,252 @@
+package replay
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// Summary is the outcome of one run. Latencies are as the client measured
+// them, in milliseconds; a figure with no samples is 0.
+type Summary struct {
+	// Label names the run (Config.Label).
+	Label string `json:"label"`
+	// Planned is how many requests the run meant to send (after Limit).
+	Planned int `json:"planned"`
+	// Requests is how many were sent.
+	Requests int `json:"requests"`
+	// OK counts requests that completed with usage.
+	OK int `json:"ok"`
+	// Failed counts the rest, broken down by cause in Errors.
+	Failed int `json:"failed"`
+	// Errors maps a cause ("timeout", "http_503", ...) to its count.
+	Errors map[string]int `json:"errors"`
+	// Interrupted says the run's context ended before the trace did.
+	Interrupted bool `json:"interrupted"`
+	// DurationSeconds is wall time from the first dispatch to the last reply.
+	DurationSeconds float64 `json:"duration_s"`
+
+	// PromptTokens and CachedTokens sum usage over OK requests.
+	PromptTokens int64 `json:"prompt_tokens"`
+	CachedTokens int64 `json:"cached_tokens"`
+	// HitRate is CachedTokens / PromptTokens.
+	HitRate float64 `json:"hit_rate"`
+
+	// TTFTSamples counts OK requests whose first token was seen. Without
+	// streaming TTFT is the whole latency.
+	TTFTSamples  int     `json:"ttft_samples"`
+	TTFTP50Ms    float64 `json:"ttft_p50_ms"`
+	TTFTP90Ms    float64 `json:"ttft_p90_ms"`
+	TTFTP99Ms    float64 `json:"ttft_p99_ms"`
+	LatencyP50Ms float64 `json:"latency_p50_ms"`
+	LatencyP99Ms float64 `json:"latency_p99_ms"`
+
+	// Workers holds per-worker figures over OK requests, keyed by the
+	// worker the response named ("unknown" when a router named none).
+	Workers map[string]WorkerStats `json:"workers"`
+	// RequestImbalance is max/mean of per-worker requests over the workers
+	// seen; 1 is perfectly even. A worker that got nothing is not seen.
+	RequestImbalance float64 `json:"request_imbalance"`
+	// PromptTokenImbalance is max/mean of per-worker prompt tokens.
+	PromptTokenImbalance float64 `json:"prompt_token_imbalance"`
+
+	// OverlapSamples counts OK responses carrying X-Kvrouter-Overlap-Blocks.
+	OverlapSamples int `json:"overlap_samples"`
+	// OverlapMAETokens is the mean absolute error of the router's predicted
+	// cached tokens (overlap blocks x RouterBlockSize) against the worker's
+	// reported cached tokens.
+	OverlapMAETokens float64 `json:"overlap_mae_tokens"`
+	// RouterBlockSize is the block size the prediction was scaled by.
+	RouterBlockSize int `json:"router_block_size"`
+}
+
+// WorkerStats is one worker's share of a run.
+type WorkerStats struct {
+	// Requests counts the OK requests the worker served.
+	Requests int `json:"requests"`
+	// PromptTokens and CachedTokens sum their usage.
+	PromptTokens int64 `json:"prompt_tokens"`
+	CachedTokens int64 `json:"cached_tokens"`
+	// HitRate is CachedTokens / PromptTokens.
+	HitRate float64 `json:"hit_rate"`
+}
+
+// summarize computes everything but the run-level fields Run fills in.
+func summarize(results []result, routerBlockSize int) *Summary {
+	s := &Summary{
+		Requests:        len(results),
+		Errors:          make(map[string]int),
+		Workers:         make(map[string]WorkerStats),
+		RouterBlockSize: routerBlockSize,
+	}
+	var ttft, latency []time.Duration
+	var absErr float64
+	for _, r := range results {
+		if !r.ok {
+			s.Failed++
+			s.Errors[r.cause]++
+			continue
+		}
+		s.OK++
+		s.PromptTokens += r.promptTokens
+		s.CachedTokens += r.cachedTokens
+		if r.hasTTFT {
+			ttft = append(ttft, r.ttft)
+		}
+		latency = append(latency, r.latency)
+		w := s.Workers[r.worker]
+		w.Requests++
+		w.PromptTokens += r.promptTokens
+		w.CachedTokens += r.cachedTokens
+		s.Workers[r.worker] = w
+		if r.hasOverlap {
+			s.OverlapSamples++
+			absErr += math.Abs(float64(r.overlap)*float64(routerBlockSize) - float64(r.cachedTokens))
+		}
+	}
+	s.HitRate = ratio(float64(s.CachedTokens), float64(s.PromptTokens))
+	s.TTFTSamples = len(ttft)
+	slices.Sort(ttft)
+	slices.Sort(latency)
+	s.TTFTP50Ms = percentileMs(ttft, 0.50)
+	s.TTFTP90Ms = percentileMs(ttft, 0.90)
+	s.TTFTP99Ms = percentileMs(ttft, 0.99)
+	s.LatencyP50Ms = percentileMs(latency, 0.50)
+	s.LatencyP99Ms = percentileMs(latency, 0.99)
+
+	reqs := make([]float64, 0, len(s.Workers))
+	prompts := make([]float64, 0, len(s.Workers))
+	for name, w := range s.Workers {
+		w.HitRate = ratio(float64(w.CachedTokens), float64(w.PromptTokens))
+		s.Workers[name] = w
+		reqs = append(reqs, float64(w.Requests))
+		prompts = append(prompts, float64(w.PromptTokens))
+	}
+	s.RequestImbalance = imbalance(reqs)
+	s.PromptTokenImbalance = imbalance(prompts)
+	s.OverlapMAETokens = ratio(absErr, float64(s.OverlapSamples))
+	return s
+}
+
+func ratio(num, den float64) float64 {
+	if den == 0 {
+		return 0
+	}
+	return num / den
+}
+
+// percentileMs is the nearest-rank percentile of sorted, in milliseconds:
+// the smallest sample with at least p of the samples at or below it.
+func percentileMs(sorted []time.Duration, p float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	rank := int(math.Ceil(p*float64(len(sorted)))) - 1
+	rank = max(0, min(rank, len(sorted)-1))
+	return float64(sorted[rank]) / float64(time.Millisecond)
+}
+
+// imbalance is max/mean of xs: 1 when even, len(xs) when one takes all.
+func imbalance(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	var sum, top float64
+	for _, x := range xs {
+		sum += x
+		top = max(top, x)
+	}
+	return ratio(top, sum/float64(len(xs)))
+}
+
+// errorList renders Errors sorted by cause, e.g. "http_503 2, timeout 1".
+func (s *Summary) errorList() string {
+	if len(s.Errors) == 0 {
+		return "none"
+	}
+	causes := make([]string, 0, len(s.Errors))
+	for c := range s.Errors {
+		causes = append(causes, c)
+	}
+	slices.Sort(causes)
+	parts := make([]string, len(causes))
+	for i, c := range causes {
+		parts[i] = fmt.Sprintf("%s %d", c, s.Errors[c])
+	}
+	return strings.Join(parts, ", ")
+}
+
+func (s *Summary) name() string {
+	if s.Label != "" {
+		return s.Label
+	}
+	return "replay"
+}
+
+// WriteText writes s as a readable block.
+func (s *Summary) WriteText(w io.Writer) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	state := ""
+	if s.Interrupted {
+		state = " (interrupted)"
+	}
+	fmt.Fprintf(tw, "%s: %d of %d requests in %.1f s%s\n", s.name(), s.Requests, s.Planned, s.DurationSeconds, state)
+	fmt.Fprintf(tw, "  ok\t%d\n", s.OK)
+	fmt.Fprintf(tw, "  errors\t%d (%s)\n", s.Failed, s.errorList())
+	fmt.Fprintf(tw, "  prompt tokens\t%d, cached %d\n", s.PromptTokens, s.CachedTokens)
+	fmt.Fprintf(tw, "  hit rate\t%.1f%%\n", 100*s.HitRate)
+	fmt.Fprintf(tw, "  TTFT ms\tp50 %.1f  p90 %.1f  p99 %.1f  (%d samples)\n", s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, s.TTFTSamples)
+	fmt.Fprintf(tw, "  latency ms\tp50 %.1f  p99 %.1f\n", s.LatencyP50Ms, s.LatencyP99Ms)
+	fmt.Fprintf(tw, "  imbalance\trequests %.2f, prompt tokens %.2f (%d workers)\n",
+		s.RequestImbalance, s.PromptTokenImbalance, len(s.Workers))
+	if s.OverlapSamples > 0 {
+		fmt.Fprintf(tw, "  overlap MAE\t%.1f tokens over %d requests (router block %d)\n",
+			s.OverlapMAETokens, s.OverlapSamples, s.RouterBlockSize)
+	}
+	_ = tw.Flush()
+
+	// Worker names can be long URLs; a separate block keeps them from
+	// widening the figures above.
+	names := make([]string, 0, len(s.Workers))
+	for n := range s.Workers {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	for _, n := range names {
+		ws := s.Workers[n]
+		fmt.Fprintf(tw, "  %s\t%d requests\t%d prompt tokens\thit rate %.1f%%\n", n, ws.Requests, ws.PromptTokens, 100*ws.HitRate)
+	}
+	_ = tw.Flush()
+}
+
+// Table writes the runs side by side, one column per run, for comparing a
+// router against baselines.
+func Table(w io.Writer, sums []*Summary) {
+	// Figures align right; padding every row name to one width keeps the
+	// name column reading left-aligned.
+	const nameWidth = len("imbalance tokens")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	row := func(name string, cell func(*Summary) string) {
+		fmt.Fprintf(tw, "%-*s", nameWidth, name)
+		for _, s := range sums {
+			fmt.Fprint(tw, "\t", cell(s))
+		}
+		fmt.Fprint(tw, "\t\n")
+	}
+	row("", func(s *Summary) string { return s.name() })
+	row("requests ok", func(s *Summary) string { return fmt.Sprintf("%d/%d", s.OK, s.Requests) })
+	row("hit rate", func(s *Summary) string { return fmt.Sprintf("%.1f%%", 100*s.HitRate) })
+	row("TTFT p50 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.TTFTP50Ms) })
+	row("TTFT p90 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.TTFTP90Ms) })
+	row("TTFT p99 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.TTFTP99Ms) })
+	row("latency p99 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.LatencyP99Ms) })
+	row("errors", func(s *Summary) string { return fmt.Sprintf("%d", s.Failed) })
+	row("imbalance req", func(s *Summary) string { return fmt.Sprintf("%.2f", s.RequestImbalance) })
+	row("imbalance tokens", func(s *Summary) string { return fmt.Sprintf("%.2f", s.PromptTokenImbalance) })
+	_ = tw.Flush()
+}

@@ -1,0 +1,115 @@
+package replay
+
+import (
+	"testing"
+	"time"
+)
+
+func TestSummarizeOnKnownResults(t *testing.T) {
+	ms := time.Millisecond
+	results := []result{
+		{ok: true, worker: "a", ttft: 10 * ms, hasTTFT: true, latency: 100 * ms, promptTokens: 1000, cachedTokens: 500, overlap: 10, hasOverlap: true},
+		{ok: true, worker: "a", ttft: 20 * ms, hasTTFT: true, latency: 200 * ms, promptTokens: 1000, cachedTokens: 1000, overlap: 60, hasOverlap: true},
+		{ok: true, worker: "a", ttft: 30 * ms, hasTTFT: true, latency: 300 * ms, promptTokens: 2000, cachedTokens: 0},
+		{ok: true, worker: "b", ttft: 40 * ms, hasTTFT: true, latency: 400 * ms, promptTokens: 4000, cachedTokens: 1500},
+		{ok: true, worker: "b", latency: 500 * ms, promptTokens: 0}, // no first token seen
+		{cause: "timeout"},
+		{cause: "http_503"},
+		{cause: "http_503"},
+	}
+	s := summarize(results, 16)
+	if s.Requests != 8 || s.OK != 5 || s.Failed != 3 || s.Errors["timeout"] != 1 || s.Errors["http_503"] != 2 || len(s.Errors) != 2 {
+		t.Errorf("requests %d ok %d failed %d errors %v", s.Requests, s.OK, s.Failed, s.Errors)
+	}
+	if s.PromptTokens != 8000 || s.CachedTokens != 3000 || s.HitRate != 0.375 {
+		t.Errorf("prompt %d cached %d hit %v, want 8000 3000 0.375", s.PromptTokens, s.CachedTokens, s.HitRate)
+	}
+	// Nearest rank over 4 TTFTs: p50 -> 2nd, p90 and p99 -> 4th.
+	if s.TTFTSamples != 4 || s.TTFTP50Ms != 20 || s.TTFTP90Ms != 40 || s.TTFTP99Ms != 40 {
+		t.Errorf("TTFT n %d p50 %v p90 %v p99 %v", s.TTFTSamples, s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms)
+	}
+	if s.LatencyP50Ms != 300 || s.LatencyP99Ms != 500 {
+		t.Errorf("latency p50 %v p99 %v, want 300 500", s.LatencyP50Ms, s.LatencyP99Ms)
+	}
+	a, b := s.Workers["a"], s.Workers["b"]
+	if a.Requests != 3 || a.PromptTokens != 4000 || a.CachedTokens != 1500 || a.HitRate != 0.375 ||
+		b.Requests != 2 || b.PromptTokens != 4000 || b.HitRate != 0.375 {
+		t.Errorf("workers %+v", s.Workers)
+	}
+	// Requests 3 and 2: max 3 over mean 2.5. Tokens 4000 and 4000: even.
+	if s.RequestImbalance != 1.2 || s.PromptTokenImbalance != 1 {
+		t.Errorf("imbalance %v / %v, want 1.2 / 1", s.RequestImbalance, s.PromptTokenImbalance)
+	}
+	// Predicted 160 vs 500 and 960 vs 1000: errors 340 and 40.
+	if s.OverlapSamples != 2 || s.OverlapMAETokens != 190 {
+		t.Errorf("overlap n %d MAE %v, want 2 190", s.OverlapSamples, s.OverlapMAETokens)
+	}
+}
+
+func TestSummarizeEmpty(t *testing.T) {
+	s := summarize(nil, 16)
+	if s.Requests != 0 || s.HitRate != 0 || s.TTFTP50Ms != 0 || s.RequestImbalance != 0 || s.OverlapMAETokens != 0 {
+		t.Errorf("empty summary %+v", s)
+	}
+}
+
+func TestPercentileNearestRank(t *testing.T) {
+	var hundred []time.Duration
+	for i := 1; i <= 100; i++ {
+		hundred = append(hundred, time.Duration(i)*time.Millisecond)
+	}
+	tests := []struct {
+		name   string
+		sorted []time.Duration
+		p      float64
+		want   float64
+	}{
+		{"empty", nil, 0.5, 0},
+		{"single", []time.Duration{7 * time.Millisecond}, 0.99, 7},
+		{"p50 of 100", hundred, 0.50, 50},
+		{"p90 of 100", hundred, 0.90, 90},
+		{"p99 of 100", hundred, 0.99, 99},
+		{"p100 of 100", hundred, 1, 100},
+		{"p0 is the minimum", hundred, 0, 1},
+		{"sub-millisecond", []time.Duration{1500 * time.Microsecond}, 0.5, 1.5},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := percentileMs(tt.sorted, tt.p); got != tt.want {
+				t.Errorf("percentileMs = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestImbalance(t *testing.T) {
+	tests := []struct {
+		name string
+		xs   []float64
+		want float64
+	}{
+		{"none", nil, 0},
+		{"even", []float64{5, 5, 5, 5}, 1},
+		{"one takes all", []float64{8, 0, 0, 0}, 4},
+		{"all zero", []float64{0, 0}, 0},
+		{"skewed", []float64{1, 2, 3}, 1.5},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := imbalance(tt.xs); got != tt.want {
+				t.Errorf("imbalance(%v) = %v, want %v", tt.xs, got, tt.want)
+			}
+		})
+	}
+}
+
+func TestMaxTokens(t *testing.T) {
+	tests := []struct{ out, limit, want int }{
+		{100, 0, 100}, {100, 50, 50}, {10, 50, 10}, {0, 0, 1}, {0, 50, 1},
+	}
+	for _, tt := range tests {
+		if got := maxTokens(tt.out, tt.limit); got != tt.want {
+			t.Errorf("maxTokens(%d, %d) = %d, want %d", tt.out, tt.limit, got, tt.want)
+		}
+	}
+}

@@ -1,0 +1,290 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Worker is one simulated inference worker.
+type Worker struct {
+	cfg     Config
+	log     *slog.Logger
+	cache   *cache
+	running *fifoSem
+	prefill *fifoSem
+	reg     *prometheus.Registry
+	metrics *metrics
+	handler http.Handler
+
+	faultMu     sync.Mutex
+	faults      Faults
+	refuseUntil time.Time // zero while Refuse has no end
+	rng         *rand.Rand
+
+	nextID       atomic.Uint64
+	served       atomic.Uint64
+	aborted      atomic.Uint64
+	failed       atomic.Uint64
+	promptTokens atomic.Uint64
+	cachedTokens atomic.Uint64
+	genTokens    atomic.Uint64
+}
+
+// Stats are a worker's request counters and queue depths.
+type Stats struct {
+	// Served counts requests that ran to their last token.
+	Served uint64 `json:"served"`
+	// Aborted counts requests whose client left before the end.
+	Aborted uint64 `json:"aborted"`
+	// Failed counts requests answered 500 by the error fault.
+	Failed uint64 `json:"failed"`
+	// Running is how many requests hold an engine slot; Waiting how many queue for one.
+	Running int `json:"running"`
+	Waiting int `json:"waiting"`
+	// PromptTokens and CachedTokens total the prompts that reached prefill and the part
+	// of them found cached.
+	PromptTokens uint64 `json:"prompt_tokens"`
+	CachedTokens uint64 `json:"cached_tokens"`
+	// GeneratedTokens totals the output tokens sent.
+	GeneratedTokens uint64 `json:"generated_tokens"`
+}
+
+// New returns a worker for cfg, with zero fields defaulted.
+func New(cfg Config) (*Worker, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	w := &Worker{
+		cfg:     cfg,
+		log:     cfg.Logger.With("worker", cfg.ID),
+		cache:   newCache(cfg.BlockSize, cfg.CapacityBlocks, cfg.OnEvent),
+		running: newFIFOSem(cfg.MaxRunning),
+		prefill: newFIFOSem(1),
+		reg:     prometheus.NewRegistry(),
+		faults:  Faults{ErrorRate: cfg.ErrorRate, StallRate: cfg.StallRate, Stall: cfg.Stall},
+		rng:     rand.New(rand.NewPCG(uint64(cfg.Seed), 0x9e3779b97f4a7c15)),
+	}
+	m, err := newMetrics(w)
+	if err != nil {
+		return nil, err
+	}
+	w.metrics = m
+	w.handler = w.routes()
+	return w, nil
+}
+
+// Config returns the worker's configuration, defaults filled in.
+func (w *Worker) Config() Config { return w.cfg }
+
+// Handler returns the worker's HTTP API.
+func (w *Worker) Handler() http.Handler { return w.handler }
+
+// Serve serves the worker on ln until ctx ends, then shuts down: in-flight requests get up
+// to ShutdownTimeout to finish before their connections are closed. It closes ln.
+func (w *Worker) Serve(ctx context.Context, ln net.Listener) error {
+	srv := &http.Server{
+		Handler:           w.handler,
+		ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog:          slog.NewLogLogger(w.log.Handler(), slog.LevelDebug),
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(refusingListener{Listener: ln, refusing: w.refusing}) }()
+	w.log.Info("sim worker serving", "addr", ln.Addr().String(), "model", w.cfg.Model)
+
+	select {
+	case err := <-errc:
+		return fmt.Errorf("sim: serve %s: %w", ln.Addr(), err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.ShutdownTimeout)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		w.log.Warn("sim worker: graceful shutdown timed out; closing connections", "err", err)
+		_ = srv.Close()
+	}
+	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("sim: serve %s: %w", ln.Addr(), err)
+	}
+	w.log.Info("sim worker stopped")
+	return nil
+}
+
+// SetFaults replaces the worker's faults.
+func (w *Worker) SetFaults(f Faults) error {
+	if err := f.Validate(); err != nil {
+		return fmt.Errorf("sim: set faults: %w", err)
+	}
+	w.faultMu.Lock()
+	defer w.faultMu.Unlock()
+	w.setFaultsLocked(f)
+	return nil
+}
+
+func (w *Worker) setFaultsLocked(f Faults) {
+	w.faults = f
+	w.refuseUntil = time.Time{}
+	if f.Refuse && f.RefuseFor > 0 {
+		w.refuseUntil = time.Now().Add(f.RefuseFor)
+	}
+}
+
+// Faults returns the faults in force; a Refuse whose RefuseFor has run out reads as off.
+func (w *Worker) Faults() Faults {
+	w.faultMu.Lock()
+	defer w.faultMu.Unlock()
+	w.expireRefuseLocked()
+	return w.faults
+}
+
+func (w *Worker) expireRefuseLocked() {
+	if w.faults.Refuse && !w.refuseUntil.IsZero() && !time.Now().Before(w.refuseUntil) {
+		w.faults.Refuse, w.faults.RefuseFor, w.refuseUntil = false, 0, time.Time{}
+	}
+}
+
+func (w *Worker) refusing() bool {
+	w.faultMu.Lock()
+	defer w.faultMu.Unlock()
+	w.expireRefuseLocked()
+	return w.faults.Refuse
+}
+
+// drawFault decides one request's fault and returns the stall length with it.
+func (w *Worker) drawFault() (faultKind, time.Duration) {
+	w.faultMu.Lock()
+	defer w.faultMu.Unlock()
+	f := w.faults
+	if f.ErrorRate == 0 && f.StallRate == 0 {
+		return faultNone, 0
+	}
+	u := w.rng.Float64()
+	switch {
+	case u < f.ErrorRate:
+		return faultError, 0
+	case u < f.ErrorRate+f.StallRate:
+		return faultStall, f.Stall
+	default:
+		return faultNone, 0
+	}
+}
+
+// Cache returns a snapshot of the prefix cache's state.
+func (w *Worker) Cache() CacheStats { return w.cache.snapshot() }
+
+// Stats returns a snapshot of the worker's counters.
+func (w *Worker) Stats() Stats {
+	running, waiting := w.running.counts()
+	return Stats{
+		Served:          w.served.Load(),
+		Aborted:         w.aborted.Load(),
+		Failed:          w.failed.Load(),
+		Running:         running,
+		Waiting:         waiting,
+		PromptTokens:    w.promptTokens.Load(),
+		CachedTokens:    w.cachedTokens.Load(),
+		GeneratedTokens: w.genTokens.Load(),
+	}
+}
+
+// ClearCache drops every cached block and emits a Cleared event.
+func (w *Worker) ClearCache() { w.cache.clear() }
+
+// scale turns a simulated duration of n units of d into wall time.
+func (w *Worker) scale(d time.Duration, n int) time.Duration {
+	v := float64(d) * float64(n) / w.cfg.Speedup
+	if v >= math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return time.Duration(v)
+}
+
+// fillerWords are single-token words the worker "generates".
+var fillerWords = [...]string{
+	"the", "model", "cache", "token", "block", "prefix", "route", "worker",
+	"fleet", "graph", "signal", "river", "stone", "light", "amber", "cobalt",
+	"delta", "ember", "forest", "harbor", "island", "jasmine", "kernel", "lantern",
+	"meadow", "nectar", "orbit", "pebble", "quartz", "raven", "summit", "timber",
+	"umber", "valley", "willow", "yonder", "zephyr", "anchor", "beacon", "canyon",
+	"dune", "echo", "falcon", "glacier", "horizon", "ivory", "juniper", "kestrel",
+	"lagoon", "mosaic", "nimbus", "opal", "prairie", "quiver", "ripple", "saffron",
+	"tundra", "upland", "vortex", "wander", "yarrow", "zenith", "and", "of",
+}
+
+// output is what a request will generate: words, the text pieces sent per token, and
+// their token ids.
+type output struct {
+	pieces []string
+	tokens []uint32
+}
+
+// newOutput picks n filler words, seeded by the prompt so equal prompts get equal text.
+func newOutput(prompt []uint32, n int, chat bool) output {
+	seed := BlockHash(0, prompt)
+	out := output{pieces: make([]string, n), tokens: make([]uint32, n)}
+	for i := range n {
+		word := fillerWords[(seed+uint64(i)*0x9e3779b97f4a7c15)>>58%uint64(len(fillerWords))]
+		out.tokens[i] = pieceToken(word)
+		if i > 0 || !chat {
+			word = " " + word
+		}
+		out.pieces[i] = word
+	}
+	return out
+}
+
+// run takes req through the engine, calling emit for each output token in order. It
+// returns the cached prompt tokens; an error means ctx ended or emit failed.
+func (w *Worker) run(ctx context.Context, req *genRequest, out output, emit func(i int) error) (int, error) {
+	if err := w.running.acquire(ctx); err != nil {
+		return 0, err
+	}
+	defer w.running.release()
+	if err := sleepUntil(ctx, time.Now().Add(w.scale(w.cfg.Overhead, 1))); err != nil {
+		return 0, err
+	}
+	if err := w.prefill.acquire(ctx); err != nil {
+		return 0, err
+	}
+	seq := w.cache.acquire(req.prompt)
+	defer w.cache.release(seq)
+	cached := len(seq.blocks) * w.cfg.BlockSize
+	w.promptTokens.Add(uint64(len(req.prompt)))
+	w.cachedTokens.Add(uint64(cached))
+	err := sleepUntil(ctx, time.Now().Add(w.scale(w.cfg.PrefillPerToken, len(req.prompt)-cached)))
+	if err == nil {
+		w.cache.store(seq, req.prompt)
+	}
+	w.prefill.release()
+	if err != nil {
+		return cached, err
+	}
+
+	// Tokens follow a fixed schedule from the first one, so timer lateness does not add up.
+	start := time.Now()
+	for i := range out.tokens {
+		if i > 0 {
+			if err := sleepUntil(ctx, start.Add(w.scale(w.cfg.DecodePerToken, i))); err != nil {
+				return cached, err
+			}
+		}
+		if err := emit(i); err != nil {
+			return cached, err
+		}
+		w.genTokens.Add(1)
+	}
+	full := make([]uint32, 0, len(req.prompt)+len(out.tokens))
+	w.cache.store(seq, append(append(full, req.prompt...), out.tokens...))
+	return cached, nil
+}

@@ -1,0 +1,103 @@
+package openai
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// Error types as the OpenAI API names them.
+const (
+	TypeInvalidRequest = "invalid_request_error"
+	TypeNotFound       = "not_found_error"
+	TypeConflict       = "conflict_error"
+	TypeRateLimit      = "rate_limit_error"
+	TypeServer         = "server_error"
+	TypeUnavailable    = "service_unavailable_error"
+)
+
+// StatusClientClosed is the status recorded (never sent) for a request whose client went away,
+// after nginx's 499.
+const StatusClientClosed = 499
+
+// Error is an answer in the OpenAI error shape.
+type Error struct {
+	Status  int    `json:"-"`
+	Message string `json:"message"`
+	Type    string `json:"type"`
+	Param   string `json:"param,omitempty"`
+	Code    string `json:"code,omitempty"`
+	// RetryAfter, when set, becomes the Retry-After header (seconds).
+	RetryAfter string `json:"-"`
+	// Cause is the metrics label for this error.
+	Cause string `json:"-"`
+}
+
+// Error implements error.
+func (e *Error) Error() string {
+	if e.Param != "" {
+		return e.Message + " (param " + e.Param + ")"
+	}
+	return e.Message
+}
+
+// errorBody is the wire shape: {"error": {...}}.
+type errorBody struct {
+	Error *Error `json:"error"`
+}
+
+// write sends e as the whole response.
+func (e *Error) write(w http.ResponseWriter) {
+	body, err := json.Marshal(errorBody{Error: e})
+	if err != nil {
+		// Marshalling plain strings cannot fail; keep a valid answer regardless.
+		body = []byte(`{"error":{"message":"internal error","type":"server_error"}}`)
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set("X-Content-Type-Options", "nosniff")
+	if e.RetryAfter != "" {
+		h.Set("Retry-After", e.RetryAfter)
+	}
+	w.WriteHeader(e.Status)
+	_, _ = w.Write(append(body, '\n'))
+}
+
+// routeError maps a routing error to the answer a client gets. A nil result means the
+// client went away and nothing should be written.
+func routeError(err error) *Error {
+	var apiErr *Error
+	switch {
+	case errors.As(err, &apiErr):
+		return apiErr
+	case errors.Is(err, context.Canceled):
+		return nil
+	case errors.Is(err, routing.ErrNoWorker):
+		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
+			Code: "no_worker", RetryAfter: "1", Cause: "no_worker"}
+	case errors.Is(err, routing.ErrBusy):
+		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
+			Code: "busy", RetryAfter: "1", Cause: "busy"}
+	case errors.Is(err, routing.ErrUnknownTarget):
+		return &Error{Status: http.StatusNotFound, Message: err.Error(), Type: TypeNotFound,
+			Param: headerTarget, Code: "unknown_target", Cause: "unknown_target"}
+	case errors.Is(err, routing.ErrTargetConflict):
+		return &Error{Status: http.StatusConflict, Message: err.Error(), Type: TypeConflict,
+			Param: headerTarget, Code: "target_conflict", Cause: "target_conflict"}
+	case errors.Is(err, routing.ErrTooManySessions):
+		return &Error{Status: http.StatusTooManyRequests, Message: err.Error(), Type: TypeRateLimit,
+			Param: headerSession, Code: "too_many_sessions", Cause: "too_many_sessions"}
+	case errors.Is(err, routing.ErrRetriesExhausted):
+		return &Error{Status: http.StatusBadGateway, Message: err.Error(), Type: TypeServer,
+			Code: "upstream_failed", Cause: "retries_exhausted"}
+	case errors.Is(err, context.DeadlineExceeded):
+		return &Error{Status: http.StatusGatewayTimeout, Message: err.Error(), Type: TypeServer,
+			Code: "timeout", Cause: "timeout"}
+	default:
+		return &Error{Status: http.StatusInternalServerError, Message: "internal error: " + err.Error(),
+			Type: TypeServer, Cause: "internal"}
+	}
+}

@@ -1,0 +1,134 @@
+package openai
+
+import (
+	"fmt"
+	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// metrics are the front's instruments. Each Server owns its own set so that tests and
+// several servers in one process never share state.
+type metrics struct {
+	requests  *prometheus.CounterVec
+	errors    *prometheus.CounterVec
+	retries   prometheus.Counter
+	ttft      prometheus.Histogram
+	selection prometheus.Histogram
+	kvHit     prometheus.Histogram
+}
+
+func newMetrics() *metrics {
+	return &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_requests_total",
+			Help: "Client requests by endpoint and HTTP status (499: the client went away).",
+		}, []string{"endpoint", "code"}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_errors_total",
+			Help: "Failed or degraded requests by cause, including upstream failures that were retried.",
+		}, []string{"cause"}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvrouter_retries_total",
+			Help: "Dispatches retried on another worker before the first byte reached the client.",
+		}),
+		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_ttft_seconds",
+			Help:    "Time from request arrival to the first body byte from the worker, as the router sees it.",
+			Buckets: []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300},
+		}),
+		selection: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvrouter_selection_seconds",
+			Help: "Time spent choosing a worker, affinity wait excluded.",
+			// 1us .. ~4s: selection is normally microseconds, queueing for a busy fleet is not.
+			Buckets: prometheus.ExponentialBuckets(1e-6, 4, 12),
+		}),
+		kvHit: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_predicted_kv_hit_ratio",
+			Help:    "Predicted share of the prompt's blocks already cached on the chosen worker.",
+			Buckets: prometheus.LinearBuckets(0, 0.1, 11),
+		}),
+	}
+}
+
+func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
+	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.ttft, m.selection, m.kvHit, c} {
+		if err := reg.Register(col); err != nil {
+			return fmt.Errorf("register metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+// fleetCollector reads per-worker load and health at scrape time, so the figures are never
+// stale and removed workers disappear.
+type fleetCollector struct {
+	tracker  *routing.Tracker
+	workers  *routing.Registry
+	requests *prometheus.Desc
+	prefill  *prometheus.Desc
+	decode   *prometheus.Desc
+	healthy  *prometheus.Desc
+	drained  *prometheus.Desc
+}
+
+func newFleetCollector(tracker *routing.Tracker, workers *routing.Registry) *fleetCollector {
+	return &fleetCollector{
+		tracker: tracker,
+		workers: workers,
+		requests: prometheus.NewDesc("kvrouter_worker_inflight_requests",
+			"Requests this replica has in flight on the worker (rank).", []string{"worker"}, nil),
+		prefill: prometheus.NewDesc("kvrouter_worker_prefill_tokens",
+			"Prompt tokens this replica has waiting for prefill on the worker (rank).", []string{"worker"}, nil),
+		decode: prometheus.NewDesc("kvrouter_worker_decode_blocks",
+			"KV blocks of this replica's requests decoding on the worker (rank).", []string{"worker"}, nil),
+		healthy: prometheus.NewDesc("kvrouter_worker_healthy",
+			"1 when the worker is healthy in the registry, else 0.", []string{"worker"}, nil),
+		drained: prometheus.NewDesc("kvrouter_worker_drained",
+			"1 when the worker is drained, else 0.", []string{"worker"}, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.requests
+	ch <- c.prefill
+	ch <- c.decode
+	ch <- c.healthy
+	ch <- c.drained
+}
+
+// Collect implements prometheus.Collector.
+func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
+	if c.tracker != nil {
+		for w, l := range c.tracker.Snapshot() {
+			name := w.String()
+			ch <- prometheus.MustNewConstMetric(c.requests, prometheus.GaugeValue, float64(l.Requests), name)
+			ch <- prometheus.MustNewConstMetric(c.prefill, prometheus.GaugeValue, float64(l.PrefillTokens), name)
+			ch <- prometheus.MustNewConstMetric(c.decode, prometheus.GaugeValue, float64(l.DecodeBlocks), name)
+		}
+	}
+	if c.workers != nil {
+		for _, st := range c.workers.List() {
+			ch <- prometheus.MustNewConstMetric(c.healthy, prometheus.GaugeValue, boolFloat(st.Healthy), st.Spec.ID)
+			ch <- prometheus.MustNewConstMetric(c.drained, prometheus.GaugeValue, boolFloat(st.Drained), st.Spec.ID)
+		}
+	}
+}
+
+func boolFloat(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// AdminHandler serves the admin listener's endpoints: /metrics from g.
+func AdminHandler(g prometheus.Gatherer) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}))
+	return mux
+}

@@ -1,0 +1,537 @@
+// Package openai is the router's client-facing HTTP front: it parses OpenAI chat and
+// completion requests, asks routing for a worker, proxies the request to it (streaming,
+// with retries on another worker before the first byte), and reports what happened in
+// response headers and Prometheus metrics. It also probes workers' health.
+package openai
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// Request headers the front reads.
+const (
+	headerSession = "X-Session-ID"
+	headerTarget  = "X-Target-Worker"
+	headerDPRank  = "X-Data-Parallel-Rank"
+)
+
+// Response headers that tell the client what the router did.
+const (
+	HeaderWorker   = "X-Kvrouter-Worker"
+	HeaderReplica  = "X-Kvrouter-Replica"
+	HeaderRevision = "X-Kvrouter-Binding-Revision"
+	HeaderOverlap  = "X-Kvrouter-Overlap-Blocks"
+)
+
+// maxSessionKey is DESIGN's bound on a session key, in bytes.
+const maxSessionKey = 256
+
+// loraRefresh is how long the set of configured LoRA names is reused before re-reading the
+// registry; adapters change rarely and the set is read on every request.
+const loraRefresh = time.Second
+
+// Config tunes the front. Zero values take the documented defaults.
+type Config struct {
+	// ReplicaID names this replica in X-Kvrouter-Replica (default: the host name).
+	ReplicaID string
+	// MaxBodyBytes caps a request body (8 MiB); larger bodies get 413.
+	MaxBodyBytes int64
+	// ConnectTimeout bounds dialling a worker (2s).
+	ConnectTimeout time.Duration
+	// FirstByteTimeout bounds the wait from dispatch until the worker's response headers, and
+	// for a stream until its first body bytes (5m: prefill of long prompts is slow).
+	FirstByteTimeout time.Duration
+	// IdleTimeout is the longest gap allowed between two reads of a worker's body (2m).
+	IdleTimeout time.Duration
+	// Models is served at /v1/models; empty asks a routable worker and caches its answer.
+	Models []string
+	// Logger receives the front's logs (nil: discarded).
+	Logger *slog.Logger
+	// Registerer receives the metrics (nil: not registered).
+	Registerer prometheus.Registerer
+}
+
+func (c *Config) setDefaults() error {
+	if c.MaxBodyBytes < 0 || c.ConnectTimeout < 0 || c.FirstByteTimeout < 0 || c.IdleTimeout < 0 {
+		return errors.New("openai: negative limit or timeout in config")
+	}
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = 8 << 20
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = 2 * time.Second
+	}
+	if c.FirstByteTimeout == 0 {
+		c.FirstByteTimeout = 5 * time.Minute
+	}
+	if c.IdleTimeout == 0 {
+		c.IdleTimeout = 2 * time.Minute
+	}
+	if c.ReplicaID == "" {
+		if host, err := os.Hostname(); err == nil {
+			c.ReplicaID = host
+		}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	for i, m := range c.Models {
+		if m == "" {
+			return fmt.Errorf("openai: Models[%d] is empty", i)
+		}
+	}
+	return nil
+}
+
+// Server is the OpenAI-compatible front of one replica.
+type Server struct {
+	cfg       Config
+	log       *slog.Logger
+	router    *routing.Router
+	workers   *routing.Registry
+	tracker   *routing.Tracker
+	transport *http.Transport
+	metrics   *metrics
+	ready     atomic.Pointer[func() error]
+	loras     atomic.Pointer[loraSet]
+	models    *modelCache
+	handler   http.Handler
+}
+
+// loraSet is a snapshot of the adapter names configured workers serve.
+type loraSet struct {
+	names map[string]struct{}
+	taken time.Time
+}
+
+// NewServer builds the front over a router, the worker registry and this replica's tracker.
+func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tracker *routing.Tracker) (*Server, error) {
+	if router == nil || workers == nil || tracker == nil {
+		return nil, errors.New("openai: router, workers and tracker are required")
+	}
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	s := &Server{
+		cfg:       cfg,
+		log:       cfg.Logger,
+		router:    router,
+		workers:   workers,
+		tracker:   tracker,
+		transport: newTransport(cfg),
+		metrics:   newMetrics(),
+	}
+	s.models = newModelCache(s)
+	if cfg.Registerer != nil {
+		if err := s.metrics.register(cfg.Registerer, newFleetCollector(tracker, workers)); err != nil {
+			return nil, err
+		}
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/v1/chat/completions", s.endpoint("chat", http.MethodPost, func(w *recorder, r *http.Request) {
+		s.serveCompletion(w, r, KindChat)
+	}))
+	mux.Handle("/v1/completions", s.endpoint("completions", http.MethodPost, func(w *recorder, r *http.Request) {
+		s.serveCompletion(w, r, KindCompletion)
+	}))
+	mux.Handle("/v1/models", s.endpoint("models", http.MethodGet, s.serveModels))
+	mux.Handle("/v1/route", s.endpoint("route", http.MethodPost, s.serveRoute))
+	mux.Handle("/healthz", s.endpoint("healthz", http.MethodGet, s.serveHealthz))
+	mux.Handle("/readyz", s.endpoint("readyz", http.MethodGet, s.serveReadyz))
+	mux.Handle("/", s.endpoint("other", "", func(w *recorder, r *http.Request) {
+		(&Error{Status: http.StatusNotFound, Message: "unknown path: " + r.URL.Path, Type: TypeNotFound,
+			Code: "unknown_path"}).write(w)
+	}))
+	s.handler = mux
+	return s, nil
+}
+
+// Handler returns the client-facing HTTP handler.
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// SetReady installs the readiness hook /readyz consults; nil means ready.
+func (s *Server) SetReady(fn func() error) {
+	if fn == nil {
+		s.ready.Store(nil)
+		return
+	}
+	s.ready.Store(&fn)
+}
+
+// Close drops the idle connections to workers.
+func (s *Server) Close() { s.transport.CloseIdleConnections() }
+
+// recorder remembers the status a handler answered with, for the request metrics.
+type recorder struct {
+	http.ResponseWriter
+	status int
+}
+
+// WriteHeader implements http.ResponseWriter.
+func (r *recorder) WriteHeader(code int) {
+	if r.status == 0 && code >= 200 {
+		r.status = code
+	}
+	r.ResponseWriter.WriteHeader(code)
+}
+
+// Write implements http.ResponseWriter.
+func (r *recorder) Write(b []byte) (int, error) {
+	if r.status == 0 {
+		r.status = http.StatusOK
+	}
+	return r.ResponseWriter.Write(b)
+}
+
+// Unwrap lets http.ResponseController reach the connection for Flush.
+func (r *recorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
+
+// written reports whether the response has started.
+func (r *recorder) written() bool { return r.status != 0 && r.status != StatusClientClosed }
+
+// clientGone marks the request as abandoned by its client.
+func (r *recorder) clientGone() {
+	if r.status == 0 {
+		r.status = StatusClientClosed
+	}
+}
+
+// endpoint wraps a handler with the method check, panic recovery and request metrics.
+func (s *Server) endpoint(name, method string, h func(*recorder, *http.Request)) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rec := &recorder{ResponseWriter: w}
+		defer func() {
+			v := recover()
+			if v != nil && v != http.ErrAbortHandler {
+				s.log.Error("handler panic", "endpoint", name, "panic", v, "stack", string(debug.Stack()))
+				s.metrics.errors.WithLabelValues("panic").Inc()
+				if !rec.written() {
+					(&Error{Status: http.StatusInternalServerError, Message: "internal error",
+						Type: TypeServer}).write(rec)
+				}
+			}
+			code := rec.status
+			if code == 0 {
+				code = http.StatusOK
+			}
+			s.metrics.requests.WithLabelValues(name, strconv.Itoa(code)).Inc()
+			if v == http.ErrAbortHandler {
+				panic(v)
+			}
+		}()
+		if method != "" && r.Method != method {
+			rec.Header().Set("Allow", method)
+			(&Error{Status: http.StatusMethodNotAllowed, Message: "method " + r.Method + " not allowed; use " + method,
+				Type: TypeInvalidRequest, Code: "method_not_allowed"}).write(rec)
+			return
+		}
+		h(rec, r)
+	})
+}
+
+// fail answers err (nil: the client is gone) and counts it.
+func (s *Server) fail(w *recorder, r *http.Request, apiErr *Error) {
+	if apiErr == nil {
+		w.clientGone()
+		s.metrics.errors.WithLabelValues("client_cancel").Inc()
+		s.log.Debug("client went away", "path", r.URL.Path)
+		return
+	}
+	cause := apiErr.Cause
+	if cause == "" {
+		cause = "parse"
+	}
+	s.metrics.errors.WithLabelValues(cause).Inc()
+	if apiErr.Status >= 500 {
+		s.log.Warn("request failed", "path", r.URL.Path, "status", apiErr.Status, "error", apiErr.Message)
+	} else {
+		s.log.Debug("request rejected", "path", r.URL.Path, "status", apiErr.Status, "error", apiErr.Message)
+	}
+	if !w.written() {
+		apiErr.write(w)
+	}
+}
+
+// readBody reads the request body within MaxBodyBytes.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *Error) {
+	tooLarge := &Error{Status: http.StatusRequestEntityTooLarge, Type: TypeInvalidRequest, Code: "body_too_large",
+		Message: fmt.Sprintf("request body exceeds %d bytes", s.cfg.MaxBodyBytes), Cause: "body_too_large"}
+	if r.ContentLength > s.cfg.MaxBodyBytes {
+		return nil, tooLarge
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
+	if err != nil {
+		var maxErr *http.MaxBytesError
+		if errors.As(err, &maxErr) {
+			return nil, tooLarge
+		}
+		if r.Context().Err() != nil {
+			return nil, nil
+		}
+		return nil, &Error{Status: http.StatusBadRequest, Type: TypeInvalidRequest,
+			Message: "could not read request body: " + err.Error(), Cause: "parse"}
+	}
+	return body, nil
+}
+
+// routingRequest turns a parsed request and its headers into routing's input.
+func (s *Server) routingRequest(r *http.Request, p *Request, queryOnly bool) (*routing.Request, *Error) {
+	session, apiErr := sessionKey(r.Header)
+	if apiErr != nil {
+		return nil, apiErr
+	}
+	target, apiErr := s.explicitTarget(r.Header)
+	if apiErr != nil {
+		return nil, apiErr
+	}
+	rank, apiErr := dpRank(r.Header)
+	if apiErr != nil {
+		return nil, apiErr
+	}
+	lora := ""
+	if s.isLoRA(p.Model) {
+		lora = p.Model
+	}
+	req := &routing.Request{
+		PromptTokens: p.PromptTokens(),
+		Session:      session,
+		Target:       target,
+		LoRA:         lora,
+		Role:         routing.RoleBoth,
+		DPRank:       rank,
+		QueryOnly:    queryOnly,
+	}
+	if p.HasTokens {
+		req.Hashes = s.router.HashTokens(p.Tokens, lora, nil)
+	} else {
+		req.Hashes = s.router.HashText(p.Text, lora, nil)
+	}
+	return req, nil
+}
+
+func badHeader(name, msg string) *Error {
+	return &Error{Status: http.StatusBadRequest, Message: msg, Type: TypeInvalidRequest, Param: name,
+		Code: "invalid_header", Cause: "bad_header"}
+}
+
+// sessionKey reads X-Session-ID: at most 256 bytes of printable ASCII without spaces.
+func sessionKey(h http.Header) (string, *Error) {
+	vals := h.Values(headerSession)
+	if len(vals) == 0 {
+		return "", nil
+	}
+	if len(vals) > 1 {
+		return "", badHeader(headerSession, headerSession+" must be given once")
+	}
+	key := vals[0]
+	if key == "" {
+		return "", nil
+	}
+	if len(key) > maxSessionKey {
+		return "", badHeader(headerSession, fmt.Sprintf("%s must be at most %d bytes", headerSession, maxSessionKey))
+	}
+	for i := 0; i < len(key); i++ {
+		if c := key[i]; c < 0x21 || c > 0x7e {
+			return "", badHeader(headerSession, headerSession+" must be printable ASCII without spaces")
+		}
+	}
+	return key, nil
+}
+
+// explicitTarget reads X-Target-Worker: "id" or "id/rank" of a configured worker.
+func (s *Server) explicitTarget(h http.Header) (*indexer.Worker, *Error) {
+	v := strings.TrimSpace(h.Get(headerTarget))
+	if v == "" {
+		return nil, nil
+	}
+	if len(v) > maxSessionKey {
+		return nil, badHeader(headerTarget, fmt.Sprintf("%s must be at most %d bytes", headerTarget, maxSessionKey))
+	}
+	unknown := func(detail string) *Error {
+		return routeError(fmt.Errorf("%w: %q%s", routing.ErrUnknownTarget, v, detail))
+	}
+	if _, ok := s.workers.Lookup(v); ok {
+		return &indexer.Worker{ID: v}, nil
+	}
+	i := strings.LastIndexByte(v, '/')
+	if i <= 0 {
+		return nil, unknown("")
+	}
+	id := v[:i]
+	rank, err := strconv.ParseUint(v[i+1:], 10, 32)
+	if err != nil {
+		return nil, unknown("")
+	}
+	spec, ok := s.workers.Lookup(id)
+	if !ok {
+		return nil, unknown("")
+	}
+	if size := max(spec.DPSize, 1); rank >= uint64(size) {
+		return nil, unknown(fmt.Sprintf(" (worker %q has %d data-parallel ranks)", id, size))
+	}
+	return &indexer.Worker{ID: id, DPRank: uint32(rank)}, nil
+}
+
+// dpRank reads X-Data-Parallel-Rank; -1 means any rank.
+func dpRank(h http.Header) (int, *Error) {
+	v := strings.TrimSpace(h.Get(headerDPRank))
+	if v == "" {
+		return -1, nil
+	}
+	rank, err := strconv.ParseUint(v, 10, 31)
+	if err != nil {
+		return 0, badHeader(headerDPRank, headerDPRank+" must be a non-negative integer")
+	}
+	return int(rank), nil
+}
+
+// isLoRA reports whether some configured worker lists model among its adapters.
+func (s *Server) isLoRA(model string) bool {
+	set := s.loras.Load()
+	if set == nil || time.Since(set.taken) > loraRefresh {
+		fresh := &loraSet{names: make(map[string]struct{}), taken: time.Now()}
+		for _, st := range s.workers.List() {
+			for _, name := range st.Spec.LoRAs {
+				// "*" means the worker serves any adapter; it does not make every model one.
+				if name != "*" {
+					fresh.names[name] = struct{}{}
+				}
+			}
+		}
+		s.loras.Store(fresh)
+		set = fresh
+	}
+	_, ok := set.names[model]
+	return ok
+}
+
+// serveCompletion handles /v1/chat/completions and /v1/completions.
+func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
+	arrived := time.Now()
+	body, apiErr := s.readBody(w, r)
+	if apiErr != nil || body == nil {
+		s.fail(w, r, apiErr)
+		return
+	}
+	p, err := Parse(kind, body)
+	if err != nil {
+		s.fail(w, r, routeError(err))
+		return
+	}
+	req, apiErr := s.routingRequest(r, p, false)
+	if apiErr != nil {
+		s.fail(w, r, apiErr)
+		return
+	}
+	att, err := s.router.Route(r.Context(), req)
+	if err != nil {
+		s.fail(w, r, routeError(err))
+		return
+	}
+	d := att.Decision()
+	s.metrics.selection.Observe(d.Took.Seconds())
+	if d.PromptBlocks > 0 {
+		s.metrics.kvHit.Observe(float64(d.Overlap) / float64(d.PromptBlocks))
+	}
+	if s.proxy(&call{w: w, r: r, p: p, att: att, session: req.Session, arrived: arrived}) {
+		// The response has started and the worker broke off: the client must see a broken
+		// response, not a clean end.
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// routeAnswer is /v1/route's reply.
+type routeAnswer struct {
+	Worker          string `json:"worker"`
+	DPRank          uint32 `json:"dp_rank"`
+	URL             string `json:"url"`
+	OverlapBlocks   int    `json:"overlap_blocks"`
+	PromptBlocks    int    `json:"prompt_blocks"`
+	Session         string `json:"session,omitempty"`
+	BindingRevision uint64 `json:"binding_revision"`
+	Bound           bool   `json:"bound"`
+}
+
+// serveRoute answers the routing decision for a chat or completion body, dispatching nothing.
+func (s *Server) serveRoute(w *recorder, r *http.Request) {
+	body, apiErr := s.readBody(w, r)
+	if apiErr != nil || body == nil {
+		s.fail(w, r, apiErr)
+		return
+	}
+	p, err := Parse(DetectKind(body), body)
+	if err != nil {
+		s.fail(w, r, routeError(err))
+		return
+	}
+	req, apiErr := s.routingRequest(r, p, true)
+	if apiErr != nil {
+		s.fail(w, r, apiErr)
+		return
+	}
+	att, err := s.router.Route(r.Context(), req)
+	if err != nil {
+		s.fail(w, r, routeError(err))
+		return
+	}
+	d := att.Decision()
+	att.Finish()
+	ans := routeAnswer{
+		Worker:          d.Target.Worker.ID,
+		DPRank:          d.Target.Worker.DPRank,
+		OverlapBlocks:   d.Overlap,
+		PromptBlocks:    d.PromptBlocks,
+		Session:         req.Session,
+		BindingRevision: d.Binding.Revision,
+		Bound:           d.Bound,
+	}
+	if d.Target.Spec != nil {
+		ans.URL = d.Target.Spec.URL
+	}
+	writeJSON(w, http.StatusOK, ans)
+}
+
+func (s *Server) serveHealthz(w *recorder, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+}
+
+func (s *Server) serveReadyz(w *recorder, _ *http.Request) {
+	if fn := s.ready.Load(); fn != nil {
+		if err := (*fn)(); err != nil {
+			writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "not ready", "reason": err.Error()})
+			return
+		}
+	}
+	if len(s.workers.Routable()) == 0 {
+		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "not ready", "reason": "no routable worker"})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	body, err := json.Marshal(v)
+	if err != nil {
+		(&Error{Status: http.StatusInternalServerError, Message: "encode response: " + err.Error(), Type: TypeServer}).write(w)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(append(body, '\n'))
+}
