@@ -8,7 +8,8 @@ FUZZTIME ?= 5s
 FUZZ_TARGETS := \
 	./transport/openai:FuzzParse \
 	./sim:FuzzDecodeRequest \
-	./sim/trace:FuzzRead
+	./sim/trace:FuzzRead \
+	./indexer:FuzzChain
 
 .PHONY: all build test unit fuzz demo bench lint clean
 

@@ -56,9 +56,12 @@ type Event struct {
 // Options tune an Index.
 type Options struct {
 	// TTL drops an entry this long after it was last stored; 0 keeps entries until removed
-	// (precise mode). Approximate mode uses DESIGN's default of 120 s.
+	// (precise mode). Approximate mode uses DESIGN's default of 120 s. Entries go when Expire
+	// (or a Store to the same worker) runs, so the TTL is a lower bound; it is kept in 10 ms
+	// ticks, rounded up.
 	TTL time.Duration
-	// MaxBlocksPerWorker caps one worker's entries, evicting its oldest first; 0 is no cap.
+	// MaxBlocksPerWorker caps one worker's entries, evicting its least recently stored first
+	// (a prompt's tail before its head); 0 is no cap.
 	MaxBlocksPerWorker int
 	// Now is the clock for TTLs; nil means time.Now.
 	Now func() time.Time

