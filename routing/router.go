@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -474,18 +475,22 @@ func (a *Attempt) Retry(ctx context.Context, cause error) error {
 		return fmt.Errorf("%w after %d tries: %w", ErrRetriesExhausted, len(a.tried), cause)
 	}
 	a.retries++
-	if a.lease != nil {
-		if _, bound := a.lease.Binding(); bound {
-			// The bound worker failed: its binding goes, and the session is chosen afresh.
-			a.lease.Invalidate(ctx)
-			lease, err := a.router.deps.Affinity.Acquire(ctx, a.req.Session, nil)
-			if err != nil {
-				a.lease = nil
-				a.finished = true
-				return err
-			}
-			a.lease = lease
+	// The bound worker failed: its binding goes, and the session is chosen afresh. A racing
+	// request may meanwhile have bound the session to a worker this request already saw fail;
+	// that binding goes too (once), rather than spending the retry on it.
+	for round := 0; a.lease != nil && round < 2; round++ {
+		b, bound := a.lease.Binding()
+		if !bound || (round > 0 && !slices.Contains(a.tried, b.Worker)) {
+			break
 		}
+		a.lease.Invalidate(ctx)
+		lease, err := a.router.deps.Affinity.Acquire(ctx, a.req.Session, nil)
+		if err != nil {
+			a.lease = nil
+			a.finished = true
+			return err
+		}
+		a.lease = lease
 	}
 	if err := a.selectAndStart(ctx); err != nil {
 		if errors.Is(err, errPreferredGone) && a.lease != nil {

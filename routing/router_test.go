@@ -499,3 +499,27 @@ func TestRegistryValidatesAndExpandsRanks(t *testing.T) {
 		t.Fatalf("remove unknown: %v", err)
 	}
 }
+
+func TestRetryDropsARacingBindingToATriedWorker(t *testing.T) {
+	rg := newRig(t, 3, Config{MaxRetries: 2})
+	ctx := context.Background()
+	a := route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	first, _ := a.Commit(ctx)
+	a.Finish()
+	a = route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	// Our dispatch to the bound worker fails; meanwhile another request rebinds the session to
+	// that same worker (it has not seen it fail).
+	rg.affinity.Invalidate(ctx, "s", first.Revision)
+	l, _ := rg.affinity.Acquire(ctx, "s", nil)
+	rebound, _ := l.Commit(ctx, first.Worker)
+	l.Release()
+	if err := a.Retry(ctx, errors.New("refused")); err != nil {
+		t.Fatal(err)
+	}
+	if got := a.Decision().Target.Worker; got == first.Worker {
+		t.Fatalf("retry went back to %s, which this request saw fail", got)
+	}
+	if b, ok, _ := rg.affinity.Peek(ctx, "s"); ok && b.Revision == rebound.Revision {
+		t.Fatal("the racing binding to the failed worker survived")
+	}
+}
