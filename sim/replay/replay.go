@@ -274,9 +274,14 @@ func Run(ctx context.Context, cfg Config) (*Summary, error) {
 	timer.Stop()
 	start := time.Now()
 	dispatched := 0
+	// A slice from the middle of a trace starts at its first request, not at the trace's zero.
+	var origin time.Duration
+	if len(reqs) > 0 {
+		origin = reqs[0].Timestamp
+	}
 dispatch:
 	for i, req := range reqs {
-		if wait := scaled(req.Timestamp, cfg.Speedup) - time.Since(start); wait > 0 {
+		if wait := scaled(req.Timestamp-origin, cfg.Speedup) - time.Since(start); wait > 0 {
 			timer.Reset(wait)
 			select {
 			case <-ctx.Done():

@@ -539,3 +539,22 @@ func TestSummaryJSONAndTable(t *testing.T) {
 		}
 	}
 }
+
+func TestRunStartsASliceAtItsFirstRequest(t *testing.T) {
+	f := newFake(t, nil)
+	// A slice from deep inside a trace: at speedup 1, waiting for its absolute timestamps
+	// would take an hour; the deadline below would interrupt the run.
+	reqs := mkTrace(spec{3_600_000, 64, 4, []uint64{1}}, spec{3_600_001, 64, 4, []uint64{2}})
+	cfg := config(reqs)
+	cfg.Speedup = 1
+	cfg.Target = f.URL
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	sum, err := replay.Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum.Interrupted || sum.OK != 2 {
+		t.Fatalf("ok %d interrupted %v: the slice waited for the trace's origin", sum.OK, sum.Interrupted)
+	}
+}
