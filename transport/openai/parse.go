@@ -48,6 +48,8 @@ type Request struct {
 	Text string
 	// HasTokens tells a token prompt (possibly of length zero) from a text one.
 	HasTokens bool
+	// Messages is a chat request's messages as sent, for a worker's /tokenize.
+	Messages json.RawMessage
 	// Body is the request exactly as the client sent it.
 	Body []byte
 }
@@ -104,6 +106,7 @@ func Parse(k Kind, body []byte) (*Request, error) {
 			return nil, err
 		}
 		req.Text = text
+		req.Messages = raw
 	case KindCompletion:
 		raw, ok := present(fields, "prompt")
 		if !ok {

@@ -65,6 +65,9 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer receives the metrics (nil: not registered).
 	Registerer prometheus.Registerer
+	// Tokenizer, when set, turns text prompts into the worker's token ids before hashing
+	// (--tokenizer=worker); nil hashes text in byte chunks (approximate).
+	Tokenizer Tokenizer
 }
 
 func (c *Config) setDefaults() error {
@@ -317,9 +320,21 @@ func (s *Server) routingRequest(r *http.Request, p *Request, queryOnly bool) (*r
 		DPRank:       rank,
 		QueryOnly:    queryOnly,
 	}
-	if p.HasTokens {
+	switch {
+	case p.HasTokens:
 		req.Hashes = s.router.HashTokens(p.Tokens, lora, nil)
-	} else {
+	case s.cfg.Tokenizer != nil:
+		tokens, err := s.cfg.Tokenizer.Tokenize(r.Context(), p)
+		if err == nil {
+			req.PromptTokens = len(tokens)
+			req.Hashes = s.router.HashTokens(tokens, lora, nil)
+			break
+		}
+		// The request still routes, on approximate keys; the failure is counted.
+		s.metrics.errors.WithLabelValues("tokenize").Inc()
+		s.log.Debug("tokenize failed; routing on text chunks", "error", err)
+		req.Hashes = s.router.HashText(p.Text, lora, nil)
+	default:
 		req.Hashes = s.router.HashText(p.Text, lora, nil)
 	}
 	return req, nil
