@@ -2,7 +2,6 @@ package indexer
 
 import (
 	"encoding/binary"
-	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -13,10 +12,6 @@ const BaseSeed uint64 = 0
 
 // seedDomain keeps seeds apart from any other use of xxhash over the same strings.
 const seedDomain = "kvrouter-ha/seed/v1\x00"
-
-// encodeTokens is how many tokens BlockHashes encodes per write; it bounds the stack buffer
-// while keeping one write per block for every common block size (16, 32, 64).
-const encodeTokens = 64
 
 // Seed returns the block-hash seed for a LoRA adapter name and a cache salt. Both empty gives
 // BaseSeed; any other pair gives a seed that differs from every other pair, because the two
@@ -45,42 +40,18 @@ func BlockHashes(tokens []uint32, blockSize int, seed uint64, dst []uint64) []ui
 	if blockSize < 1 {
 		return dst
 	}
-	var d xxhash.Digest
 	for start := 0; start+blockSize <= len(tokens); start += blockSize {
-		dst = append(dst, hashBlock(&d, tokens[start:start+blockSize], seed))
+		dst = append(dst, hashBlock(tokens[start:start+blockSize], seed))
 	}
 	return dst
 }
 
-// hashBlock is the local hash of one block; d is scratch, passed in so it stays on the caller's
-// stack.
-func hashBlock(d *xxhash.Digest, block []uint32, seed uint64) uint64 {
-	if seed == 0 && littleEndian {
-		// The one-shot Sum64 is xxhash64 with seed 0 and skips the digest's bookkeeping, and
-		// on a little-endian machine the tokens' memory already is their encoding: together
-		// this is about three times faster on a 16-token block than encode-and-digest.
-		return xxhash.Sum64(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(block))), 4*len(block)))
-	}
-	var buf [4 * encodeTokens]byte
-	d.ResetWithSeed(seed)
-	for len(block) > 0 {
-		n := min(len(block), encodeTokens)
-		for i, t := range block[:n] {
-			binary.LittleEndian.PutUint32(buf[4*i:], t)
-		}
-		_, _ = d.Write(buf[:4*n])
-		block = block[n:]
-	}
-	return d.Sum64()
-}
+// hashBlock is the local hash of one block: xxhash64 with seed over its little-endian token
+// bytes (xxh64.go).
+func hashBlock(block []uint32, seed uint64) uint64 { return xxh64Tokens(block, seed) }
 
 // chainStep is H(prev, local): xxhash64 of the 16 little-endian bytes of prev then local.
-func chainStep(prev, local uint64) uint64 {
-	var b [16]byte
-	binary.LittleEndian.PutUint64(b[:8], prev)
-	binary.LittleEndian.PutUint64(b[8:], local)
-	return xxhash.Sum64(b[:])
-}
+func chainStep(prev, local uint64) uint64 { return xxh64Pair(prev, local) }
 
 // Chain appends to dst[:0] the sequence hashes of local block hashes: seq[0] is local[0], or
 // H(parent, local[0]) when hasParent, and seq[i] = H(seq[i-1], local[i]). Chaining a tail of
@@ -109,10 +80,9 @@ func SequenceHashes(tokens []uint32, blockSize int, seed uint64, dst []uint64) [
 	if blockSize < 1 {
 		return dst
 	}
-	var d xxhash.Digest
 	var prev uint64
 	for start := 0; start+blockSize <= len(tokens); start += blockSize {
-		h := hashBlock(&d, tokens[start:start+blockSize], seed)
+		h := hashBlock(tokens[start:start+blockSize], seed)
 		if start > 0 {
 			h = chainStep(prev, h)
 		}

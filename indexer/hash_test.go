@@ -46,7 +46,10 @@ func TestBlockHashesMatchReferenceEncoding(t *testing.T) {
 		{"seeded", 64, 16, 12345},
 		{"one-token blocks", 5, 1, 7},
 		{"block larger than one encode buffer", 400, 130, 9},
-		{"block exactly one encode buffer", 128, encodeTokens, 3},
+		{"64-token blocks", 128, 64, 3},
+		{"odd block: stripes, lanes and a lone token", 3 * 13, 13, 11},
+		{"blocks under one stripe", 21, 7, 5},
+		{"one-token blocks, seed 0", 3, 1, 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -240,4 +243,20 @@ func FuzzChain(f *testing.F) {
 			t.Fatalf("chain from parent at %d differs from the whole chain", k)
 		}
 	})
+}
+
+func TestXXH64MatchesTheLibraryOnEveryShape(t *testing.T) {
+	tokens := tokenRange(0xfff0_0000, 100)
+	for n := 0; n <= len(tokens); n++ {
+		for _, seed := range []uint64{0, 1, 0xdead_beef_cafe_f00d} {
+			if got, want := xxh64Tokens(tokens[:n], seed), referenceLocal(tokens[:n], seed); got != want {
+				t.Fatalf("%d tokens, seed %#x: %#x, want %#x", n, seed, got, want)
+			}
+		}
+	}
+	for _, p := range [][2]uint64{{0, 0}, {1, 2}, {^uint64(0), 12345}} {
+		if got, want := xxh64Pair(p[0], p[1]), referenceStep(p[0], p[1]); got != want {
+			t.Fatalf("pair %v: %#x, want %#x", p, got, want)
+		}
+	}
 }
