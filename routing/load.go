@@ -13,8 +13,10 @@ import (
 // until its first token arrives; the KV blocks it occupies count as decode blocks from start
 // to finish, because the engine allocates them at admission.
 type Tracker struct {
-	mu      sync.RWMutex
-	workers map[indexer.Worker]*counters
+	// workers is copied on write: workers are added rarely, and read for every candidate of
+	// every selection, so reads take no lock.
+	mu      sync.Mutex
+	workers atomic.Pointer[map[indexer.Worker]*counters]
 
 	// waiters is how many selections wait for load to drop; only then does a release
 	// pay for waking them.
@@ -29,30 +31,35 @@ type counters struct {
 
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
-	return &Tracker{workers: make(map[indexer.Worker]*counters)}
+	t := &Tracker{}
+	m := make(map[indexer.Worker]*counters)
+	t.workers.Store(&m)
+	return t
 }
 
 func (t *Tracker) counters(w indexer.Worker) *counters {
-	t.mu.RLock()
-	c := t.workers[w]
-	t.mu.RUnlock()
-	if c != nil {
+	if c := (*t.workers.Load())[w]; c != nil {
 		return c
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if c = t.workers[w]; c == nil {
-		c = &counters{}
-		t.workers[w] = c
+	old := *t.workers.Load()
+	if c := old[w]; c != nil {
+		return c
 	}
+	m := make(map[indexer.Worker]*counters, len(old)+1)
+	for k, v := range old {
+		m[k] = v
+	}
+	c := &counters{}
+	m[w] = c
+	t.workers.Store(&m)
 	return c
 }
 
 // Load implements LoadView.
 func (t *Tracker) Load(w indexer.Worker) Load {
-	t.mu.RLock()
-	c := t.workers[w]
-	t.mu.RUnlock()
+	c := (*t.workers.Load())[w]
 	if c == nil {
 		return Load{}
 	}
@@ -61,10 +68,9 @@ func (t *Tracker) Load(w indexer.Worker) Load {
 
 // Snapshot returns every worker's load (for metrics and gossip).
 func (t *Tracker) Snapshot() map[indexer.Worker]Load {
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	out := make(map[indexer.Worker]Load, len(t.workers))
-	for w, c := range t.workers {
+	m := *t.workers.Load()
+	out := make(map[indexer.Worker]Load, len(m))
+	for w, c := range m {
 		out[w] = Load{Requests: c.requests.Load(), PrefillTokens: c.prefill.Load(), DecodeBlocks: c.decode.Load()}
 	}
 	return out
@@ -73,8 +79,15 @@ func (t *Tracker) Snapshot() map[indexer.Worker]Load {
 // Forget drops a worker's counters (it was removed). In-flight tickets still release safely.
 func (t *Tracker) Forget(w indexer.Worker) {
 	t.mu.Lock()
-	delete(t.workers, w)
-	t.mu.Unlock()
+	defer t.mu.Unlock()
+	old := *t.workers.Load()
+	m := make(map[indexer.Worker]*counters, len(old))
+	for k, v := range old {
+		if k != w {
+			m[k] = v
+		}
+	}
+	t.workers.Store(&m)
 }
 
 // Start counts a request on w: prefillTokens until its first token, decodeBlocks until it ends.

@@ -1,0 +1,944 @@
+// Package kvevents is the precise-mode feed of the index: it subscribes to vLLM's KV events over
+// ZMQ, turns the engine's opaque block hashes into the router's own sequence hashes, and applies
+// them to an index; and it publishes such events, for the simulated worker.
+//
+// The wire format is vLLM's: three frames (topic, 8-byte big-endian sequence number, msgpack
+// payload), the payload a batch in the array or the map encoding, each event tagged by its
+// first element or by a "type" key. See DESIGN.md beside this file for the sequence rules, the
+// reconnect and replay strategy, the limits and the quirks of the ZMQ library.
+package kvevents
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+// Limits on one payload. They are far above anything vLLM sends (a batch is one engine step),
+// and low enough that a hostile or broken publisher cannot make the router allocate much.
+const (
+	// MaxPayload is the largest payload Decode accepts, in bytes.
+	MaxPayload = 64 << 20
+	// MaxEvents is the most events one batch may carry.
+	MaxEvents = 4096
+	// MaxBlocksPerEvent is the most block hashes one event may carry.
+	MaxBlocksPerEvent = 65536
+	// MaxTokensPerEvent is the most token ids one BlockStored event may carry.
+	MaxTokensPerEvent = 1 << 21
+	// MaxBlockSize is the largest block size, in tokens, an event may declare.
+	MaxBlockSize = 4096
+	// MaxHashBytes is the longest engine hash given as bytes (vLLM's sha256 hashes are 32).
+	MaxHashBytes = 256
+	// MaxDPRank is the highest data-parallel rank a batch may name.
+	MaxDPRank = 65535
+	// maxString bounds map keys, medium and LoRA names.
+	maxString = 1024
+	// maxDepth bounds the nesting of fields skipped as unknown.
+	maxDepth = 32
+)
+
+// The causes a payload is refused for; Cause maps an error to its metric label.
+var (
+	// ErrMalformed: not msgpack, truncated, trailing bytes, a missing field, inconsistent sizes.
+	ErrMalformed = errors.New("malformed")
+	// ErrUnknownEvent: an event tag or "type" this package does not know.
+	ErrUnknownEvent = errors.New("unknown event type")
+	// ErrWrongType: a field of the wrong msgpack type or out of its range.
+	ErrWrongType = errors.New("wrong field type")
+	// ErrTooLarge: a payload, list, string or nesting past the limits above.
+	ErrTooLarge = errors.New("too large")
+)
+
+// Cause is the metric label of a decode error: "malformed", "unknown_event", "wrong_type",
+// "too_large", or "other" for an error not from this package.
+func Cause(err error) string {
+	switch {
+	case errors.Is(err, ErrTooLarge):
+		return "too_large"
+	case errors.Is(err, ErrUnknownEvent):
+		return "unknown_event"
+	case errors.Is(err, ErrWrongType):
+		return "wrong_type"
+	case errors.Is(err, ErrMalformed):
+		return "malformed"
+	default:
+		return "other"
+	}
+}
+
+// EngineHash is an engine's block hash, opaque to the router. vLLM sends integers (any width,
+// negative too) or bytes; each becomes a 64-bit digest of a kind byte and the value, so an
+// integer and a byte string never share an EngineHash and the per-worker maps stay compact.
+type EngineHash uint64
+
+// Kind bytes of the digest. Negative integers have their own kind so that -1 and 2^64-1, which
+// share their 8 bytes, stay apart.
+const (
+	kindNegative byte = 1
+	kindInteger  byte = 2
+	kindBytes    byte = 3
+)
+
+// IntHash is the EngineHash of an integer hash.
+func IntHash(v int64) EngineHash {
+	if v < 0 {
+		return digestInt(kindNegative, uint64(v))
+	}
+	return digestInt(kindInteger, uint64(v))
+}
+
+// UintHash is the EngineHash of a non-negative integer hash; it equals IntHash for values that
+// fit an int64, whatever width the publisher encoded them with.
+func UintHash(v uint64) EngineHash { return digestInt(kindInteger, v) }
+
+// BytesHash is the EngineHash of a hash sent as bytes.
+func BytesHash(b []byte) EngineHash {
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.Write([]byte{kindBytes})
+	_, _ = d.Write(b)
+	return EngineHash(d.Sum64())
+}
+
+func digestInt(kind byte, v uint64) EngineHash {
+	var b [9]byte
+	b[0] = kind
+	binary.BigEndian.PutUint64(b[1:], v)
+	return EngineHash(xxhash.Sum64(b[:]))
+}
+
+// Event is one vLLM KV event. Kind is indexer.Stored (BlockStored), indexer.Removed
+// (BlockRemoved) or indexer.Cleared (AllBlocksCleared); the other fields are those of the kind.
+type Event struct {
+	Kind        indexer.EventKind
+	BlockHashes []EngineHash
+	// Parent is the block before BlockHashes[0]; HasParent is false when the publisher sent
+	// nil or 0 ("no parent").
+	Parent    EngineHash
+	HasParent bool
+	// TokenIDs are all tokens of the stored blocks: len(BlockHashes) * BlockSize of them.
+	TokenIDs  []uint32
+	BlockSize int
+	LoRAName  string
+	// LoRAID is vLLM's integer adapter id; 0 is none (sent as nil).
+	LoRAID int
+	// Medium is where the blocks live ("GPU", "CPU", ...); empty when not sent.
+	Medium string
+}
+
+// Batch is one payload: the events of one engine step.
+type Batch struct {
+	// TS is the engine's wall clock when it built the batch, in seconds since the epoch.
+	TS     float64
+	Events []Event
+	// DPRank is the data-parallel rank that published the batch, when HasDPRank.
+	DPRank    int
+	HasDPRank bool
+}
+
+// Validate checks the invariants Decode guarantees, for batches built by other code: known
+// kinds, sizes within the limits, and token ids consistent with the block hashes.
+func (b Batch) Validate() error {
+	if len(b.Events) > MaxEvents {
+		return fmt.Errorf("%w: %d events in a batch (limit %d)", ErrTooLarge, len(b.Events), MaxEvents)
+	}
+	if b.HasDPRank && (b.DPRank < 0 || b.DPRank > MaxDPRank) {
+		return fmt.Errorf("%w: data_parallel_rank %d out of 0..%d", ErrWrongType, b.DPRank, MaxDPRank)
+	}
+	for i := range b.Events {
+		if err := b.Events[i].validate(); err != nil {
+			return fmt.Errorf("event %d: %w", i, err)
+		}
+	}
+	return nil
+}
+
+func (e *Event) validate() error {
+	switch e.Kind {
+	case indexer.Stored:
+		if len(e.BlockHashes) > MaxBlocksPerEvent {
+			return fmt.Errorf("%w: %d block hashes (limit %d)", ErrTooLarge, len(e.BlockHashes), MaxBlocksPerEvent)
+		}
+		if len(e.TokenIDs) > MaxTokensPerEvent {
+			return fmt.Errorf("%w: %d token ids (limit %d)", ErrTooLarge, len(e.TokenIDs), MaxTokensPerEvent)
+		}
+		if e.BlockSize > MaxBlockSize {
+			return fmt.Errorf("%w: block_size %d (limit %d)", ErrTooLarge, e.BlockSize, MaxBlockSize)
+		}
+		if e.BlockSize < 1 {
+			return fmt.Errorf("%w: block_size %d", ErrMalformed, e.BlockSize)
+		}
+		if len(e.TokenIDs) != len(e.BlockHashes)*e.BlockSize {
+			return fmt.Errorf("%w: %d token ids for %d blocks of %d", ErrMalformed,
+				len(e.TokenIDs), len(e.BlockHashes), e.BlockSize)
+		}
+	case indexer.Removed:
+		if len(e.BlockHashes) > MaxBlocksPerEvent {
+			return fmt.Errorf("%w: %d block hashes (limit %d)", ErrTooLarge, len(e.BlockHashes), MaxBlocksPerEvent)
+		}
+	case indexer.Cleared:
+	default:
+		return fmt.Errorf("%w: kind %d", ErrUnknownEvent, e.Kind)
+	}
+	return nil
+}
+
+// The event tags, as vLLM names its event classes.
+const (
+	tagStored  = "BlockStored"
+	tagRemoved = "BlockRemoved"
+	tagCleared = "AllBlocksCleared"
+)
+
+// msgpack codes this file dispatches on (the library exports them as variables, not constants).
+const (
+	codeNil     = 0xc0
+	codeFalse   = 0xc2
+	codeTrue    = 0xc3
+	codeBin8    = 0xc4
+	codeBin16   = 0xc5
+	codeBin32   = 0xc6
+	codeFloat   = 0xca
+	codeDouble  = 0xcb
+	codeUint8   = 0xcc
+	codeUint16  = 0xcd
+	codeUint32  = 0xce
+	codeUint64  = 0xcf
+	codeInt8    = 0xd0
+	codeInt16   = 0xd1
+	codeInt32   = 0xd2
+	codeInt64   = 0xd3
+	codeStr8    = 0xd9
+	codeStr16   = 0xda
+	codeStr32   = 0xdb
+	codeArray16 = 0xdc
+	codeArray32 = 0xdd
+	codeMap16   = 0xde
+	codeMap32   = 0xdf
+)
+
+func isArray(c byte) bool { return c&0xf0 == 0x90 || c == codeArray16 || c == codeArray32 }
+func isMap(c byte) bool   { return c&0xf0 == 0x80 || c == codeMap16 || c == codeMap32 }
+func isStr(c byte) bool   { return c&0xe0 == 0xa0 || c == codeStr8 || c == codeStr16 || c == codeStr32 }
+func isBin(c byte) bool   { return c == codeBin8 || c == codeBin16 || c == codeBin32 }
+func isInt(c byte) bool {
+	return c <= 0x7f || c >= 0xe0 || (c >= codeUint8 && c <= codeInt64)
+}
+
+// Decoder decodes payloads, reusing its buffers from one payload to the next: the Batch it
+// returns, and every slice in it, are valid only until its next Decode. A Decoder is not safe
+// for concurrent use.
+type Decoder struct {
+	payload []byte
+	r       bytes.Reader
+	d       *msgpack.Decoder
+	scratch []byte
+	events  []Event
+	hashes  []EngineHash
+	tokens  []uint32
+	// medium remembers the last medium string so that "GPU" is not allocated per event.
+	medium string
+}
+
+// NewDecoder returns a Decoder.
+func NewDecoder() *Decoder {
+	d := &Decoder{scratch: make([]byte, 0, 64)}
+	d.d = msgpack.NewDecoder(&d.r)
+	return d
+}
+
+// Decode decodes one payload into a Batch whose slices it owns; see Decoder for the fast path.
+func Decode(payload []byte) (Batch, error) { return NewDecoder().Decode(payload) }
+
+// Decode decodes one payload in either of vLLM's batch encodings. On error nothing of the
+// payload is returned, and the error wraps one of ErrMalformed, ErrUnknownEvent, ErrWrongType
+// or ErrTooLarge.
+func (d *Decoder) Decode(payload []byte) (Batch, error) {
+	if len(payload) > MaxPayload {
+		return Batch{}, fmt.Errorf("%w: payload of %d bytes (limit %d)", ErrTooLarge, len(payload), MaxPayload)
+	}
+	d.payload = payload
+	d.r.Reset(payload)
+	d.d.Reset(&d.r)
+	d.events = d.events[:0]
+	d.hashes = d.hashes[:0]
+	d.tokens = d.tokens[:0]
+	b, err := d.batch()
+	if err == nil && d.r.Len() != 0 {
+		err = fmt.Errorf("%w: %d trailing bytes after the batch", ErrMalformed, d.r.Len())
+	}
+	if err != nil {
+		return Batch{}, err
+	}
+	return b, nil
+}
+
+func (d *Decoder) batch() (Batch, error) {
+	c, err := d.peek("batch")
+	if err != nil {
+		return Batch{}, err
+	}
+	switch {
+	case isArray(c):
+		return d.arrayBatch()
+	case isMap(c):
+		return d.mapBatch()
+	default:
+		return Batch{}, fmt.Errorf("%w: batch is msgpack code %#x, want an array or a map", ErrWrongType, c)
+	}
+}
+
+// arrayBatch decodes [ts, events, dp_rank?, ...].
+func (d *Decoder) arrayBatch() (Batch, error) {
+	n, err := d.arrayLen("batch", 1<<16)
+	if err != nil {
+		return Batch{}, err
+	}
+	if n < 2 {
+		return Batch{}, fmt.Errorf("%w: batch array of %d elements, want [ts, events, ...]", ErrMalformed, n)
+	}
+	var b Batch
+	if b.TS, err = d.float("ts"); err != nil {
+		return Batch{}, err
+	}
+	if b.Events, err = d.eventList(); err != nil {
+		return Batch{}, err
+	}
+	if n >= 3 {
+		if b.DPRank, b.HasDPRank, err = d.dpRank(); err != nil {
+			return Batch{}, err
+		}
+	}
+	return b, d.skipN(n-3, 0)
+}
+
+// mapBatch decodes {"ts": ..., "events": [...], "data_parallel_rank": ...}, keys in any order.
+func (d *Decoder) mapBatch() (Batch, error) {
+	n, err := d.mapLen("batch")
+	if err != nil {
+		return Batch{}, err
+	}
+	var b Batch
+	haveEvents := false
+	for range n {
+		key, err := d.key()
+		if err != nil {
+			return Batch{}, err
+		}
+		switch key {
+		case "ts":
+			b.TS, err = d.float("ts")
+		case "events":
+			b.Events, err = d.eventList()
+			haveEvents = true
+		case "data_parallel_rank":
+			b.DPRank, b.HasDPRank, err = d.dpRank()
+		default:
+			err = d.skip(0)
+		}
+		if err != nil {
+			return Batch{}, err
+		}
+	}
+	if !haveEvents {
+		return Batch{}, fmt.Errorf("%w: batch map without \"events\"", ErrMalformed)
+	}
+	return b, nil
+}
+
+func (d *Decoder) dpRank() (int, bool, error) {
+	c, err := d.peek("data_parallel_rank")
+	if err != nil {
+		return 0, false, err
+	}
+	if c == codeNil {
+		return 0, false, d.d.DecodeNil()
+	}
+	r, err := d.int("data_parallel_rank", 0, MaxDPRank)
+	return int(r), err == nil, err
+}
+
+func (d *Decoder) eventList() ([]Event, error) {
+	n, err := d.arrayLen("events", MaxEvents)
+	if err != nil {
+		return nil, err
+	}
+	start := len(d.events)
+	for range n {
+		ev, err := d.event()
+		if err != nil {
+			return nil, fmt.Errorf("event %d: %w", len(d.events)-start, err)
+		}
+		d.events = append(d.events, ev)
+	}
+	return d.events[start:len(d.events):len(d.events)], nil
+}
+
+func (d *Decoder) event() (Event, error) {
+	c, err := d.peek("event")
+	if err != nil {
+		return Event{}, err
+	}
+	var ev Event
+	switch {
+	case isArray(c):
+		err = d.arrayEvent(&ev)
+	case isMap(c):
+		err = d.mapEvent(&ev)
+	default:
+		return Event{}, fmt.Errorf("%w: event is msgpack code %#x, want an array or a map", ErrWrongType, c)
+	}
+	if err != nil {
+		return Event{}, err
+	}
+	return ev, ev.validate()
+}
+
+// arrayEvent decodes a tagged array event: ["BlockStored", block_hashes, parent_block_hash,
+// token_ids, block_size, lora_id, medium, lora_name, ...], ["BlockRemoved", block_hashes,
+// medium, ...] or ["AllBlocksCleared", ...]. Fields past those are newer vLLM's and skipped.
+func (d *Decoder) arrayEvent(ev *Event) error {
+	n, err := d.arrayLen("event", 1<<16)
+	if err != nil {
+		return err
+	}
+	if n < 1 {
+		return fmt.Errorf("%w: empty event array", ErrMalformed)
+	}
+	tag, err := d.str("event tag")
+	if err != nil {
+		return err
+	}
+	var fields []func(*Event) error
+	switch string(tag) {
+	case tagStored:
+		ev.Kind = indexer.Stored
+		if n < 5 {
+			return fmt.Errorf("%w: BlockStored with %d fields, want at least 4", ErrMalformed, n-1)
+		}
+		fields = []func(*Event) error{d.blockHashes, d.parent, d.tokenIDs, d.blockSize, d.loraID, d.mediumField, d.loraName}
+	case tagRemoved:
+		ev.Kind = indexer.Removed
+		if n < 2 {
+			return fmt.Errorf("%w: BlockRemoved without block_hashes", ErrMalformed)
+		}
+		fields = []func(*Event) error{d.blockHashes, d.mediumField}
+	case tagCleared:
+		ev.Kind = indexer.Cleared
+	default:
+		return fmt.Errorf("%w: %.64q", ErrUnknownEvent, tag)
+	}
+	i := 0
+	for ; i < n-1 && i < len(fields); i++ {
+		if err := fields[i](ev); err != nil {
+			return err
+		}
+	}
+	return d.skipN(n-1-i, 0)
+}
+
+// mapEvent decodes {"type": tag, field: value, ...}; the type may come after the fields.
+func (d *Decoder) mapEvent(ev *Event) error {
+	n, err := d.mapLen("event")
+	if err != nil {
+		return err
+	}
+	var tag string
+	var haveHashes, haveTokens, haveSize bool
+	for range n {
+		key, err := d.key()
+		if err != nil {
+			return err
+		}
+		switch key {
+		case "type":
+			t, err := d.str("event type")
+			if err != nil {
+				return err
+			}
+			switch string(t) {
+			case tagStored, tagRemoved, tagCleared:
+				tag = string(t) // the constant, no allocation: the compiler interns the case
+			default:
+				return fmt.Errorf("%w: %.64q", ErrUnknownEvent, t)
+			}
+		case "block_hashes":
+			err, haveHashes = d.blockHashes(ev), true
+		case "parent_block_hash":
+			err = d.parent(ev)
+		case "token_ids":
+			err, haveTokens = d.tokenIDs(ev), true
+		case "block_size":
+			err, haveSize = d.blockSize(ev), true
+		case "lora_id":
+			err = d.loraID(ev)
+		case "medium":
+			err = d.mediumField(ev)
+		case "lora_name":
+			err = d.loraName(ev)
+		default:
+			err = d.skip(0)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	switch tag {
+	case tagStored:
+		ev.Kind = indexer.Stored
+		if !haveHashes || !haveTokens || !haveSize {
+			return fmt.Errorf("%w: BlockStored without block_hashes, token_ids or block_size", ErrMalformed)
+		}
+	case tagRemoved:
+		ev.Kind = indexer.Removed
+		if !haveHashes {
+			return fmt.Errorf("%w: BlockRemoved without block_hashes", ErrMalformed)
+		}
+	case tagCleared:
+		ev.Kind = indexer.Cleared
+	default:
+		return fmt.Errorf("%w: event map without \"type\"", ErrMalformed)
+	}
+	return nil
+}
+
+func (d *Decoder) blockHashes(ev *Event) error {
+	n, err := d.arrayLen("block_hashes", MaxBlocksPerEvent)
+	if err != nil {
+		return err
+	}
+	start := len(d.hashes)
+	for range n {
+		h, isNil, err := d.hash("block_hashes")
+		if err != nil {
+			return err
+		}
+		if isNil {
+			return fmt.Errorf("%w: nil in block_hashes", ErrWrongType)
+		}
+		d.hashes = append(d.hashes, h)
+	}
+	ev.BlockHashes = d.hashes[start:len(d.hashes):len(d.hashes)]
+	return nil
+}
+
+func (d *Decoder) parent(ev *Event) error {
+	c, err := d.peek("parent_block_hash")
+	if err != nil {
+		return err
+	}
+	if isInt(c) {
+		// Some publishers send 0 for "no parent"; a real hash of 0 is not worth the ambiguity.
+		v, err := d.d.DecodeUint64()
+		if err != nil {
+			return malformed("parent_block_hash", err)
+		}
+		if v == 0 {
+			ev.Parent, ev.HasParent = 0, false
+			return nil
+		}
+		if c == codeUint64 || int64(v) >= 0 {
+			ev.Parent = UintHash(v)
+		} else {
+			ev.Parent = IntHash(int64(v))
+		}
+		ev.HasParent = true
+		return nil
+	}
+	h, isNil, err := d.hash("parent_block_hash")
+	if err != nil {
+		return err
+	}
+	ev.Parent, ev.HasParent = h, !isNil
+	return nil
+}
+
+// tokenIDs decodes the token list straight from the payload: it is most of a BlockStored's
+// bytes, and per-element calls through the generic decoder would dominate the decode.
+func (d *Decoder) tokenIDs(ev *Event) error {
+	n, err := d.arrayLen("token_ids", MaxTokensPerEvent)
+	if err != nil {
+		return err
+	}
+	start := len(d.tokens)
+	d.tokens = grow(d.tokens, n)
+	out := d.tokens[start : start+n]
+	p := d.payload[len(d.payload)-d.r.Len():]
+	i := 0
+	for ; i < n && len(p) > 0; i++ {
+		c := p[0]
+		switch {
+		case c <= 0x7f:
+			out[i] = uint32(c)
+			p = p[1:]
+		case c == codeUint8 && len(p) >= 2:
+			out[i] = uint32(p[1])
+			p = p[2:]
+		case c == codeUint16 && len(p) >= 3:
+			out[i] = uint32(binary.BigEndian.Uint16(p[1:]))
+			p = p[3:]
+		case c == codeUint32 && len(p) >= 5:
+			out[i] = binary.BigEndian.Uint32(p[1:])
+			p = p[5:]
+		default:
+			v, used, err := slowUint32(p)
+			if err != nil {
+				return fmt.Errorf("token_ids[%d]: %w", i, err)
+			}
+			out[i] = v
+			p = p[used:]
+		}
+	}
+	if i < n {
+		return fmt.Errorf("%w: token_ids truncated after %d of %d", ErrMalformed, i, n)
+	}
+	if _, err := d.r.Seek(int64(len(d.payload)-len(p)), io.SeekStart); err != nil {
+		return malformed("token_ids", err)
+	}
+	d.tokens = d.tokens[:start+n]
+	ev.TokenIDs = d.tokens[start : start+n : start+n]
+	return nil
+}
+
+// slowUint32 decodes a token id in one of the rarer integer encodings (signed widths, 64-bit
+// widths) at the start of p, and says how many bytes it used.
+func slowUint32(p []byte) (uint32, int, error) {
+	c := p[0]
+	var v int64
+	var size int
+	switch {
+	case c >= 0xe0:
+		v, size = int64(int8(c)), 1
+	case c == codeInt8 && len(p) >= 2:
+		v, size = int64(int8(p[1])), 2
+	case c == codeInt16 && len(p) >= 3:
+		v, size = int64(int16(binary.BigEndian.Uint16(p[1:]))), 3
+	case c == codeInt32 && len(p) >= 5:
+		v, size = int64(int32(binary.BigEndian.Uint32(p[1:]))), 5
+	case (c == codeInt64 || c == codeUint64) && len(p) >= 9:
+		u := binary.BigEndian.Uint64(p[1:])
+		if c == codeUint64 && u > math.MaxUint32 {
+			return 0, 0, fmt.Errorf("%w: token id %d out of range", ErrWrongType, u)
+		}
+		v, size = int64(u), 9
+	case isInt(c):
+		return 0, 0, fmt.Errorf("%w: truncated integer", ErrMalformed)
+	default:
+		return 0, 0, fmt.Errorf("%w: token id is msgpack code %#x, want an integer", ErrWrongType, c)
+	}
+	if v < 0 || v > math.MaxUint32 {
+		return 0, 0, fmt.Errorf("%w: token id %d out of range", ErrWrongType, v)
+	}
+	return uint32(v), size, nil
+}
+
+func (d *Decoder) blockSize(ev *Event) error {
+	v, err := d.int("block_size", math.MinInt64, math.MaxInt64)
+	if err != nil {
+		return err
+	}
+	switch {
+	case v > MaxBlockSize:
+		return fmt.Errorf("%w: block_size %d (limit %d)", ErrTooLarge, v, MaxBlockSize)
+	case v < 1:
+		return fmt.Errorf("%w: block_size %d", ErrMalformed, v)
+	}
+	ev.BlockSize = int(v)
+	return nil
+}
+
+func (d *Decoder) loraID(ev *Event) error {
+	c, err := d.peek("lora_id")
+	if err != nil {
+		return err
+	}
+	if c == codeNil {
+		ev.LoRAID = 0
+		return d.d.DecodeNil()
+	}
+	v, err := d.int("lora_id", math.MinInt64, math.MaxInt64)
+	ev.LoRAID = int(v)
+	return err
+}
+
+func (d *Decoder) mediumField(ev *Event) error {
+	s, isNil, err := d.optStr("medium")
+	if err != nil || isNil {
+		return err
+	}
+	if string(s) != d.medium {
+		d.medium = string(s)
+	}
+	ev.Medium = d.medium
+	return nil
+}
+
+func (d *Decoder) loraName(ev *Event) error {
+	s, isNil, err := d.optStr("lora_name")
+	if err != nil || isNil {
+		return err
+	}
+	ev.LoRAName = string(s)
+	return nil
+}
+
+// peek returns the next msgpack code without consuming it.
+func (d *Decoder) peek(what string) (byte, error) {
+	c, err := d.d.PeekCode()
+	if err != nil {
+		return 0, malformed(what, err)
+	}
+	return c, nil
+}
+
+// arrayLen reads an array header. A length past limit is ErrTooLarge; one past the bytes left
+// is truncation (every element takes at least one byte), caught before anything is allocated.
+func (d *Decoder) arrayLen(what string, limit int) (int, error) {
+	c, err := d.peek(what)
+	if err != nil {
+		return 0, err
+	}
+	if !isArray(c) {
+		return 0, fmt.Errorf("%w: %s is msgpack code %#x, want an array", ErrWrongType, what, c)
+	}
+	n, err := d.d.DecodeArrayLen()
+	if err != nil {
+		return 0, malformed(what, err)
+	}
+	if n > limit {
+		return 0, fmt.Errorf("%w: %s of %d elements (limit %d)", ErrTooLarge, what, n, limit)
+	}
+	if n > d.r.Len() {
+		return 0, fmt.Errorf("%w: %s of %d elements in %d bytes", ErrMalformed, what, n, d.r.Len())
+	}
+	return n, nil
+}
+
+func (d *Decoder) mapLen(what string) (int, error) {
+	c, err := d.peek(what)
+	if err != nil {
+		return 0, err
+	}
+	if !isMap(c) {
+		return 0, fmt.Errorf("%w: %s is msgpack code %#x, want a map", ErrWrongType, what, c)
+	}
+	n, err := d.d.DecodeMapLen()
+	if err != nil {
+		return 0, malformed(what, err)
+	}
+	if n > d.r.Len()/2 {
+		return 0, fmt.Errorf("%w: %s of %d entries in %d bytes", ErrMalformed, what, n, d.r.Len())
+	}
+	return n, nil
+}
+
+// key reads a map key. The string points into the decoder's scratch space: compare it, do not
+// keep it.
+func (d *Decoder) key() (string, error) {
+	b, err := d.str("map key")
+	if err != nil {
+		return "", err
+	}
+	return unsafeString(b), nil
+}
+
+// str reads a string (not nil) into scratch space valid until the next read.
+func (d *Decoder) str(what string) ([]byte, error) {
+	s, isNil, err := d.optStr(what)
+	if err == nil && isNil {
+		err = fmt.Errorf("%w: %s is nil, want a string", ErrWrongType, what)
+	}
+	return s, err
+}
+
+// optStr reads a string or nil into scratch space valid until the next read.
+func (d *Decoder) optStr(what string) ([]byte, bool, error) {
+	c, err := d.peek(what)
+	if err != nil {
+		return nil, false, err
+	}
+	if c == codeNil {
+		return nil, true, d.d.DecodeNil()
+	}
+	if !isStr(c) {
+		return nil, false, fmt.Errorf("%w: %s is msgpack code %#x, want a string", ErrWrongType, what, c)
+	}
+	b, err := d.raw(what, maxString)
+	return b, false, err
+}
+
+// raw reads the body of a string or bin whose code is next, bounded by limit.
+func (d *Decoder) raw(what string, limit int) ([]byte, error) {
+	n, err := d.d.DecodeBytesLen()
+	if err != nil {
+		return nil, malformed(what, err)
+	}
+	if n > limit {
+		return nil, fmt.Errorf("%w: %s of %d bytes (limit %d)", ErrTooLarge, what, n, limit)
+	}
+	if n > d.r.Len() {
+		return nil, fmt.Errorf("%w: %s of %d bytes, %d left", ErrMalformed, what, n, d.r.Len())
+	}
+	d.scratch = grow(d.scratch[:0], n)[:n]
+	if _, err := io.ReadFull(&d.r, d.scratch); err != nil {
+		return nil, malformed(what, err)
+	}
+	return d.scratch, nil
+}
+
+// hash reads an engine hash: an integer of any width or bytes; nil reports isNil.
+func (d *Decoder) hash(what string) (EngineHash, bool, error) {
+	c, err := d.peek(what)
+	if err != nil {
+		return 0, false, err
+	}
+	switch {
+	case c == codeNil:
+		return 0, true, d.d.DecodeNil()
+	case c == codeUint64:
+		v, err := d.d.DecodeUint64()
+		if err != nil {
+			return 0, false, malformed(what, err)
+		}
+		return UintHash(v), false, nil
+	case isInt(c):
+		v, err := d.d.DecodeInt64()
+		if err != nil {
+			return 0, false, malformed(what, err)
+		}
+		return IntHash(v), false, nil
+	case isBin(c):
+		b, err := d.raw(what, MaxHashBytes)
+		if err != nil {
+			return 0, false, err
+		}
+		return BytesHash(b), false, nil
+	default:
+		return 0, false, fmt.Errorf("%w: %s is msgpack code %#x, want an integer or bytes", ErrWrongType, what, c)
+	}
+}
+
+// int reads an integer in [lo, hi].
+func (d *Decoder) int(what string, lo, hi int64) (int64, error) {
+	c, err := d.peek(what)
+	if err != nil {
+		return 0, err
+	}
+	if !isInt(c) {
+		return 0, fmt.Errorf("%w: %s is msgpack code %#x, want an integer", ErrWrongType, what, c)
+	}
+	if c == codeUint64 {
+		v, err := d.d.DecodeUint64()
+		if err != nil {
+			return 0, malformed(what, err)
+		}
+		if v > math.MaxInt64 || int64(v) > hi {
+			return 0, fmt.Errorf("%w: %s %d out of range", ErrWrongType, what, v)
+		}
+		return int64(v), nil
+	}
+	v, err := d.d.DecodeInt64()
+	if err != nil {
+		return 0, malformed(what, err)
+	}
+	if v < lo || v > hi {
+		return 0, fmt.Errorf("%w: %s %d out of range %d..%d", ErrWrongType, what, v, lo, hi)
+	}
+	return v, nil
+}
+
+// float reads a timestamp: a float of either width, or an integer.
+func (d *Decoder) float(what string) (float64, error) {
+	c, err := d.peek(what)
+	if err != nil {
+		return 0, err
+	}
+	switch {
+	case c == codeFloat || c == codeDouble:
+		v, err := d.d.DecodeFloat64()
+		if err != nil {
+			return 0, malformed(what, err)
+		}
+		return v, nil
+	case isInt(c):
+		v, err := d.int(what, math.MinInt64, math.MaxInt64)
+		return float64(v), err
+	default:
+		return 0, fmt.Errorf("%w: %s is msgpack code %#x, want a number", ErrWrongType, what, c)
+	}
+}
+
+// skipN skips n values.
+func (d *Decoder) skipN(n, depth int) error {
+	for range n {
+		if err := d.skip(depth); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// skip skips one value of any type. Unlike the library's Skip it bounds the nesting (a deep
+// payload must not grow the stack without limit) and checks lengths against the bytes left.
+func (d *Decoder) skip(depth int) error {
+	if depth > maxDepth {
+		return fmt.Errorf("%w: nesting deeper than %d", ErrTooLarge, maxDepth)
+	}
+	c, err := d.peek("value")
+	if err != nil {
+		return err
+	}
+	switch {
+	case isArray(c):
+		n, err := d.arrayLen("array", math.MaxInt)
+		if err != nil {
+			return err
+		}
+		return d.skipN(n, depth+1)
+	case isMap(c):
+		n, err := d.mapLen("map")
+		if err != nil {
+			return err
+		}
+		return d.skipN(2*n, depth+1)
+	case isStr(c) || isBin(c):
+		n, err := d.d.DecodeBytesLen()
+		if err != nil {
+			return malformed("string", err)
+		}
+		if n > d.r.Len() {
+			return fmt.Errorf("%w: string of %d bytes, %d left", ErrMalformed, n, d.r.Len())
+		}
+		_, err = d.r.Seek(int64(n), io.SeekCurrent)
+		return malformed("string", err)
+	case c == 0xc1:
+		return fmt.Errorf("%w: msgpack code 0xc1 is never used", ErrMalformed)
+	default:
+		// Scalars and extensions: the library reads at most the bytes that are there.
+		return malformed("value", d.d.Skip())
+	}
+}
+
+// malformed wraps a low-level read error (truncation, bad code) as ErrMalformed; nil stays nil.
+func malformed(what string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("%w: %s: %w", ErrMalformed, what, err)
+}
+
+// grow returns s with room for n more elements.
+func grow[T any](s []T, n int) []T {
+	if cap(s)-len(s) >= n {
+		return s
+	}
+	return append(s[:cap(s)], make([]T, len(s)+n-cap(s))...)[:len(s)]
+}
