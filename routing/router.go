@@ -89,15 +89,40 @@ type Router struct {
 	rngMu sync.Mutex
 	rng   *rand.Rand // nil: the runtime's lock-free source
 
-	queued  atomic.Int64
-	scratch sync.Pool // *scratch
+	queued   atomic.Int64
+	scratch  sync.Pool // *scratch
+	posCache atomic.Pointer[routablePositions]
 }
 
 // scratch is one selection's reusable buffers.
 type scratch struct {
 	matches     []indexer.Match
-	overlap     map[indexer.Worker]int
+	overlaps    []int
 	cands, free []candidate
+}
+
+// routablePositions maps each target of one routable slice to its position.
+type routablePositions struct {
+	first *Target
+	n     int
+	pos   map[indexer.Worker]int
+}
+
+// positions returns the worker -> position map of routable, rebuilding it when the registry
+// published a new slice.
+func (r *Router) positions(routable []Target) map[indexer.Worker]int {
+	if len(routable) == 0 {
+		return nil
+	}
+	if c := r.posCache.Load(); c != nil && c.first == &routable[0] && c.n == len(routable) {
+		return c.pos
+	}
+	c := &routablePositions{first: &routable[0], n: len(routable), pos: make(map[indexer.Worker]int, len(routable))}
+	for i, t := range routable {
+		c.pos[t.Worker] = i
+	}
+	r.posCache.Store(c)
+	return c.pos
 }
 
 // New checks cfg and builds a Router.
@@ -145,7 +170,7 @@ func New(cfg Config, deps Deps) (*Router, error) {
 	}
 	r.scratch.New = func() any {
 		return &scratch{
-			matches: make([]indexer.Match, 0, 64), overlap: make(map[indexer.Worker]int, 64),
+			matches: make([]indexer.Match, 0, 64), overlaps: make([]int, 0, 64),
 			cands: make([]candidate, 0, 64), free: make([]candidate, 0, 64),
 		}
 	}
@@ -291,40 +316,36 @@ func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.W
 		matches = r.deps.Index.FindMatches(req.Hashes, matches)
 		sc.matches = matches
 	}
-	// Many matching workers: a map beats comparing every candidate with every match.
-	byWorker := len(matches) > 8
-	if byWorker {
-		clear(sc.overlap)
-		for _, m := range matches {
-			sc.overlap[m.Worker] = m.Blocks
-		}
+	routable := r.deps.Workers.Routable()
+	// Each match lands on its target's position; the worker -> position map is built once per
+	// routable set (they change only when the registry does), not per request.
+	overlaps := sc.overlaps[:0]
+	for range routable {
+		overlaps = append(overlaps, 0)
 	}
-	overlap := func(w indexer.Worker) int {
-		if byWorker {
-			return sc.overlap[w]
-		}
+	sc.overlaps = overlaps
+	if len(matches) > 0 {
+		pos := r.positions(routable)
 		for _, m := range matches {
-			if m.Worker == w {
-				return m.Blocks
+			if p, ok := pos[m.Worker]; ok {
+				overlaps[p] = m.Blocks
 			}
 		}
-		return 0
 	}
-	routable := r.deps.Workers.Routable()
 	if pref != nil {
-		for _, t := range routable {
+		for i, t := range routable {
 			if t.Worker == *pref {
-				return Decision{Target: t, Overlap: overlap(t.Worker), PromptBlocks: promptBlocks, Took: time.Since(start)}, nil
+				return Decision{Target: t, Overlap: overlaps[i], PromptBlocks: promptBlocks, Took: time.Since(start)}, nil
 			}
 		}
 		return Decision{}, fmt.Errorf("%s: %w", pref, errPreferredGone)
 	}
 	cands := sc.cands[:0]
-	for _, t := range routable {
+	for i, t := range routable {
 		if !r.eligible(req, t, exclude) {
 			continue
 		}
-		cands = append(cands, candidate{target: t, overlap: overlap(t.Worker)})
+		cands = append(cands, candidate{target: t, overlap: overlaps[i]})
 	}
 	if len(cands) == 0 {
 		return Decision{}, ErrNoWorker
