@@ -27,8 +27,11 @@ const (
 type WorkerSpec struct {
 	ID  string `json:"id"`
 	URL string `json:"url"`
-	// KVEvents is the worker's ZMQ KV-event endpoint, if it publishes events.
+	// KVEvents is the worker's ZMQ KV-event endpoint (its PUB socket, rank 0), if it publishes
+	// events; rank r publishes on the port plus r, as vLLM does.
 	KVEvents string `json:"kv_events,omitempty"`
+	// KVReplay is the worker's replay (ROUTER) endpoint for rank 0, if it has one.
+	KVReplay string `json:"kv_replay,omitempty"`
 	Role     Role   `json:"role,omitempty"`
 	// DPSize is the number of data-parallel ranks; 0 means 1.
 	DPSize int `json:"dp_size,omitempty"`

@@ -125,25 +125,40 @@ func newCache(blockSize, capacity int, onEvent func(CacheEvent)) *cache {
 	}
 }
 
-// eventBatch collects a call's events, merging consecutive ones of one kind.
+// eventBatch collects one call's events, one event per kind. A store at capacity evicts one
+// block per block it stores; reported one by one, that would be a Removed and a Stored event
+// per block (an engine batches a step's events instead).
 type eventBatch []CacheEvent
 
 func (b *eventBatch) add(kind EventKind, ref BlockRef) {
-	if n := len(*b); n > 0 && (*b)[n-1].Kind == kind {
-		(*b)[n-1].Blocks = append((*b)[n-1].Blocks, ref)
-		return
+	for i := range *b {
+		if (*b)[i].Kind == kind {
+			(*b)[i].Blocks = append((*b)[i].Blocks, ref)
+			return
+		}
 	}
 	*b = append(*b, CacheEvent{Kind: kind, Blocks: []BlockRef{ref}})
 }
 
-// emit runs with c.mu held so that events reach the hook in the order they happened.
+// emit runs with c.mu held so that events reach the hook in the order they happened. Within
+// one call, evictions made room for the stores, so removals go first.
 func (c *cache) emit(events eventBatch) {
 	if c.onEvent == nil {
 		return
 	}
+	slices.SortStableFunc(events, func(a, b CacheEvent) int {
+		return boolInt(a.Kind != Removed) - boolInt(b.Kind != Removed)
+	})
 	for _, e := range events {
 		c.onEvent(e)
 	}
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // acquire pins the longest cached prefix of tokens and returns the sequence holding it.

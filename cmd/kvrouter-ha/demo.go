@@ -20,6 +20,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
 )
 
 // demoConfig is one comparison run: simulated workers, a router per policy, one trace slice.
@@ -27,6 +28,7 @@ type demoConfig struct {
 	Workers        int
 	CapacityBlocks int
 	Policies       []string
+	Modes          []string // approximate and/or precise (KV events)
 	TracePath      string
 	Start, Limit   int
 	Speedup        float64
@@ -42,6 +44,7 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs := flag.NewFlagSet("kvrouter-ha demo", flag.ContinueOnError)
 	var cfg demoConfig
 	policies := fs.String("policies", "kv,round-robin", "comma-separated policies to compare ("+strings.Join(routing.Policies(), ", ")+")")
+	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
 	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers")
 	fs.IntVar(&cfg.CapacityBlocks, "capacity-blocks", 32768, "each worker's KV cache in 16-token blocks (too small to hold the whole trace)")
 	fs.StringVar(&cfg.TracePath, "trace", "", "Mooncake-format trace (default: the bundled synthetic trace)")
@@ -62,6 +65,12 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 		FlagSet:    fs,
 		Exec: func(ctx context.Context, _ []string) error {
 			cfg.Policies = splitList(*policies)
+			cfg.Modes = splitList(*modes)
+			for _, m := range cfg.Modes {
+				if m != "approximate" && m != "precise" {
+					return fmt.Errorf("--modes: %q is neither approximate nor precise", m)
+				}
+			}
 			log, err := newLogger(stderr, *logLevel)
 			if err != nil {
 				return err
@@ -124,15 +133,17 @@ func runDemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) er
 		len(reqs), cfg.Workers, cfg.CapacityBlocks, cfg.Speedup)
 	fmt.Fprintf(stdout, "unlimited single-cache ceiling for this slice: %.1f%% of blocks, %.1f%% of tokens\n\n", 100*blocks, 100*tokens)
 	var sums []*replay.Summary
-	for _, policy := range cfg.Policies {
-		if err := ctx.Err(); err != nil {
-			break
+	for _, mode := range cfg.Modes {
+		for _, policy := range cfg.Policies {
+			if err := ctx.Err(); err != nil {
+				break
+			}
+			s, err := demoRun(ctx, cfg, policy, mode == "precise", reqs, progress)
+			if err != nil {
+				return fmt.Errorf("policy %s, %s mode: %w", policy, mode, err)
+			}
+			sums = append(sums, s)
 		}
-		s, err := demoRun(ctx, cfg, policy, reqs, progress)
-		if err != nil {
-			return fmt.Errorf("policy %s: %w", policy, err)
-		}
-		sums = append(sums, s)
 	}
 	fmt.Fprintln(stdout)
 	replay.Table(stdout, sums)
@@ -150,18 +161,34 @@ func runDemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) er
 
 // simFleet is a set of simulated workers serving on loopback.
 type simFleet struct {
-	specs  []routing.WorkerSpec
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	specs      []routing.WorkerSpec
+	publishers []*kvevents.Publisher
+	cancel     context.CancelFunc
+	wg         sync.WaitGroup
 }
 
-// startSimFleet starts n simulated workers on 127.0.0.1 ephemeral ports.
-func startSimFleet(ctx context.Context, n int, base sim.Config) (*simFleet, error) {
+// startSimFleet starts n simulated workers on 127.0.0.1 ephemeral ports; with events, each
+// also publishes its KV events (and serves replay) on its own ZMQ ports, named in its spec.
+func startSimFleet(ctx context.Context, n int, base sim.Config, events bool) (*simFleet, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	f := &simFleet{cancel: cancel}
 	for i := range n {
 		c := base
 		c.ID = fmt.Sprintf("w%d", i)
+		spec := routing.WorkerSpec{ID: c.ID, CapacityBlocks: c.CapacityBlocks}
+		if events {
+			pub, err := kvevents.NewPublisher(kvevents.PublisherConfig{
+				Endpoint: "tcp://127.0.0.1:0", Bind: true, ReplayEndpoint: "tcp://127.0.0.1:0", Logger: c.Logger,
+			})
+			if err != nil {
+				f.Close()
+				return nil, err
+			}
+			f.publishers = append(f.publishers, pub)
+			spec.KVEvents = "tcp://" + pub.Addr().String()
+			spec.KVReplay = "tcp://" + pub.ReplayAddr().String()
+			c.OnEvent = sim.PublishEvents(pub, max(c.BlockSize, sim.DefaultBlockSize), c.Logger)
+		}
 		w, err := sim.New(c)
 		if err != nil {
 			f.Close()
@@ -172,28 +199,32 @@ func startSimFleet(ctx context.Context, n int, base sim.Config) (*simFleet, erro
 			f.Close()
 			return nil, err
 		}
-		f.specs = append(f.specs, routing.WorkerSpec{ID: c.ID, URL: "http://" + ln.Addr().String(), CapacityBlocks: c.CapacityBlocks})
+		spec.URL = "http://" + ln.Addr().String()
+		f.specs = append(f.specs, spec)
 		f.wg.Add(1)
 		go func() { defer f.wg.Done(); w.Serve(ctx, ln) }()
 	}
 	return f, nil
 }
 
-// Close stops every worker and waits for them.
+// Close stops every worker and publisher and waits for them.
 func (f *simFleet) Close() {
 	f.cancel()
 	f.wg.Wait()
+	for _, p := range f.publishers {
+		p.Close()
+	}
 }
 
 // demoRun replays reqs through a fresh fleet and a fresh router using policy.
-func demoRun(ctx context.Context, cfg demoConfig, policy string, reqs []trace.Request, progress io.Writer) (*replay.Summary, error) {
+func demoRun(ctx context.Context, cfg demoConfig, policy string, precise bool, reqs []trace.Request, progress io.Writer) (*replay.Summary, error) {
 	quiet := cfg.Logger
 	sc := cfg.Sim
 	sc.CapacityBlocks = cfg.CapacityBlocks
 	sc.Speedup = cfg.Speedup
 	sc.MaxModelLen = 262144
 	sc.Logger = quiet
-	fleet, err := startSimFleet(ctx, cfg.Workers, sc)
+	fleet, err := startSimFleet(ctx, cfg.Workers, sc, precise)
 	if err != nil {
 		return nil, err
 	}
@@ -220,6 +251,9 @@ func demoRun(ctx context.Context, cfg demoConfig, policy string, reqs []trace.Re
 	rc.MaxOutputTokens = cfg.MaxOutput
 	rc.Model = sim.DefaultModel
 	rc.Label = policy
+	if len(cfg.Modes) > 1 || precise {
+		rc.Label = policy + map[bool]string{true: "/precise", false: "/approx"}[precise]
+	}
 	rc.Progress = progress
 	rc.Logger = quiet
 	return replay.Run(ctx, rc)

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 )
 
@@ -36,7 +37,17 @@ type serveConfig struct {
 	MaxSessions         int
 	Proxy               openai.Config
 	Health              openai.HealthConfig
-	Logger              *slog.Logger
+	// KVEventsBind, when set, binds one SUB socket that workers' PUB sockets connect to;
+	// workers are told apart by TopicPattern. Workers whose spec names kv_events get their own
+	// connecting subscriber either way.
+	KVEventsBind string
+	TopicPattern string
+	// OverlayTTL is how long the replica's own decisions count in precise mode, on top of the
+	// events (a burst of siblings must not all land before the first BlockStored arrives).
+	OverlayTTL time.Duration
+	// Tokenizer is "none" (text prompts hash in byte chunks) or "worker" (ask a worker's /tokenize).
+	Tokenizer string
+	Logger    *slog.Logger
 }
 
 // workerFlag collects --worker values: "id=url" or a bare url (id w<n>).
@@ -110,6 +121,10 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.Proxy.FirstByteTimeout, "first-byte-timeout", 5*time.Minute, "time for a worker to start answering")
 	fs.DurationVar(&cfg.Proxy.IdleTimeout, "idle-timeout", 2*time.Minute, "longest gap between streamed chunks")
 	fs.DurationVar(&cfg.Health.Interval, "health-interval", time.Second, "worker health probe interval")
+	fs.StringVar(&cfg.KVEventsBind, "kv-events-bind", "", "bind one ZMQ SUB socket here for workers that connect their KV events to the router, e.g. tcp://127.0.0.1:5557 (workers with kv_events in --workers-file get their own subscriber)")
+	fs.StringVar(&cfg.TopicPattern, "kv-events-topic-pattern", "kv@{host:port}@{model}", "how a bound subscriber tells workers apart: the {host:port} in a topic is matched against worker URLs")
+	fs.DurationVar(&cfg.OverlayTTL, "overlay-ttl", 10*time.Second, "precise mode: how long the replica's own decisions count on top of the KV events")
+	fs.StringVar(&cfg.Tokenizer, "tokenizer", "none", "text prompts: none (hash text in byte chunks) or worker (ask a worker's POST /tokenize, so text routes on exact token blocks)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	return &ffcli.Command{
 		Name:       "serve",
@@ -151,6 +166,7 @@ type replica struct {
 	registry *routing.Registry
 	tracker  *routing.Tracker
 	approx   *indexer.Index
+	precise  *indexer.Index // fed by KV events; nil without them
 	affinity *routing.MemoryAffinity
 	server   *openai.Server
 	http     *http.Server
@@ -171,10 +187,25 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		return nil, err
 	}
 	r := &replica{cfg: cfg, registry: reg, tracker: routing.NewTracker()}
-	r.approx = indexer.New(indexer.Options{TTL: cfg.ApproxTTL, MaxBlocksPerWorker: cfg.ApproxMaxBlocks})
+	promReg := prometheus.NewRegistry()
+	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	subs, err := r.kvEventSubscribers(promReg, log)
+	if err != nil {
+		return nil, err
+	}
+	approxTTL := cfg.ApproxTTL
+	var index routing.PrefixIndex
+	if r.precise != nil {
+		approxTTL = cfg.OverlayTTL
+	}
+	r.approx = indexer.New(indexer.Options{TTL: approxTTL, MaxBlocksPerWorker: cfg.ApproxMaxBlocks})
+	index = r.approx
+	if r.precise != nil {
+		index = routing.Overlay{r.precise, r.approx}
+	}
 	r.affinity = routing.NewMemoryAffinity(cfg.SessionTTL, cfg.MaxSessions)
 	r.router, err = routing.New(cfg.Router, routing.Deps{
-		Index: r.approx, Recorder: r.approx, Workers: reg, Tracker: r.tracker, Affinity: r.affinity,
+		Index: index, Recorder: r.approx, Workers: reg, Tracker: r.tracker, Affinity: r.affinity,
 	})
 	if err != nil {
 		return nil, err
@@ -186,15 +217,23 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		for rank := 0; rank < st.Spec.DPSize; rank++ {
 			w := indexer.Worker{ID: st.Spec.ID, DPRank: uint32(rank)}
 			r.approx.RemoveWorker(w)
+			if r.precise != nil {
+				r.precise.RemoveWorker(w)
+			}
 			r.tracker.Forget(w)
 		}
 	})
-	promReg := prometheus.NewRegistry()
-	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	pcfg := cfg.Proxy
 	pcfg.ReplicaID = cfg.ReplicaID
 	pcfg.Logger = log
 	pcfg.Registerer = promReg
+	switch cfg.Tokenizer {
+	case "", "none":
+	case "worker":
+		pcfg.Tokenizer = openai.NewWorkerTokenizer(reg, openai.TokenizerConfig{})
+	default:
+		return nil, fmt.Errorf("--tokenizer %q: want none or worker", cfg.Tokenizer)
+	}
 	r.server, err = openai.NewServer(pcfg, r.router, reg, r.tracker)
 	if err != nil {
 		return nil, err
@@ -221,6 +260,13 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 	r.http = &http.Server{Handler: r.server.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	r.admin = &http.Server{Handler: openai.AdminHandler(promReg), ReadHeaderTimeout: 10 * time.Second}
 	r.goRun(func() { checker.Run(bg) })
+	for _, sub := range subs {
+		r.goRun(func() {
+			if err := sub.Run(bg); err != nil && bg.Err() == nil {
+				log.Error("KV event subscriber stopped", "err", err)
+			}
+		})
+	}
 	r.goRun(func() { r.housekeeping(bg) })
 	r.goRun(func() {
 		if err := r.http.Serve(r.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -270,4 +316,75 @@ func (r *replica) Close() error {
 	r.cancel()
 	r.wg.Wait()
 	return err
+}
+
+// kvEventSubscribers builds the precise index and its KV event subscribers: one connecting
+// SUB per worker rank whose spec names kv_events, and one bound SUB when KVEventsBind is set.
+// Without either, precise mode is off and r.precise stays nil.
+func (r *replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger) ([]*kvevents.Subscriber, error) {
+	cfg := r.cfg
+	var specs []routing.WorkerSpec
+	for _, st := range r.registry.List() {
+		if st.Spec.KVEvents != "" {
+			specs = append(specs, st.Spec)
+		}
+	}
+	if len(specs) == 0 && cfg.KVEventsBind == "" {
+		return nil, nil
+	}
+	r.precise = indexer.New(indexer.Options{})
+	metrics, err := kvevents.NewMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	base := kvevents.Config{BlockSize: r.router0BlockSize(), Sink: r.precise, Metrics: metrics, Logger: log}
+	var subs []*kvevents.Subscriber
+	for _, spec := range specs {
+		for rank := range max(spec.DPSize, 1) {
+			c := base
+			c.Mode = kvevents.Connect
+			c.Worker = indexer.Worker{ID: spec.ID, DPRank: uint32(rank)}
+			if c.Endpoint, err = kvevents.OffsetPort(spec.KVEvents, rank); err != nil {
+				return nil, fmt.Errorf("worker %s kv_events: %w", spec.ID, err)
+			}
+			if spec.KVReplay != "" {
+				if c.Replay, err = kvevents.OffsetPort(spec.KVReplay, rank); err != nil {
+					return nil, fmt.Errorf("worker %s kv_replay: %w", spec.ID, err)
+				}
+			}
+			sub, err := kvevents.NewSubscriber(c)
+			if err != nil {
+				return nil, fmt.Errorf("worker %s: %w", spec.ID, err)
+			}
+			subs = append(subs, sub)
+		}
+	}
+	if cfg.KVEventsBind != "" {
+		c := base
+		c.Mode = kvevents.Bind
+		c.Endpoint = cfg.KVEventsBind
+		c.TopicPattern = cfg.TopicPattern
+		c.URLs = map[string]string{}
+		c.Replays = map[string]string{}
+		for _, st := range r.registry.List() {
+			c.URLs[st.Spec.ID] = st.Spec.URL
+			if st.Spec.KVReplay != "" {
+				c.Replays[st.Spec.ID] = st.Spec.KVReplay
+			}
+		}
+		sub, err := kvevents.NewSubscriber(c)
+		if err != nil {
+			return nil, fmt.Errorf("--kv-events-bind: %w", err)
+		}
+		subs = append(subs, sub)
+	}
+	return subs, nil
+}
+
+// router0BlockSize is the block size the router will use (its config's, or the default).
+func (r *replica) router0BlockSize() int {
+	if r.cfg.Router.BlockSize > 0 {
+		return r.cfg.Router.BlockSize
+	}
+	return indexer.DefaultBlockSize
 }

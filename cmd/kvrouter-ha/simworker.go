@@ -10,6 +10,7 @@ import (
 	"github.com/peterbourgon/ff/v3/ffcli"
 
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
 )
 
 func simWorkerCommand(stderr io.Writer) *ffcli.Command {
@@ -30,6 +31,13 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 	fs.Float64Var(&cfg.StallRate, "stall-rate", 0, "share of requests that hang before the first byte")
 	fs.DurationVar(&cfg.Stall, "stall", 0, "how long a stalled request hangs (0: until the client leaves)")
 	fs.Int64Var(&cfg.Seed, "seed", 1, "seed of the fault draws")
+	var pub kvevents.PublisherConfig
+	fs.StringVar(&pub.Endpoint, "kv-events-endpoint", "", "publish KV events in vLLM's ZMQ format: tcp://*:5557 binds, tcp://host:port connects to a router (empty: off)")
+	fs.StringVar(&pub.Topic, "kv-events-topic", "", "topic frame of every KV event message (e.g. kv@127.0.0.1:8001@sim-model)")
+	fs.BoolVar(&pub.MapEncoding, "kv-events-map-encoding", false, "encode batches as maps (newer vLLM) instead of arrays (older vLLM)")
+	fs.BoolVar(&pub.BytesHashes, "kv-events-bytes-hashes", false, "send block hashes as bytes instead of integers")
+	fs.StringVar(&pub.ReplayEndpoint, "kv-events-replay", "", "bind a replay (ROUTER) socket here, e.g. tcp://*:5558 (empty: none)")
+	fs.IntVar(&pub.ReplayBuffer, "kv-events-replay-buffer", 10000, "batches kept for replay")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	return &ffcli.Command{
 		Name:       "sim-worker",
@@ -42,6 +50,16 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 				return err
 			}
 			cfg.Logger = log
+			if pub.Endpoint != "" {
+				pub.Logger = log
+				p, err := kvevents.NewPublisher(pub)
+				if err != nil {
+					return fmt.Errorf("kv events: %w", err)
+				}
+				defer p.Close()
+				cfg.OnEvent = sim.PublishEvents(p, cfg.BlockSize, log)
+				log.Info("publishing KV events", "endpoint", pub.Endpoint, "replay", pub.ReplayEndpoint)
+			}
 			w, err := sim.New(cfg)
 			if err != nil {
 				return err

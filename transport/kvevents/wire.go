@@ -101,6 +101,13 @@ func UintHash(v uint64) EngineHash { return digestInt(kindInteger, v) }
 
 // BytesHash is the EngineHash of a hash sent as bytes.
 func BytesHash(b []byte) EngineHash {
+	if len(b) <= 64 {
+		// One-shot on the stack: the common case (vLLM's 32-byte hashes) without a digest.
+		var buf [65]byte
+		buf[0] = kindBytes
+		n := copy(buf[1:], b)
+		return EngineHash(xxhash.Sum64(buf[:1+n]))
+	}
 	var d xxhash.Digest
 	d.Reset()
 	_, _ = d.Write([]byte{kindBytes})
@@ -317,7 +324,7 @@ func (d *Decoder) arrayBatch() (Batch, error) {
 			return Batch{}, err
 		}
 	}
-	return b, d.skipN(n-3, 0)
+	return b, d.skipN(max(0, n-3), 0)
 }
 
 // mapBatch decodes {"ts": ..., "events": [...], "data_parallel_rank": ...}, keys in any order.
@@ -329,11 +336,11 @@ func (d *Decoder) mapBatch() (Batch, error) {
 	var b Batch
 	haveEvents := false
 	for range n {
-		key, err := d.key()
+		key, err := d.str("map key")
 		if err != nil {
 			return Batch{}, err
 		}
-		switch key {
+		switch string(key) {
 		case "ts":
 			b.TS, err = d.float("ts")
 		case "events":
@@ -417,32 +424,56 @@ func (d *Decoder) arrayEvent(ev *Event) error {
 	if err != nil {
 		return err
 	}
-	var fields []func(*Event) error
+	known := 0 // how many fields after the tag this package reads
 	switch string(tag) {
 	case tagStored:
-		ev.Kind = indexer.Stored
+		ev.Kind, known = indexer.Stored, 7
 		if n < 5 {
 			return fmt.Errorf("%w: BlockStored with %d fields, want at least 4", ErrMalformed, n-1)
 		}
-		fields = []func(*Event) error{d.blockHashes, d.parent, d.tokenIDs, d.blockSize, d.loraID, d.mediumField, d.loraName}
 	case tagRemoved:
-		ev.Kind = indexer.Removed
+		ev.Kind, known = indexer.Removed, 2
 		if n < 2 {
 			return fmt.Errorf("%w: BlockRemoved without block_hashes", ErrMalformed)
 		}
-		fields = []func(*Event) error{d.blockHashes, d.mediumField}
 	case tagCleared:
 		ev.Kind = indexer.Cleared
 	default:
 		return fmt.Errorf("%w: %.64q", ErrUnknownEvent, tag)
 	}
 	i := 0
-	for ; i < n-1 && i < len(fields); i++ {
-		if err := fields[i](ev); err != nil {
+	for ; i < n-1 && i < known; i++ {
+		if err := d.positional(ev, i); err != nil {
 			return err
 		}
 	}
 	return d.skipN(n-1-i, 0)
+}
+
+// positional decodes field i (after the tag) of an array event whose Kind is set.
+func (d *Decoder) positional(ev *Event, i int) error {
+	if ev.Kind == indexer.Removed {
+		if i == 0 {
+			return d.blockHashes(ev)
+		}
+		return d.mediumField(ev)
+	}
+	switch i {
+	case 0:
+		return d.blockHashes(ev)
+	case 1:
+		return d.parent(ev)
+	case 2:
+		return d.tokenIDs(ev)
+	case 3:
+		return d.blockSize(ev)
+	case 4:
+		return d.loraID(ev)
+	case 5:
+		return d.mediumField(ev)
+	default:
+		return d.loraName(ev)
+	}
 }
 
 // mapEvent decodes {"type": tag, field: value, ...}; the type may come after the fields.
@@ -451,33 +482,27 @@ func (d *Decoder) mapEvent(ev *Event) error {
 	if err != nil {
 		return err
 	}
-	var tag string
+	var kind indexer.EventKind
 	var haveHashes, haveTokens, haveSize bool
 	for range n {
-		key, err := d.key()
+		key, err := d.str("map key")
 		if err != nil {
 			return err
 		}
-		switch key {
+		switch string(key) {
 		case "type":
-			t, err := d.str("event type")
-			if err != nil {
-				return err
-			}
-			switch string(t) {
-			case tagStored, tagRemoved, tagCleared:
-				tag = string(t) // the constant, no allocation: the compiler interns the case
-			default:
-				return fmt.Errorf("%w: %.64q", ErrUnknownEvent, t)
-			}
+			kind, err = d.eventType()
 		case "block_hashes":
-			err, haveHashes = d.blockHashes(ev), true
+			err = d.blockHashes(ev)
+			haveHashes = true
 		case "parent_block_hash":
 			err = d.parent(ev)
 		case "token_ids":
-			err, haveTokens = d.tokenIDs(ev), true
+			err = d.tokenIDs(ev)
+			haveTokens = true
 		case "block_size":
-			err, haveSize = d.blockSize(ev), true
+			err = d.blockSize(ev)
+			haveSize = true
 		case "lora_id":
 			err = d.loraID(ev)
 		case "medium":
@@ -491,23 +516,38 @@ func (d *Decoder) mapEvent(ev *Event) error {
 			return err
 		}
 	}
-	switch tag {
-	case tagStored:
-		ev.Kind = indexer.Stored
+	ev.Kind = kind
+	switch kind {
+	case indexer.Stored:
 		if !haveHashes || !haveTokens || !haveSize {
 			return fmt.Errorf("%w: BlockStored without block_hashes, token_ids or block_size", ErrMalformed)
 		}
-	case tagRemoved:
-		ev.Kind = indexer.Removed
+	case indexer.Removed:
 		if !haveHashes {
 			return fmt.Errorf("%w: BlockRemoved without block_hashes", ErrMalformed)
 		}
-	case tagCleared:
-		ev.Kind = indexer.Cleared
+	case indexer.Cleared:
 	default:
 		return fmt.Errorf("%w: event map without \"type\"", ErrMalformed)
 	}
 	return nil
+}
+
+func (d *Decoder) eventType() (indexer.EventKind, error) {
+	t, err := d.str("event type")
+	if err != nil {
+		return 0, err
+	}
+	switch string(t) {
+	case tagStored:
+		return indexer.Stored, nil
+	case tagRemoved:
+		return indexer.Removed, nil
+	case tagCleared:
+		return indexer.Cleared, nil
+	default:
+		return 0, fmt.Errorf("%w: %.64q", ErrUnknownEvent, t)
+	}
 }
 
 func (d *Decoder) blockHashes(ev *Event) error {
@@ -517,6 +557,14 @@ func (d *Decoder) blockHashes(ev *Event) error {
 	}
 	start := len(d.hashes)
 	for range n {
+		// The common encodings straight from the payload; the rest through the decoder.
+		if h, used := quickHash(d.payload[len(d.payload)-d.r.Len():]); used > 0 {
+			d.hashes = append(d.hashes, h)
+			if _, err := d.r.Seek(int64(used), io.SeekCurrent); err != nil {
+				return malformed("block_hashes", err)
+			}
+			continue
+		}
 		h, isNil, err := d.hash("block_hashes")
 		if err != nil {
 			return err
@@ -528,6 +576,26 @@ func (d *Decoder) blockHashes(ev *Event) error {
 	}
 	ev.BlockHashes = d.hashes[start:len(d.hashes):len(d.hashes)]
 	return nil
+}
+
+// quickHash decodes a hash at the start of p in the encodings publishers use (a non-negative
+// integer, 32- and 64-bit unsigned included, or up to 255 bytes) and says how many bytes it
+// took; 0 leaves everything else, and every error, to the decoder.
+func quickHash(p []byte) (EngineHash, int) {
+	if len(p) == 0 {
+		return 0, 0
+	}
+	switch c := p[0]; {
+	case c <= 0x7f:
+		return UintHash(uint64(c)), 1
+	case c == codeUint64 && len(p) >= 9:
+		return UintHash(binary.BigEndian.Uint64(p[1:])), 9
+	case c == codeUint32 && len(p) >= 5:
+		return UintHash(uint64(binary.BigEndian.Uint32(p[1:]))), 5
+	case c == codeBin8 && len(p) >= 2 && int(p[1]) <= MaxHashBytes && len(p) >= 2+int(p[1]):
+		return BytesHash(p[2 : 2+int(p[1])]), 2 + int(p[1])
+	}
+	return 0, 0
 }
 
 func (d *Decoder) parent(ev *Event) error {
@@ -696,6 +764,9 @@ func (d *Decoder) peek(what string) (byte, error) {
 	if err != nil {
 		return 0, malformed(what, err)
 	}
+	if c == 0xc1 {
+		return 0, fmt.Errorf("%w: %s: msgpack code 0xc1 is never used", ErrMalformed, what)
+	}
 	return c, nil
 }
 
@@ -738,16 +809,6 @@ func (d *Decoder) mapLen(what string) (int, error) {
 		return 0, fmt.Errorf("%w: %s of %d entries in %d bytes", ErrMalformed, what, n, d.r.Len())
 	}
 	return n, nil
-}
-
-// key reads a map key. The string points into the decoder's scratch space: compare it, do not
-// keep it.
-func (d *Decoder) key() (string, error) {
-	b, err := d.str("map key")
-	if err != nil {
-		return "", err
-	}
-	return unsafeString(b), nil
 }
 
 // str reads a string (not nil) into scratch space valid until the next read.
@@ -919,8 +980,6 @@ func (d *Decoder) skip(depth int) error {
 		}
 		_, err = d.r.Seek(int64(n), io.SeekCurrent)
 		return malformed("string", err)
-	case c == 0xc1:
-		return fmt.Errorf("%w: msgpack code 0xc1 is never used", ErrMalformed)
 	default:
 		// Scalars and extensions: the library reads at most the bytes that are there.
 		return malformed("value", d.d.Skip())

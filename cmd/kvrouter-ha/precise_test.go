@@ -1,0 +1,204 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/sim"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
+)
+
+// eventWorker is a simulated worker that publishes its KV events over ZMQ on loopback and
+// can be restarted on the same ports, as an engine process would be.
+type eventWorker struct {
+	t        *testing.T
+	spec     routing.WorkerSpec
+	httpAddr string
+	pubAddr  string
+	replay   string
+	sim      *sim.Worker
+	pub      *kvevents.Publisher
+	cancel   context.CancelFunc
+	done     chan struct{}
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// startEventWorker starts worker id publishing KV events (with a replay socket).
+func startEventWorker(t *testing.T, id string) *eventWorker {
+	t.Helper()
+	w := &eventWorker{t: t, httpAddr: freePort(t), pubAddr: freePort(t), replay: freePort(t)}
+	w.spec = routing.WorkerSpec{ID: id, URL: "http://" + w.httpAddr, KVEvents: "tcp://" + w.pubAddr, KVReplay: "tcp://" + w.replay}
+	w.start()
+	t.Cleanup(w.stop)
+	return w
+}
+
+// start runs a fresh engine on the worker's ports: an empty cache and sequence numbers from 0.
+func (w *eventWorker) start() {
+	t := w.t
+	t.Helper()
+	pub, err := kvevents.NewPublisher(kvevents.PublisherConfig{
+		Endpoint: "tcp://" + w.pubAddr, Bind: true, ReplayEndpoint: "tcp://" + w.replay,
+	})
+	if err != nil {
+		t.Fatalf("publisher: %v", err)
+	}
+	c := simConfig(0)
+	c.ID = w.spec.ID
+	c.OnEvent = sim.PublishEvents(pub, sim.DefaultBlockSize, nil)
+	sw, err := sim.New(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ln net.Listener
+	eventually(t, "the worker's port to be free again", func() (bool, string) {
+		ln, err = net.Listen("tcp", w.httpAddr)
+		return err == nil, fmt.Sprint(err)
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	w.sim, w.pub, w.cancel, w.done = sw, pub, cancel, make(chan struct{})
+	go func() { defer close(w.done); _ = sw.Serve(ctx, ln) }()
+}
+
+func (w *eventWorker) stop() {
+	if w.cancel == nil {
+		return
+	}
+	w.cancel()
+	<-w.done
+	w.pub.Close()
+	w.cancel = nil
+}
+
+// direct sends a completion straight to the worker, bypassing the router: only the worker's
+// KV events can tell the router about it.
+func (w *eventWorker) direct(tokens []uint32) {
+	w.t.Helper()
+	resp, err := http.Post("http://"+w.httpAddr+"/v1/completions", "application/json",
+		bytes.NewReader(completionBody(tokens, 2, false)))
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		w.t.Fatalf("direct request: %s", resp.Status)
+	}
+}
+
+func startPreciseReplica(t *testing.T, workers ...*eventWorker) *replica {
+	t.Helper()
+	var fleet testFleet
+	for _, w := range workers {
+		fleet = append(fleet, &testWorker{spec: w.spec})
+	}
+	return startTestReplica(t, fleet, func(c *serveConfig) {
+		c.OverlayTTL = time.Second
+		if testing.Verbose() {
+			c.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		}
+	})
+}
+
+// preciseBlocks is how many leading blocks of tokens the replica's event-fed index credits to
+// worker id.
+func preciseBlocks(rep *replica, id string, tokens []uint32) int {
+	seq := indexer.SequenceHashes(tokens, indexer.DefaultBlockSize, indexer.BaseSeed, nil)
+	for _, m := range rep.precise.FindMatches(seq, nil) {
+		if m.Worker.ID == id {
+			return m.Blocks
+		}
+	}
+	return 0
+}
+
+func waitPrecise(t *testing.T, rep *replica, id string, tokens []uint32, want int) {
+	t.Helper()
+	eventually(t, fmt.Sprintf("the events to credit %s with %d blocks", id, want), func() (bool, string) {
+		got := preciseBlocks(rep, id, tokens)
+		return got == want, fmt.Sprintf("credited %d", got)
+	})
+}
+
+func TestPreciseModePredictsWhatTheWorkerCached(t *testing.T) {
+	a, b := startEventWorker(t, "w0"), startEventWorker(t, "w1")
+	rep := startPreciseReplica(t, a, b)
+	client := newRouterClient(t, rep)
+	prefix := promptTokens(31, 64*16)
+	// The prefix reaches w1's cache without the router seeing the request: only the events
+	// can route the next request there.
+	b.direct(prefix)
+	waitPrecise(t, rep, "w1", prefix, 64)
+	for i := range 5 {
+		prompt := concat(prefix, promptTokens(uint64(100+i), 8*16))
+		ans := client.complete(prompt, 2, nil).mustOK(t)
+		if ans.worker() != "w1" {
+			t.Fatalf("request %d went to %s; the events say w1 holds its prefix", i, ans.worker())
+		}
+		predicted := ans.overlap(t) * indexer.DefaultBlockSize
+		if cached := ans.cachedTokens(t); predicted != cached {
+			t.Fatalf("request %d: predicted %d cached tokens, the worker reports %d", i, predicted, cached)
+		}
+	}
+}
+
+func TestRestartedWorkerIsPurgedAndRelearned(t *testing.T) {
+	w := startEventWorker(t, "w0")
+	rep := startPreciseReplica(t, w)
+	before, after := promptTokens(41, 32*16), promptTokens(42, 32*16)
+	w.direct(before)
+	waitPrecise(t, rep, "w0", before, 32)
+	// The engine restarts: an empty cache, and sequence numbers from 0 again. Its events go
+	// out once the router has reconnected (what a PUB sends before a SUB is connected is
+	// lost; a busy engine's next step would carry on, an idle test worker would not).
+	client := newRouterClient(t, rep)
+	connects := func() float64 {
+		return client.scrapeMetrics()[`kvrouter_kvevents_connects_total{endpoint="`+w.spec.KVEvents+`",result="ok"}`]
+	}
+	before1 := connects()
+	w.stop()
+	w.start()
+	eventually(t, "the router to reconnect to the restarted worker", func() (bool, string) {
+		n := connects()
+		return n > before1, fmt.Sprintf("%v connects", n)
+	})
+	w.direct(after)
+	waitPrecise(t, rep, "w0", after, 32)
+	if got := preciseBlocks(rep, "w0", before); got != 0 {
+		t.Fatalf("after the restart the index still credits w0 with %d blocks it lost", got)
+	}
+}
+
+func TestRestartedReplicaRecoversThroughReplay(t *testing.T) {
+	w := startEventWorker(t, "w0")
+	first := startPreciseReplica(t, w)
+	early, late := promptTokens(51, 24*16), promptTokens(52, 24*16)
+	w.direct(early)
+	waitPrecise(t, first, "w0", early, 24)
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// A new replica joins after the events about `early` were published: ZMQ drops them for
+	// a late subscriber, so only the worker's replay socket can bring them back.
+	second := startPreciseReplica(t, w)
+	w.direct(late)
+	waitPrecise(t, second, "w0", late, 24)
+	waitPrecise(t, second, "w0", early, 24)
+}

@@ -1,0 +1,64 @@
+package sim
+
+import (
+	"log/slog"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
+)
+
+// EventPublisher is where a worker's KV events go (kvevents.Publisher).
+type EventPublisher interface {
+	Publish(events []kvevents.Event) error
+}
+
+// PublishEvents returns a Config.OnEvent hook that publishes the cache's changes in vLLM's KV
+// event format. The block hashes are the worker's own (FNV, not the router's xxhash), so a
+// router must derive its keys from the token ids, as it must with a real engine.
+func PublishEvents(pub EventPublisher, blockSize int, log *slog.Logger) func(CacheEvent) {
+	return func(ce CacheEvent) {
+		events := translateCacheEvent(ce, blockSize)
+		if len(events) == 0 {
+			return
+		}
+		if err := pub.Publish(events); err != nil && log != nil {
+			log.Warn("publishing KV events failed", "error", err)
+		}
+	}
+}
+
+// translateCacheEvent turns one cache change into vLLM events; stored blocks are split into
+// runs that chain (each block's parent is the one before it), one BlockStored per run.
+func translateCacheEvent(ce CacheEvent, blockSize int) []kvevents.Event {
+	switch ce.Kind {
+	case Cleared:
+		return []kvevents.Event{{Kind: indexer.Cleared}}
+	case Removed:
+		if len(ce.Blocks) == 0 {
+			return nil
+		}
+		ev := kvevents.Event{Kind: indexer.Removed, Medium: "GPU"}
+		for _, b := range ce.Blocks {
+			ev.BlockHashes = append(ev.BlockHashes, kvevents.UintHash(b.Hash))
+		}
+		return []kvevents.Event{ev}
+	case Stored:
+		var out []kvevents.Event
+		for i := 0; i < len(ce.Blocks); {
+			first := ce.Blocks[i]
+			ev := kvevents.Event{Kind: indexer.Stored, BlockSize: blockSize, Medium: "GPU"}
+			if first.Parent != 0 {
+				ev.Parent, ev.HasParent = kvevents.UintHash(first.Parent), true
+			}
+			j := i
+			for ; j < len(ce.Blocks) && (j == i || ce.Blocks[j].Parent == ce.Blocks[j-1].Hash); j++ {
+				ev.BlockHashes = append(ev.BlockHashes, kvevents.UintHash(ce.Blocks[j].Hash))
+				ev.TokenIDs = append(ev.TokenIDs, ce.Blocks[j].Tokens...)
+			}
+			out = append(out, ev)
+			i = j
+		}
+		return out
+	}
+	return nil
+}

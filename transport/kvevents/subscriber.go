@@ -1,0 +1,825 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"net"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/go-zeromq/zmq4"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+)
+
+// Mode says which side of the ZMQ connection the subscriber is.
+type Mode int
+
+// The two directions vLLM uses.
+const (
+	// Connect: the SUB socket connects to one worker's bound PUB (vLLM binds when its endpoint
+	// has a wildcard host, tcp://*:5557).
+	Connect Mode = iota
+	// Bind: the SUB socket binds and many workers' PUB sockets connect to it (vLLM connects
+	// when its endpoint names a host); workers are told apart by topic.
+	Bind
+)
+
+// Defaults of Config's durations.
+const (
+	DefaultSilenceAfter  = 60 * time.Second
+	DefaultMinBackoff    = 100 * time.Millisecond
+	DefaultMaxBackoff    = 10 * time.Second
+	DefaultDialTimeout   = 3 * time.Second
+	DefaultReplayTimeout = 5 * time.Second
+)
+
+const (
+	// maxStreams bounds the (worker, rank) streams one bind-mode subscriber tracks.
+	maxStreams = 4096
+	// maxReplayMessages bounds one replay answer; vLLM's buffer holds 10,000 steps by default.
+	maxReplayMessages = 1 << 17
+	// logEvery is how often one worker's (or topic's) repeated problems are logged.
+	logEvery = time.Minute
+)
+
+// Config configures a Subscriber.
+type Config struct {
+	// Endpoint is the ZMQ endpoint: the worker's PUB (Connect) or the one to bind (Bind), such
+	// as tcp://10.0.0.5:5557 or tcp://*:5557.
+	Endpoint string
+	Mode     Mode
+	// Worker is the worker (and data-parallel rank) behind Endpoint, in Connect mode. vLLM
+	// offsets the port by the rank, so a DP worker gets one Subscriber per rank (see OffsetPort).
+	Worker indexer.Worker
+	// Replay is the worker's replay (ROUTER) endpoint in Connect mode, already offset for the
+	// rank; empty means gaps are counted, not recovered.
+	Replay string
+
+	// Topics maps a topic to its worker in Bind mode.
+	Topics map[string]indexer.Worker
+	// TopicPattern identifies a worker in Bind mode by the host:port in its topic, for topics
+	// not in Topics: literal text with placeholders in braces, exactly one of them
+	// {host:port}, such as "kv@{host:port}@{model}". The host:port is matched against URLs.
+	TopicPattern string
+	// URLs maps worker IDs to their URLs (http://host:port), for TopicPattern.
+	URLs map[string]string
+	// Replays maps a worker ID to its rank-0 replay endpoint in Bind mode; rank r uses the
+	// port offset by r. The rank is the batch's data_parallel_rank, or the mapped worker's.
+	Replays map[string]string
+
+	// BlockSize is the router's block size; events of another size are dropped and counted.
+	BlockSize int
+	// MaxBlocks caps each worker's engine-hash map (0: DefaultMaxBlocks).
+	MaxBlocks int
+	// Sink receives the events; required.
+	Sink Sink
+	// Metrics receives the counters; nil makes a private, unregistered set.
+	Metrics *Metrics
+	// Logger logs; nil discards.
+	Logger *slog.Logger
+
+	// SilenceAfter reports a worker without a message for this long (gauge and log); it is not
+	// purged, since an idle engine publishes nothing.
+	SilenceAfter time.Duration
+	// MinBackoff and MaxBackoff bound the jittered exponential wait between reconnects.
+	MinBackoff, MaxBackoff time.Duration
+	// DialTimeout bounds one TCP connect; ReplayTimeout one whole replay request.
+	DialTimeout, ReplayTimeout time.Duration
+}
+
+// Subscriber feeds one worker's (Connect) or many workers' (Bind) KV events into a Sink.
+type Subscriber struct {
+	cfg     Config
+	log     *slog.Logger
+	m       *Metrics
+	pattern *topicPattern
+	hosts   map[string]string // host:port -> worker ID, for the pattern
+
+	mu   sync.Mutex
+	addr net.Addr
+
+	// Owned by Run's goroutine.
+	dec, replayDec *Decoder
+	streams        map[indexer.Worker]*stream
+	topicCache     map[string]topicResult
+	lastLog        map[string]time.Time
+}
+
+type topicResult struct {
+	w  indexer.Worker
+	ok bool
+}
+
+// stream is one (worker, rank): one publisher socket and its sequence.
+type stream struct {
+	w       indexer.Worker
+	label   string
+	tr      *Translator
+	replay  string
+	started bool
+	last    uint64
+	lastMsg time.Time
+	silent  bool
+	// replayed holds the payload digests of the messages the last replay applied: the same
+	// messages may still arrive live, and must then be skipped as duplicates rather than taken
+	// for an engine restart.
+	replayed map[uint64]uint64
+
+	lastSeq, silence prometheus.Gauge
+}
+
+// NewSubscriber checks cfg and returns a Subscriber; Run starts it.
+func NewSubscriber(cfg Config) (*Subscriber, error) {
+	if cfg.Endpoint == "" {
+		return nil, errors.New("kvevents: subscriber needs an endpoint")
+	}
+	if cfg.Sink == nil {
+		return nil, errors.New("kvevents: subscriber needs a sink")
+	}
+	if cfg.BlockSize < 1 || cfg.BlockSize > MaxBlockSize {
+		return nil, fmt.Errorf("kvevents: block size %d out of 1..%d", cfg.BlockSize, MaxBlockSize)
+	}
+	s := &Subscriber{
+		cfg:        cfg,
+		log:        cfg.Logger,
+		m:          cfg.Metrics,
+		dec:        NewDecoder(),
+		replayDec:  NewDecoder(),
+		streams:    make(map[indexer.Worker]*stream),
+		topicCache: make(map[string]topicResult),
+		lastLog:    make(map[string]time.Time),
+	}
+	switch cfg.Mode {
+	case Connect:
+		if cfg.Worker.ID == "" {
+			return nil, errors.New("kvevents: connect mode needs the worker")
+		}
+	case Bind:
+		if len(cfg.Topics) == 0 && cfg.TopicPattern == "" {
+			return nil, errors.New("kvevents: bind mode needs Topics or a TopicPattern")
+		}
+		if cfg.TopicPattern != "" {
+			p, err := parseTopicPattern(cfg.TopicPattern)
+			if err != nil {
+				return nil, err
+			}
+			s.pattern = p
+			s.hosts = make(map[string]string, len(cfg.URLs))
+			for id, raw := range cfg.URLs {
+				hp, err := hostPort(raw)
+				if err != nil {
+					return nil, fmt.Errorf("kvevents: worker %s: %w", id, err)
+				}
+				s.hosts[hp] = id
+			}
+		}
+	default:
+		return nil, fmt.Errorf("kvevents: unknown mode %d", cfg.Mode)
+	}
+	if s.log == nil {
+		s.log = slog.New(slog.DiscardHandler)
+	}
+	if s.m == nil {
+		s.m, _ = NewMetrics(nil) // cannot fail without a registerer
+	}
+	s.cfg.SilenceAfter = orDefault(cfg.SilenceAfter, DefaultSilenceAfter)
+	s.cfg.MinBackoff = orDefault(cfg.MinBackoff, DefaultMinBackoff)
+	s.cfg.MaxBackoff = max(orDefault(cfg.MaxBackoff, DefaultMaxBackoff), s.cfg.MinBackoff)
+	s.cfg.DialTimeout = orDefault(cfg.DialTimeout, DefaultDialTimeout)
+	s.cfg.ReplayTimeout = orDefault(cfg.ReplayTimeout, DefaultReplayTimeout)
+	return s, nil
+}
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d <= 0 {
+		return def
+	}
+	return d
+}
+
+// Addr is the address the subscriber is bound to in Bind mode, nil until it is.
+func (s *Subscriber) Addr() net.Addr {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.addr
+}
+
+// Run connects (or binds), applies events until ctx ends, and reconnects with a capped,
+// jittered exponential backoff whenever the connection is lost or cannot be made. It returns
+// nil once ctx is done.
+func (s *Subscriber) Run(ctx context.Context) error {
+	tick := time.NewTicker(min(max(s.cfg.SilenceAfter/4, 10*time.Millisecond), time.Second))
+	defer tick.Stop()
+	bo := backoff{min: s.cfg.MinBackoff, max: s.cfg.MaxBackoff}
+	for {
+		sock, err := s.open(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			s.m.connects.WithLabelValues(s.cfg.Endpoint, "error").Inc()
+			s.logLimited("endpoint "+s.cfg.Endpoint, slog.LevelWarn, "kv events: cannot connect",
+				"endpoint", s.cfg.Endpoint, "err", err)
+		} else {
+			s.m.connects.WithLabelValues(s.cfg.Endpoint, "ok").Inc()
+			s.log.Info("kv events: connected", "endpoint", s.cfg.Endpoint, "mode", s.cfg.Mode)
+			bo.reset()
+			s.resync(ctx)
+			err = s.serve(ctx, sock, tick.C)
+			if ctx.Err() != nil {
+				return nil
+			}
+			s.m.connects.WithLabelValues(s.cfg.Endpoint, "lost").Inc()
+			s.log.Warn("kv events: connection lost, reconnecting", "endpoint", s.cfg.Endpoint, "err", err)
+		}
+		if !sleepCtx(ctx, bo.next()) {
+			return nil
+		}
+	}
+}
+
+func (s *Subscriber) socketOptions() []zmq4.Option {
+	return []zmq4.Option{
+		zmq4.WithDialerMaxRetries(0), // we retry, with backoff and under ctx
+		zmq4.WithDialerTimeout(s.cfg.DialTimeout),
+		zmq4.WithTimeout(s.cfg.ReplayTimeout),
+		zmq4.WithLogger(slog.NewLogLogger(s.log.Handler(), slog.LevelDebug)),
+	}
+}
+
+// open returns a subscribed SUB socket, connected or bound.
+func (s *Subscriber) open(ctx context.Context) (zmq4.Socket, error) {
+	sock := zmq4.NewSub(ctx, s.socketOptions()...)
+	if err := sock.SetOption(zmq4.OptionSubscribe, ""); err != nil {
+		_ = sock.Close()
+		return nil, fmt.Errorf("subscribe: %w", err)
+	}
+	if s.cfg.Mode == Bind {
+		if err := sock.Listen(guarded(s.cfg.Endpoint)); err != nil {
+			_ = sock.Close()
+			return nil, err
+		}
+		s.mu.Lock()
+		s.addr = sock.Addr()
+		s.mu.Unlock()
+		return sock, nil
+	}
+	if err := dialCtx(ctx, sock, guarded(s.cfg.Endpoint)); err != nil {
+		_ = sock.Close()
+		return nil, err
+	}
+	return sock, nil
+}
+
+// dialCtx dials under ctx. zmq4's Dial does not watch a context and its ZMTP handshake has no
+// deadline, so it runs aside; on ctx's end the caller closes the socket and moves on.
+func dialCtx(ctx context.Context, sock zmq4.Socket, ep string) error {
+	done := make(chan error, 1)
+	go func() { done <- sock.Dial(ep) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// serve reads sock until ctx ends or, in Connect mode, the publisher goes away.
+func (s *Subscriber) serve(ctx context.Context, sock zmq4.Socket, tick <-chan time.Time) error {
+	msgs := make(chan zmq4.Msg, 256)
+	lost := make(chan error, 1)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			m, err := sock.Recv()
+			if err != nil {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+					return
+				}
+				if s.cfg.Mode == Bind {
+					// One publisher's connection ended; the others carry on (zmq4 reports it
+					// through Recv, once per connection).
+					s.log.Debug("kv events: a publisher disconnected", "endpoint", s.cfg.Endpoint, "err", err)
+					continue
+				}
+				lost <- err
+				return
+			}
+			select {
+			case msgs <- m:
+			case <-stop:
+				return
+			}
+		}
+	}()
+	defer func() {
+		close(stop)
+		_ = sock.Close() // unblocks Recv
+		wg.Wait()
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-lost:
+			return err
+		case m := <-msgs:
+			s.handle(ctx, m)
+		case now := <-tick:
+			s.checkSilence(now)
+		}
+	}
+}
+
+// handle applies one message: [topic, 8-byte big-endian sequence, payload].
+func (s *Subscriber) handle(ctx context.Context, m zmq4.Msg) {
+	var topic string
+	if len(m.Frames) > 0 {
+		topic = string(m.Frames[0])
+	}
+	w, ok := s.identify(topic)
+	if !ok {
+		s.m.unknownPublisher.Inc()
+		s.logLimited("topic "+topic, slog.LevelWarn, "kv events: message from an unknown publisher dropped",
+			"endpoint", s.cfg.Endpoint, "topic", fmt.Sprintf("%.128q", topic))
+		return
+	}
+	if len(m.Frames) != 3 || len(m.Frames[1]) != 8 || int64(binary.BigEndian.Uint64(m.Frames[1])) < 0 {
+		sizes := make([]int, len(m.Frames))
+		for i, f := range m.Frames {
+			sizes[i] = len(f)
+		}
+		s.drop(w, "frame", fmt.Errorf("want [topic, 8-byte non-negative sequence, payload], got frames of %v bytes", sizes))
+		return
+	}
+	seq := binary.BigEndian.Uint64(m.Frames[1])
+	b, err := s.dec.Decode(m.Frames[2])
+	if err != nil {
+		s.drop(w, Cause(err), err)
+		return
+	}
+	if s.cfg.Mode == Bind && b.HasDPRank {
+		w.DPRank = uint32(b.DPRank)
+	}
+	st := s.stream(w)
+	if st == nil {
+		s.m.unknownPublisher.Inc()
+		return
+	}
+	st.lastMsg = time.Now()
+	if st.silent {
+		st.silent = false
+		s.log.Info("kv events: worker publishing again", "worker", st.label)
+	}
+	switch {
+	case !st.started:
+		if st.replay != "" && seq > 0 {
+			// Joined late (ZMQ's slow joiner): what the replay buffer still holds is better
+			// than nothing.
+			s.recover(ctx, st, 0, seq)
+		}
+	case seq == st.last+1:
+	case seq > st.last+1:
+		s.m.gaps.WithLabelValues(st.label).Inc()
+		if st.replay != "" {
+			s.recover(ctx, st, st.last+1, seq)
+		}
+		if missed := seq - 1 - st.last; missed > 0 {
+			s.m.missed.WithLabelValues(st.label).Add(float64(missed))
+			s.logLimited(st.label, slog.LevelWarn, "kv events: sequence gap", "worker", st.label,
+				"missed", missed, "seq", seq)
+		}
+	case st.replayed[seq] == xxhash.Sum64(m.Frames[2]):
+		return // already applied from the replay socket
+	default:
+		// A sequence that goes back is an engine that restarted: what we knew is stale.
+		s.m.restarts.WithLabelValues(st.label).Inc()
+		s.log.Warn("kv events: sequence restarted, purging the worker", "worker", st.label,
+			"last", st.last, "seq", seq)
+		st.tr.Purge()
+		s.cfg.Sink.RemoveWorker(st.w)
+		st.started = false
+		if st.replay != "" && seq > 0 {
+			s.recover(ctx, st, 0, seq)
+		}
+	}
+	s.apply(st, seq, b)
+}
+
+// resync runs after a (re)connect in Connect mode when the worker has a replay socket: what
+// the worker published while no SUB was connected is lost to ZMQ, and an idle engine may not
+// publish again for a long time, so waiting for the next message to reveal the gap is not
+// enough. It fetches the whole replay buffer: if its newest sequence is behind ours, the
+// engine restarted (purge, then apply the buffer); otherwise what follows our last is applied.
+// An engine that restarted and has already published past our last sequence looks like a
+// gap; vLLM's protocol carries no engine epoch to tell them apart.
+func (s *Subscriber) resync(ctx context.Context) {
+	if s.cfg.Mode != Connect || s.cfg.Replay == "" {
+		return
+	}
+	st := s.stream(s.cfg.Worker)
+	if st == nil {
+		return
+	}
+	got, err := s.fetchReplay(ctx, st.replay, 0, math.MaxInt64)
+	if err != nil {
+		s.m.replays.WithLabelValues(st.label, "error").Inc()
+		s.logLimited(st.label, slog.LevelWarn, "kv events: replay after connect failed", "worker", st.label,
+			"replay", st.replay, "err", err)
+		return
+	}
+	s.m.replays.WithLabelValues(st.label, "ok").Inc()
+	if len(got) == 0 {
+		return
+	}
+	if st.started && got[len(got)-1].seq < st.last {
+		s.m.restarts.WithLabelValues(st.label).Inc()
+		s.log.Warn("kv events: engine restarted while disconnected, purging the worker", "worker", st.label,
+			"last", st.last, "newest", got[len(got)-1].seq)
+		st.tr.Purge()
+		s.cfg.Sink.RemoveWorker(st.w)
+		st.started = false
+	}
+	applied := 0
+	clear(st.replayed)
+	for _, r := range got {
+		if st.started && r.seq <= st.last {
+			continue
+		}
+		b, derr := s.replayDec.Decode(r.payload)
+		if derr != nil {
+			s.drop(st.w, Cause(derr), derr)
+			st.started, st.last = true, r.seq
+			continue
+		}
+		s.apply(st, r.seq, b)
+		st.noteReplayed(r)
+		applied++
+	}
+	s.m.replayed.WithLabelValues(st.label).Add(float64(applied))
+}
+
+// apply applies one decoded batch and moves the stream to seq.
+func (s *Subscriber) apply(st *stream, seq uint64, b Batch) {
+	c, err := st.tr.Apply(b, s.cfg.Sink)
+	s.m.counts(st.label, c)
+	if err != nil {
+		s.drop(st.w, Cause(err), err)
+	}
+	st.started, st.last = true, seq
+	st.lastSeq.Set(float64(seq))
+}
+
+// recover fetches [from, to) from the worker's replay socket and applies what it gets in
+// order, skipping what the stream already has.
+func (s *Subscriber) recover(ctx context.Context, st *stream, from, to uint64) {
+	got, err := s.fetchReplay(ctx, st.replay, from, to)
+	applied := 0
+	clear(st.replayed)
+	for _, r := range got {
+		if st.started && r.seq <= st.last {
+			continue // a duplicate
+		}
+		b, derr := s.replayDec.Decode(r.payload)
+		if derr != nil {
+			s.drop(st.w, Cause(derr), derr)
+			st.started, st.last = true, r.seq // it is bad however often it is fetched
+			continue
+		}
+		s.apply(st, r.seq, b)
+		st.noteReplayed(r)
+		applied++
+	}
+	s.m.replayed.WithLabelValues(st.label).Add(float64(applied))
+	result := "ok"
+	switch {
+	case err != nil:
+		result = "error"
+		s.logLimited(st.label, slog.LevelWarn, "kv events: replay failed", "worker", st.label,
+			"replay", st.replay, "from", from, "to", to, "err", err)
+	case !st.started || st.last+1 < to:
+		result = "partial"
+	}
+	s.m.replays.WithLabelValues(st.label, result).Inc()
+	s.log.Debug("kv events: replayed", "worker", st.label, "from", from, "to", to, "applied", applied, "result", result)
+}
+
+type replayed struct {
+	seq     uint64
+	payload []byte
+}
+
+// noteReplayed remembers a message applied from the replay socket (see stream.replayed).
+func (st *stream) noteReplayed(r replayed) {
+	if st.replayed == nil {
+		st.replayed = make(map[uint64]uint64)
+	}
+	st.replayed[r.seq] = xxhash.Sum64(r.payload)
+}
+
+// fetchReplay asks a vLLM replay (ROUTER) socket for everything from `from` on, and keeps the
+// messages before `to`, in increasing order. The request is an empty delimiter and the 8-byte
+// big-endian start (vLLM's ROUTER expects [identity, "", start]); each answer is ["", seq,
+// payload], the empty delimiter tolerated absent, until seq -1.
+func (s *Subscriber) fetchReplay(ctx context.Context, ep string, from, to uint64) ([]replayed, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
+	defer cancel()
+	sock := zmq4.NewDealer(ctx, s.socketOptions()...)
+	defer func() { _ = sock.Close() }()
+	if err := dialCtx(ctx, sock, guarded(ep)); err != nil {
+		return nil, fmt.Errorf("dial replay %s: %w", ep, err)
+	}
+	var start [8]byte
+	binary.BigEndian.PutUint64(start[:], from)
+	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, start[:])); err != nil {
+		return nil, fmt.Errorf("replay request: %w", err)
+	}
+	var out []replayed
+	for range maxReplayMessages {
+		m, err := sock.Recv()
+		if err != nil {
+			return out, fmt.Errorf("replay answer: %w", err)
+		}
+		f := m.Frames
+		if len(f) == 3 && len(f[0]) == 0 {
+			f = f[1:]
+		}
+		if len(f) != 2 || len(f[0]) != 8 {
+			return out, fmt.Errorf("replay answer of %d frames: %w", len(m.Frames), ErrMalformed)
+		}
+		seq := binary.BigEndian.Uint64(f[0])
+		if int64(seq) == -1 {
+			return out, nil
+		}
+		if seq < from || (len(out) > 0 && seq <= out[len(out)-1].seq) {
+			continue
+		}
+		if seq >= to {
+			return out, nil // the rest arrives, or arrived, on the SUB socket
+		}
+		out = append(out, replayed{seq: seq, payload: f[1]})
+		if seq == to-1 {
+			return out, nil
+		}
+	}
+	return out, fmt.Errorf("replay answer longer than %d messages: %w", maxReplayMessages, ErrTooLarge)
+}
+
+// identify names the worker behind a topic.
+func (s *Subscriber) identify(topic string) (indexer.Worker, bool) {
+	if s.cfg.Mode == Connect {
+		return s.cfg.Worker, true
+	}
+	if w, ok := s.cfg.Topics[topic]; ok {
+		return w, true
+	}
+	if r, ok := s.topicCache[topic]; ok {
+		return r.w, r.ok
+	}
+	var r topicResult
+	if s.pattern != nil {
+		if hp, ok := s.pattern.match(topic); ok {
+			if id, ok := s.hosts[hp]; ok {
+				r = topicResult{w: indexer.Worker{ID: id}, ok: true}
+			}
+		}
+	}
+	if len(s.topicCache) >= maxStreams {
+		clear(s.topicCache) // a flood of made-up topics must not grow it for ever
+	}
+	s.topicCache[topic] = r
+	return r.w, r.ok
+}
+
+// stream returns the stream of w, creating it; nil past maxStreams.
+func (s *Subscriber) stream(w indexer.Worker) *stream {
+	if st, ok := s.streams[w]; ok {
+		return st
+	}
+	if len(s.streams) >= maxStreams {
+		return nil
+	}
+	tr, err := NewTranslator(w, s.cfg.BlockSize, s.cfg.MaxBlocks)
+	if err != nil {
+		return nil // NewSubscriber checked the block size
+	}
+	label := w.String()
+	st := &stream{
+		w:       w,
+		label:   label,
+		tr:      tr,
+		lastSeq: s.m.lastSeq.WithLabelValues(label),
+		silence: s.m.silence.WithLabelValues(label),
+	}
+	switch {
+	case s.cfg.Mode == Connect:
+		st.replay = s.cfg.Replay
+	case s.cfg.Replays[w.ID] != "":
+		ep, err := OffsetPort(s.cfg.Replays[w.ID], int(w.DPRank))
+		if err != nil {
+			s.log.Warn("kv events: bad replay endpoint", "worker", label, "err", err)
+		}
+		st.replay = ep
+	}
+	s.streams[w] = st
+	return st
+}
+
+// checkSilence updates the silence gauges and reports workers that went quiet.
+func (s *Subscriber) checkSilence(now time.Time) {
+	for _, st := range s.streams {
+		since := now.Sub(st.lastMsg)
+		st.silence.Set(since.Seconds())
+		if since > s.cfg.SilenceAfter && !st.silent {
+			st.silent = true
+			s.log.Warn("kv events: worker silent", "worker", st.label, "since", since.Round(time.Second))
+		}
+	}
+}
+
+// drop counts a dropped message by cause and logs it, at most once a minute per worker.
+func (s *Subscriber) drop(w indexer.Worker, cause string, err error) {
+	label := w.String()
+	s.m.decodeErrors.WithLabelValues(label, cause).Inc()
+	s.logLimited(label, slog.LevelWarn, "kv events: message dropped", "worker", label, "cause", cause, "err", err)
+}
+
+// logLimited logs at most once per logEvery for key.
+func (s *Subscriber) logLimited(key string, level slog.Level, msg string, args ...any) {
+	now := time.Now()
+	if t, ok := s.lastLog[key]; ok && now.Sub(t) < logEvery {
+		return
+	}
+	if len(s.lastLog) >= maxStreams {
+		clear(s.lastLog)
+	}
+	s.lastLog[key] = now
+	s.log.Log(context.Background(), level, msg, args...)
+}
+
+// backoff is a capped exponential backoff with jitter (each wait is drawn from the upper half
+// of the current step, so a fleet of subscribers does not reconnect in lockstep).
+type backoff struct {
+	min, max, cur time.Duration
+}
+
+func (b *backoff) next() time.Duration {
+	if b.cur == 0 {
+		b.cur = b.min
+	} else {
+		b.cur = min(2*b.cur, b.max)
+	}
+	half := b.cur / 2
+	return half + rand.N(half+1)
+}
+
+func (b *backoff) reset() { b.cur = 0 }
+
+// sleepCtx waits d or until ctx ends, and reports whether ctx is still live.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// OffsetPort returns a tcp endpoint with its port moved up by offset, as vLLM does for each
+// data-parallel rank; other transports and offset 0 are returned unchanged.
+func OffsetPort(endpoint string, offset int) (string, error) {
+	if offset == 0 || !strings.HasPrefix(endpoint, "tcp://") {
+		return endpoint, nil
+	}
+	host, port, err := net.SplitHostPort(strings.TrimPrefix(endpoint, "tcp://"))
+	if err != nil {
+		return endpoint, fmt.Errorf("kvevents: endpoint %q: %w", endpoint, err)
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p+offset > 65535 || p+offset < 1 {
+		return endpoint, fmt.Errorf("kvevents: endpoint %q: port cannot be offset by %d", endpoint, offset)
+	}
+	return "tcp://" + net.JoinHostPort(host, strconv.Itoa(p+offset)), nil
+}
+
+// hostPort is the host:port of a worker URL, with the scheme's default port if it has none.
+func hostPort(raw string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", fmt.Errorf("url %q: %w", raw, err)
+	}
+	if u.Host == "" {
+		return "", fmt.Errorf("url %q has no host", raw)
+	}
+	if u.Port() != "" {
+		return u.Host, nil
+	}
+	port := "80"
+	if u.Scheme == "https" {
+		port = "443"
+	}
+	return net.JoinHostPort(u.Hostname(), port), nil
+}
+
+// topicPattern matches topics such as kv@10.0.0.5:8000@llama against "kv@{host:port}@{model}".
+type topicPattern struct {
+	// parts alternate literal text and placeholders: parts[0] literal, parts[1] placeholder...
+	parts []string
+	hp    int // index in parts of {host:port}
+}
+
+func parseTopicPattern(p string) (*topicPattern, error) {
+	tp := &topicPattern{hp: -1}
+	rest := p
+	for {
+		open := strings.IndexByte(rest, '{')
+		if open < 0 {
+			if strings.IndexByte(rest, '}') >= 0 {
+				return nil, fmt.Errorf("kvevents: topic pattern %q: unbalanced '}'", p)
+			}
+			tp.parts = append(tp.parts, rest)
+			break
+		}
+		end := strings.IndexByte(rest[open:], '}')
+		if end < 0 {
+			return nil, fmt.Errorf("kvevents: topic pattern %q: unbalanced '{'", p)
+		}
+		lit, name := rest[:open], rest[open+1:open+end]
+		if strings.IndexByte(lit, '}') >= 0 || strings.IndexByte(name, '{') >= 0 {
+			return nil, fmt.Errorf("kvevents: topic pattern %q: unbalanced braces", p)
+		}
+		if len(tp.parts) > 0 && lit == "" {
+			return nil, fmt.Errorf("kvevents: topic pattern %q: two placeholders need text between them", p)
+		}
+		tp.parts = append(tp.parts, lit, name)
+		if name == "host:port" {
+			if tp.hp >= 0 {
+				return nil, fmt.Errorf("kvevents: topic pattern %q: {host:port} twice", p)
+			}
+			tp.hp = len(tp.parts) - 1
+		}
+		rest = rest[open+end+1:]
+	}
+	if tp.hp < 0 {
+		return nil, fmt.Errorf("kvevents: topic pattern %q has no {host:port}", p)
+	}
+	return tp, nil
+}
+
+// match returns the host:port a topic carries. A placeholder takes the shortest text up to the
+// next literal (a host:port has no '@'); the last placeholder takes the rest.
+func (tp *topicPattern) match(topic string) (string, bool) {
+	rest := topic
+	var hp string
+	for i := 0; i < len(tp.parts); i += 2 {
+		lit := tp.parts[i]
+		if !strings.HasPrefix(rest, lit) {
+			return "", false
+		}
+		rest = rest[len(lit):]
+		if i+1 >= len(tp.parts) {
+			break
+		}
+		var val string
+		if next := tp.parts[i+2]; next != "" {
+			j := strings.Index(rest, next)
+			if j < 0 {
+				return "", false
+			}
+			val, rest = rest[:j], rest[j:]
+		} else {
+			val, rest = rest, ""
+		}
+		if val == "" {
+			return "", false
+		}
+		if i+1 == tp.hp {
+			hp = val
+		}
+	}
+	if rest != "" {
+		return "", false
+	}
+	return hp, true
+}
