@@ -151,8 +151,6 @@ func TestSessionHashMovesOnlyTheRemovedWorkersSessions(t *testing.T) {
 	before := map[string]string{}
 	for i := range 200 {
 		key := fmt.Sprintf("s%d", i)
-		a := route(t, rg.router, Request{Hashes: hashes(1, 2), DPRank: -1, Session: ""})
-		_ = a
 		d, _ := rg.router.selectWorker(context.Background(), &Request{Session: key, DPRank: -1}, nil, nil)
 		before[key] = d.Target.Worker.ID
 	}
