@@ -21,6 +21,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 )
 
 // demoConfig is one comparison run: simulated workers, a router per policy, one trace slice.
@@ -237,6 +238,7 @@ func demoRun(ctx context.Context, cfg demoConfig, policy string, precise bool, r
 		// trace's reuse gap, and a worker remembers no more than its cache holds.
 		ApproxTTL: time.Duration(float64(120*time.Second) / cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
 		SessionTTL: time.Duration(float64(10*time.Minute) / cfg.Speedup), MaxSessions: 1_000_000,
+		Health: openai.HealthConfig{Timeout: 2 * time.Second, FailThreshold: 3},
 		Logger: quiet,
 	})
 	if err != nil {
