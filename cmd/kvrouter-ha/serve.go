@@ -200,6 +200,9 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 	var index routing.PrefixIndex
 	if r.precise != nil {
 		approxTTL = cfg.OverlayTTL
+		if approxTTL <= 0 {
+			approxTTL = 10 * time.Second // a TTL of 0 would keep decisions for ever
+		}
 	}
 	r.approx = indexer.New(indexer.Options{TTL: approxTTL, MaxBlocksPerWorker: cfg.ApproxMaxBlocks})
 	index = r.approx
