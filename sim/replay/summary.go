@@ -229,7 +229,7 @@ func (s *Summary) WriteText(w io.Writer) {
 func Table(w io.Writer, sums []*Summary) {
 	// Figures align right; padding every row name to one width keeps the
 	// name column reading left-aligned.
-	const nameWidth = len("imbalance tokens")
+	const nameWidth = len("prediction MAE tok")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	row := func(name string, cell func(*Summary) string) {
 		fmt.Fprintf(tw, "%-*s", nameWidth, name)
@@ -248,5 +248,11 @@ func Table(w io.Writer, sums []*Summary) {
 	row("errors", func(s *Summary) string { return fmt.Sprintf("%d", s.Failed) })
 	row("imbalance req", func(s *Summary) string { return fmt.Sprintf("%.2f", s.RequestImbalance) })
 	row("imbalance tokens", func(s *Summary) string { return fmt.Sprintf("%.2f", s.PromptTokenImbalance) })
+	row("prediction MAE tok", func(s *Summary) string {
+		if s.OverlapSamples == 0 {
+			return "-"
+		}
+		return fmt.Sprintf("%.0f", s.OverlapMAETokens)
+	})
 	_ = tw.Flush()
 }
