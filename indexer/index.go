@@ -133,6 +133,7 @@ func (x *Index) Store(w Worker, seq []uint64) {
 		tick = x.tick()
 	}
 	added := 0
+	var next link // the block after the one being added, for its hint (see shard.add)
 	for end := len(seq); end > 0; {
 		start := max(0, end-writeBatch)
 		for _, h := range seq[start:end] {
@@ -142,7 +143,8 @@ func (x *Index) Store(w Worker, seq []uint64) {
 			key := normKey(seq[i])
 			sh := &x.shards[shardOf(key)]
 			sh.lock()
-			had := sh.add(key, st.id)
+			var had bool
+			had, next = sh.add(key, st.id, next)
 			sh.unlock()
 			st.queue.push(key, tick)
 			if had {

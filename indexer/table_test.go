@@ -31,7 +31,7 @@ func TestShardMatchesMapModel(t *testing.T) {
 		key := keys[rng.IntN(len(keys))]
 		id := ids[rng.IntN(len(ids))]
 		if rng.IntN(3) > 0 {
-			had := s.add(key, id)
+			had, _ := s.add(key, id, link{})
 			if had != model[key][id] {
 				t.Fatalf("step %d: add(%#x, %d) reported had=%v, model says %v", step, key, id, had, !had)
 			}
@@ -75,7 +75,8 @@ func checkShard(t *testing.T, s *shard, model map[uint64]map[int]bool, keys []ui
 	for _, key := range keys {
 		for _, id := range ids {
 			p, bit := id/pageBits, uint64(1)<<(id%pageBits)
-			if got := s.get(key, p)&bit != 0; got != model[key][id] {
+			set, _ := s.get(key, p)
+			if got := set&bit != 0; got != model[key][id] {
 				t.Fatalf("key %#x id %d: present=%v, model %v", key, id, got, model[key][id])
 			}
 		}
@@ -85,8 +86,8 @@ func checkShard(t *testing.T, s *shard, model map[uint64]map[int]bool, keys []ui
 func TestTableWidensForHighIDsAndNarrowsWhenTheyLeave(t *testing.T) {
 	var s shard
 	for k := range uint64(1000) {
-		s.add(k+1, 0)
-		s.add(k+1, 150)
+		s.add(k+1, 0, link{})
+		s.add(k+1, 150, link{})
 	}
 	if p := s.tab.Load().pages; p != 3 {
 		t.Fatalf("ids up to 150 need 3 pages, table has %d", p)
@@ -95,12 +96,15 @@ func TestTableWidensForHighIDsAndNarrowsWhenTheyLeave(t *testing.T) {
 		s.remove(k+1, 150)
 	}
 	for k := range uint64(2000) {
-		s.add(k+5000, 0) // grows the table, which rehashes
+		s.add(k+5000, 0, link{}) // grows the table, which rehashes
 	}
 	if p := s.tab.Load().pages; p != 1 {
 		t.Fatalf("with only id 0 left the regrown table has %d pages", p)
 	}
-	if s.get(1, 0) != 1 || s.get(1, 2) != 0 {
+	if a, _ := s.get(1, 0); a != 1 {
+		t.Fatal("narrowing lost the bits of id 0")
+	}
+	if c, _ := s.get(1, 2); c != 0 {
 		t.Fatal("narrowing lost or kept the wrong bits")
 	}
 }
