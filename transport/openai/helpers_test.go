@@ -84,6 +84,9 @@ type rig struct {
 type rigOptions struct {
 	router func(*routing.Config)
 	front  func(*Config)
+	// realIndex routes over the production prefix index (approximate mode) instead of the
+	// map index, as a replica does; benchmarks use it.
+	realIndex bool
 }
 
 // newRig serves a front over the given worker specs.
@@ -95,12 +98,19 @@ func newRig(t testing.TB, specs []routing.WorkerSpec, opts rigOptions) *rig {
 	}
 	tracker := routing.NewTracker()
 	affinity := routing.NewMemoryAffinity(time.Hour, 0)
-	idx := &mapIndex{blocks: map[uint64]map[indexer.Worker]bool{}}
+	deps := routing.Deps{Workers: workers, Tracker: tracker, Affinity: affinity}
+	if opts.realIndex {
+		idx := indexer.New(indexer.Options{TTL: 2 * time.Minute})
+		deps.Index, deps.Recorder = idx, idx
+	} else {
+		idx := &mapIndex{blocks: map[uint64]map[indexer.Worker]bool{}}
+		deps.Index, deps.Recorder = idx, idx
+	}
 	rcfg := routing.Config{Seed: 1}
 	if opts.router != nil {
 		opts.router(&rcfg)
 	}
-	router, err := routing.New(rcfg, routing.Deps{Index: idx, Recorder: idx, Workers: workers, Tracker: tracker, Affinity: affinity})
+	router, err := routing.New(rcfg, deps)
 	if err != nil {
 		t.Fatalf("router: %v", err)
 	}

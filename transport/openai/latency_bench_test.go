@@ -5,6 +5,8 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"slices"
 	"strings"
 	"testing"
@@ -13,76 +15,180 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
-// BenchmarkAddedLatency measures what the router adds to a request's latency: at a fixed rate
-// (one request per interval, alternating), the same request goes straight to a worker and
-// through the router to that worker, and the percentiles of the two are compared. The worker
-// answers at once, so the difference is the router's parse, selection and proxying.
+// fixedRate is the gap between two requests in the rate-limited runs: 1,000 req/s on each
+// path, which leaves the cores idle between requests, as a lightly loaded replica is.
+const fixedRate = 500 * time.Microsecond
+
+// latencyWorker answers at once: a small JSON completion, or a short SSE stream.
+func latencyWorker(stream bool) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if stream {
+			w.Header().Set("Content-Type", "text/event-stream")
+			for range 4 {
+				_, _ = io.WriteString(w, "data: {\"choices\":[{\"text\":\"x\"}]}\n\n")
+				_ = http.NewResponseController(w).Flush()
+			}
+			_, _ = io.WriteString(w, "data: [DONE]\n\n")
+			return
+		}
+		okJSON(w, r)
+	}
+}
+
+func latencyBody(stream bool) string {
+	return `{"model":"m","stream":` + map[bool]string{true: "true", false: "false"}[stream] +
+		`,"max_tokens":4,"prompt":"` + strings.Repeat("word ", 200) + `"}`
+}
+
+// BenchmarkAddedLatency measures what the router adds to a request's latency: the same
+// request goes alternately straight to a worker and through the router to that worker, one
+// at a time, and the percentiles of the two are compared. The worker answers at once, so the
+// difference is the router's parse, selection and proxying. The plain runs send at a fixed
+// rate (cores idle between requests, so thread wake-ups count); the -busy runs send back to
+// back.
 func BenchmarkAddedLatency(b *testing.B) {
 	for _, tc := range []struct {
-		name   string
-		stream bool
-	}{{"json", false}, {"sse", true}} {
+		name     string
+		stream   bool
+		interval time.Duration
+	}{
+		{"json", false, fixedRate},
+		{"sse", true, fixedRate},
+		{"json-busy", false, 0},
+		{"sse-busy", true, 0},
+	} {
 		b.Run(tc.name, func(b *testing.B) {
-			upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				_, _ = io.Copy(io.Discard, r.Body)
-				if tc.stream {
-					w.Header().Set("Content-Type", "text/event-stream")
-					for range 4 {
-						_, _ = io.WriteString(w, "data: {\"choices\":[{\"text\":\"x\"}]}\n\n")
-						_ = http.NewResponseController(w).Flush()
-					}
-					_, _ = io.WriteString(w, "data: [DONE]\n\n")
-					return
-				}
-				okJSON(w, r)
-			}))
+			upstream := httptest.NewServer(latencyWorker(tc.stream))
 			b.Cleanup(upstream.Close)
-			rg := newRig(b, []routing.WorkerSpec{spec("w0", upstream.URL)},
-				rigOptions{front: func(c *Config) { c.Logger = slog.New(slog.DiscardHandler) }})
-			body := `{"model":"m","stream":` + map[bool]string{true: "true", false: "false"}[tc.stream] +
-				`,"max_tokens":4,"prompt":"` + strings.Repeat("word ", 200) + `"}`
-			client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, DisableCompression: true}}
-			b.Cleanup(client.CloseIdleConnections)
-			do := func(base string) time.Duration {
-				start := time.Now()
-				resp, err := client.Post(base+"/v1/completions", "application/json", strings.NewReader(body))
+			rg := newRig(b, []routing.WorkerSpec{spec("w0", upstream.URL)}, rigOptions{realIndex: true,
+				front: func(c *Config) { c.Logger = slog.New(slog.DiscardHandler) }})
+			measureAdded(b, upstream.URL, rg.front.URL, latencyBody(tc.stream), tc.interval)
+		})
+	}
+}
+
+// BenchmarkAddedLatencyFloor is the same measurement through proxies that do no routing: a
+// bare httputil.ReverseProxy over net/http's Transport (what any Go proxy pays), and a bare
+// handler over the router's own upstream client. Their added latency is the floor under the
+// router's on this machine.
+func BenchmarkAddedLatencyFloor(b *testing.B) {
+	for _, tc := range []struct {
+		name     string
+		stream   bool
+		interval time.Duration
+		client   string
+	}{
+		{"json-reverseproxy", false, fixedRate, "transport"},
+		{"sse-reverseproxy", true, fixedRate, "transport"},
+		{"json-upstream", false, fixedRate, "upstream"},
+		{"sse-upstream", true, fixedRate, "upstream"},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			upstream := httptest.NewServer(latencyWorker(tc.stream))
+			b.Cleanup(upstream.Close)
+			var h http.Handler
+			switch tc.client {
+			case "transport":
+				u, err := url.Parse(upstream.URL)
 				if err != nil {
 					b.Fatal(err)
 				}
-				_, _ = io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-				if resp.StatusCode != http.StatusOK {
-					b.Fatalf("status %d from %s", resp.StatusCode, base)
-				}
-				return time.Since(start)
+				rp := httputil.NewSingleHostReverseProxy(u)
+				tr := newTransport(Config{ConnectTimeout: time.Second, FirstByteTimeout: time.Minute})
+				b.Cleanup(tr.CloseIdleConnections)
+				rp.Transport = tr
+				h = rp
+			default:
+				h = bareProxy(b, upstream.URL)
 			}
-			// Warm both paths' connections.
-			do(upstream.URL)
-			do(rg.front.URL)
-			const interval = 500 * time.Microsecond // 1,000 req/s on each path
-			var direct, proxied []time.Duration
-			next := time.Now()
-			for i := 0; b.Loop(); i++ {
-				if d := time.Until(next); d > 0 {
-					time.Sleep(d)
-				}
-				next = next.Add(interval)
-				if i%2 == 0 {
-					direct = append(direct, do(upstream.URL))
-				} else {
-					proxied = append(proxied, do(rg.front.URL))
-				}
-			}
-			if len(direct) < 2 || len(proxied) < 2 {
-				return
-			}
-			slices.Sort(direct)
-			slices.Sort(proxied)
-			pct := func(v []time.Duration, p int) float64 { return float64(v[(len(v)-1)*p/100].Microseconds()) }
-			b.ReportMetric(pct(direct, 50), "direct-p50-us")
-			b.ReportMetric(pct(proxied, 50), "proxied-p50-us")
-			b.ReportMetric(pct(proxied, 50)-pct(direct, 50), "added-p50-us")
-			b.ReportMetric(pct(proxied, 99)-pct(direct, 99), "added-p99-us")
+			front := httptest.NewServer(h)
+			b.Cleanup(front.Close)
+			measureAdded(b, upstream.URL, front.URL, latencyBody(tc.stream), tc.interval)
 		})
 	}
+}
+
+// measureAdded alternates the request between the direct and the proxied path (same client,
+// same body), at one request per interval, and reports the percentiles.
+func measureAdded(b *testing.B, direct, proxied, body string, interval time.Duration) {
+	b.Helper()
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, DisableCompression: true}}
+	b.Cleanup(client.CloseIdleConnections)
+	do := func(base string) time.Duration {
+		start := time.Now()
+		resp, err := client.Post(base+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			b.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			b.Fatalf("status %d from %s", resp.StatusCode, base)
+		}
+		return time.Since(start)
+	}
+	// Warm both paths' connections.
+	do(direct)
+	do(proxied)
+	var directs, proxieds []time.Duration
+	next := time.Now()
+	for i := 0; b.Loop(); i++ {
+		if d := time.Until(next); d > 0 {
+			time.Sleep(d)
+		}
+		next = next.Add(interval)
+		if i%2 == 0 {
+			directs = append(directs, do(direct))
+		} else {
+			proxieds = append(proxieds, do(proxied))
+		}
+	}
+	if len(directs) < 2 || len(proxieds) < 2 {
+		return
+	}
+	slices.Sort(directs)
+	slices.Sort(proxieds)
+	pct := func(v []time.Duration, p int) float64 { return float64(v[(len(v)-1)*p/100].Microseconds()) }
+	b.ReportMetric(pct(directs, 50), "direct-p50-us")
+	b.ReportMetric(pct(proxieds, 50), "proxied-p50-us")
+	b.ReportMetric(pct(proxieds, 50)-pct(directs, 50), "added-p50-us")
+	b.ReportMetric(pct(proxieds, 99)-pct(directs, 99), "added-p99-us")
+}
+
+// bareProxy relays every request to workerURL over the router's upstream client, with no
+// parsing, routing or accounting: the floor of the router's own proxying.
+func bareProxy(b *testing.B, workerURL string) http.Handler {
+	up := newUpstream(time.Second, nil)
+	b.Cleanup(up.close)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			return
+		}
+		resp, _, err := up.roundTrip(r.Context(), workerURL, outbound{method: r.Method, target: r.URL.RequestURI(),
+			body: body, header: func(b []byte) []byte {
+				return appendHeaderLine(b, "Content-Type", r.Header.Get("Content-Type"))
+			}}, time.Now().Add(time.Minute))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		defer resp.Body.Close()
+		copyHeaders(w.Header(), resp.Header)
+		w.WriteHeader(resp.StatusCode)
+		buf := make([]byte, copyBuffer)
+		rc := http.NewResponseController(w)
+		// Each pass reads at least one byte or ends.
+		for {
+			n, err := resp.Body.Read(buf)
+			if n > 0 {
+				_, _ = w.Write(buf[:n])
+				_ = rc.Flush()
+			}
+			if err != nil {
+				return
+			}
+		}
+	})
 }

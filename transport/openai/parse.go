@@ -2,12 +2,12 @@ package openai
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
+	"unicode/utf16"
 	"unicode/utf8"
 )
 
@@ -64,21 +64,26 @@ func (r *Request) PromptTokens() int {
 
 // Parse decodes body as a request of kind k and checks the fields routing needs. Its errors
 // are *Error values with status 400 naming the offending field.
+//
+// It reads the body in one pass that both checks the JSON (accepting exactly what
+// encoding/json accepts) and notes where the few fields routing reads are; encoding/json
+// runs only to word the error for a body that is not JSON. Keys match exactly, as a worker
+// decoding into a map would; a key repeated takes its last value.
 func Parse(k Kind, body []byte) (*Request, error) {
-	var fields map[string]json.RawMessage
-	if err := json.Unmarshal(body, &fields); err != nil {
-		var typeErr *json.UnmarshalTypeError
-		if errors.As(err, &typeErr) {
-			return nil, invalid("", "request body must be a JSON object")
+	var f topFields
+	switch scanTop(body, &f) {
+	case topNotJSON:
+		var probe json.RawMessage
+		if err := json.Unmarshal(body, &probe); err != nil {
+			return nil, invalid("", "request body is not valid JSON: "+err.Error())
 		}
-		return nil, invalid("", "request body is not valid JSON: "+err.Error())
-	}
-	if fields == nil {
+		return nil, invalid("", "request body is not valid JSON")
+	case topNotObject:
 		return nil, invalid("", "request body must be a JSON object")
 	}
 	req := &Request{Kind: k, Body: body}
 
-	model, ok := present(fields, "model")
+	model, ok := present(f.model)
 	if !ok {
 		return nil, invalid("model", "missing required field: model")
 	}
@@ -89,15 +94,19 @@ func Parse(k Kind, body []byte) (*Request, error) {
 		return nil, invalid("model", "model must be a non-empty string")
 	}
 
-	if raw, ok := present(fields, "stream"); ok {
-		if err := json.Unmarshal(raw, &req.Stream); err != nil {
+	if raw, ok := present(f.stream); ok {
+		switch string(raw) {
+		case "true":
+			req.Stream = true
+		case "false":
+		default:
 			return nil, invalid("stream", "stream must be a boolean")
 		}
 	}
 
 	switch k {
 	case KindChat:
-		raw, ok := present(fields, "messages")
+		raw, ok := present(f.messages)
 		if !ok {
 			return nil, invalid("messages", "missing required field: messages")
 		}
@@ -108,7 +117,7 @@ func Parse(k Kind, body []byte) (*Request, error) {
 		req.Text = text
 		req.Messages = raw
 	case KindCompletion:
-		raw, ok := present(fields, "prompt")
+		raw, ok := present(f.prompt)
 		if !ok {
 			return nil, invalid("prompt", "missing required field: prompt")
 		}
@@ -121,40 +130,72 @@ func Parse(k Kind, body []byte) (*Request, error) {
 	return req, nil
 }
 
-// DetectKind guesses a body's kind for /v1/route, which takes either: a body with
-// "messages" is a chat request, anything else a completion.
+// DetectKind guesses a body's kind for /v1/route, which takes either: a JSON object with a
+// "messages" member is a chat request, anything else a completion.
 func DetectKind(body []byte) Kind {
-	var probe struct {
-		Messages json.RawMessage `json:"messages"`
-	}
-	// Case-insensitive key matching is harmless here: Parse checks the exact key.
-	if json.Unmarshal(body, &probe) == nil && len(probe.Messages) > 0 {
+	var f topFields
+	if scanTop(body, &f) == topObject && f.messages != nil {
 		return KindChat
 	}
 	return KindCompletion
 }
 
-// present returns a field's raw value, treating an explicit null like an absent field.
-func present(fields map[string]json.RawMessage, key string) (json.RawMessage, bool) {
-	raw, ok := fields[key]
-	if !ok {
-		return nil, false
+// topFields are the raw values of the top-level fields routing reads (nil: absent).
+type topFields struct {
+	model, stream, messages, prompt []byte
+}
+
+// What scanTop found.
+const (
+	topObject = iota
+	topNotObject
+	topNotJSON
+)
+
+// scanTop checks that body is one JSON value and, when it is an object, notes the raw
+// values of the fields routing reads.
+func scanTop(body []byte, f *topFields) int {
+	i := skipSpace(body, 0)
+	if i >= len(body) || body[i] != '{' {
+		end, ok := skipValue(body, i, maxDepth)
+		if !ok || skipSpace(body, end) != len(body) {
+			return topNotJSON
+		}
+		return topNotObject
 	}
-	raw = bytes.TrimSpace(raw)
+	end, ok := members(body[i:], maxDepth, func(key, val []byte) {
+		switch string(key) {
+		case "model":
+			f.model = val
+		case "stream":
+			f.stream = val
+		case "messages":
+			f.messages = val
+		case "prompt":
+			f.prompt = val
+		}
+	})
+	if !ok || skipSpace(body, i+end) != len(body) {
+		return topNotJSON
+	}
+	return topObject
+}
+
+// present returns a field's raw value, treating an explicit null like an absent field.
+func present(raw []byte) ([]byte, bool) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, false
 	}
 	return raw, true
 }
 
-func renderMessages(raw json.RawMessage) (string, error) {
+func renderMessages(raw []byte) (string, error) {
 	const notArray = "messages must be a non-empty array"
 	if raw[0] != '[' {
 		return "", invalid("messages", notArray)
 	}
-	// Keys are matched exactly: encoding/json's struct decoding would match "Role" too,
-	// which a worker would not.
-	msgs, bad := objects(raw)
+	var buf [16][]byte
+	msgs, bad := objects(raw, buf[:0])
 	if bad >= 0 {
 		param := "messages[" + strconv.Itoa(bad) + "]"
 		return "", invalid(param, param+" must be an object")
@@ -162,94 +203,107 @@ func renderMessages(raw json.RawMessage) (string, error) {
 	if len(msgs) == 0 {
 		return "", invalid("messages", notArray)
 	}
-	var b strings.Builder
-	for i, fields := range msgs {
-		param := "messages[" + strconv.Itoa(i) + "]"
-		role, ok := jsonString(fields["role"])
-		if !ok {
-			return "", invalid(param+".role", param+".role must be a string")
+	// The rendering is about as long as the messages' JSON.
+	out := make([]byte, 0, len(raw))
+	for i, m := range msgs {
+		var role, content []byte
+		fieldsOf(m, func(key, val []byte) {
+			switch string(key) {
+			case "role":
+				role = val
+			case "content":
+				content = val
+			}
+		})
+		var ok bool
+		mark := len(out)
+		if out, ok = appendString(out, role); !ok {
+			param := "messages[" + strconv.Itoa(i) + "].role"
+			return "", invalid(param, param+" must be a string")
 		}
-		content, err := renderContent(fields["content"], role, param+".content")
-		if err != nil {
+		isAssistant := string(out[mark:]) == "assistant"
+		out = append(out, '\n')
+		var err error
+		if out, err = appendContent(out, content, isAssistant, i); err != nil {
 			return "", err
 		}
-		b.WriteString(role)
-		b.WriteByte('\n')
-		b.WriteString(content)
-		b.WriteByte('\n')
+		out = append(out, '\n')
 	}
-	return b.String(), nil
+	return string(out), nil
 }
 
-// objects decodes a JSON array of objects. On failure it returns the index of the first
-// element that is not an object (or 0 when raw is not an array).
-func objects(raw json.RawMessage) ([]map[string]json.RawMessage, int) {
-	var out []map[string]json.RawMessage
-	if err := json.Unmarshal(raw, &out); err == nil {
-		for i, m := range out {
-			if m == nil {
-				return nil, i
-			}
+// objects returns the elements of the JSON array raw, appended to dst, when all are
+// objects; otherwise the index of the first that is not.
+func objects(raw []byte, dst [][]byte) ([][]byte, int) {
+	bad := -1
+	elements(raw, func(i int, v []byte) bool {
+		if v[0] != '{' {
+			bad = i
+			return false
 		}
-		return out, -1
+		dst = append(dst, v)
+		return true
+	})
+	if bad >= 0 {
+		return nil, bad
 	}
-	// Only on bad input: find the element to blame.
-	var elems []json.RawMessage
-	if err := json.Unmarshal(raw, &elems); err != nil {
-		return nil, 0
-	}
-	for i, e := range elems {
-		var m map[string]json.RawMessage
-		if json.Unmarshal(e, &m) != nil || m == nil {
-			return nil, i
-		}
-	}
-	return nil, 0
+	return dst, -1
 }
 
-// renderContent accepts a string, an array of content parts, or (for an assistant message
-// that carries tool calls instead of text) null or nothing. Non-text parts such as images
-// are the worker's business and do not reach the routing text.
-func renderContent(raw json.RawMessage, role, param string) (string, error) {
+// appendContent renders a message's content: a string, an array of content parts, or (for
+// an assistant message that carries tool calls instead of text) null or nothing. Non-text
+// parts such as images are the worker's business and do not reach the routing text.
+func appendContent(out, raw []byte, isAssistant bool, msg int) ([]byte, error) {
 	const shape = " must be a string or an array of text parts"
-	raw = bytes.TrimSpace(raw)
+	param := func() string { return "messages[" + strconv.Itoa(msg) + "].content" }
 	if len(raw) == 0 || string(raw) == "null" {
-		if role == "assistant" {
-			return "", nil
+		if isAssistant {
+			return out, nil
 		}
-		return "", invalid(param, "missing required field: "+param)
+		p := param()
+		return nil, invalid(p, "missing required field: "+p)
 	}
-	if s, ok := jsonString(raw); ok {
-		return s, nil
+	if raw[0] == '"' {
+		out, _ = appendString(out, raw)
+		return out, nil
 	}
 	if raw[0] != '[' {
-		return "", invalid(param, param+shape)
+		p := param()
+		return nil, invalid(p, p+shape)
 	}
-	parts, bad := objects(raw)
+	var buf [8][]byte
+	parts, bad := objects(raw, buf[:0])
 	if bad >= 0 {
-		pp := param + "[" + strconv.Itoa(bad) + "]"
-		return "", invalid(pp, pp+" must be an object with a type")
+		pp := param() + "[" + strconv.Itoa(bad) + "]"
+		return nil, invalid(pp, pp+" must be an object with a type")
 	}
-	var b strings.Builder
-	for i, fields := range parts {
-		pp := param + "[" + strconv.Itoa(i) + "]"
-		typ, ok := jsonString(fields["type"])
-		if !ok {
-			return "", invalid(pp+".type", pp+".type must be a string")
+	for i, part := range parts {
+		var typ, text []byte
+		fieldsOf(part, func(key, val []byte) {
+			switch string(key) {
+			case "type":
+				typ = val
+			case "text":
+				text = val
+			}
+		})
+		if !isString(typ) {
+			pp := param() + "[" + strconv.Itoa(i) + "].type"
+			return nil, invalid(pp, pp+" must be a string")
 		}
-		if typ != "text" {
+		if t, _ := jsonString(typ); t != "text" {
 			continue
 		}
-		text, ok := jsonString(fields["text"])
-		if !ok {
-			return "", invalid(pp+".text", pp+".text must be a string")
+		var ok bool
+		if out, ok = appendString(out, text); !ok {
+			pp := param() + "[" + strconv.Itoa(i) + "].text"
+			return nil, invalid(pp, pp+" must be a string")
 		}
-		b.WriteString(text)
 	}
-	return b.String(), nil
+	return out, nil
 }
 
-func parsePrompt(raw json.RawMessage, req *Request) error {
+func parsePrompt(raw []byte, req *Request) error {
 	const shape = "prompt must be a string or an array of token ids"
 	if s, ok := jsonString(raw); ok {
 		req.Text = s
@@ -262,24 +316,40 @@ func parsePrompt(raw json.RawMessage, req *Request) error {
 	switch {
 	case len(inner) > 0 && inner[0] == '"':
 		// A batch of several prompts could go to different workers; the router takes one.
-		var batch []string
-		if err := json.Unmarshal(raw, &batch); err != nil {
+		// As a decoder into []string would, null elements pass and others fail.
+		var text []byte
+		n, ok := 0, true
+		elements(raw, func(i int, v []byte) bool {
+			n++
+			if i == 0 {
+				text, ok = appendString(nil, v)
+			} else {
+				ok = isString(v) || string(v) == "null"
+			}
+			return ok
+		})
+		if !ok {
 			return invalid("prompt", shape)
 		}
-		if len(batch) != 1 {
+		if n != 1 {
 			return invalid("prompt", "prompt must hold exactly one string; batches of prompts are not supported")
 		}
-		req.Text = batch[0]
+		req.Text = string(text)
 		return nil
 	case len(inner) > 0 && inner[0] == '[':
-		var batch []json.RawMessage
-		if err := json.Unmarshal(raw, &batch); err != nil {
-			return invalid("prompt", shape)
-		}
-		if len(batch) != 1 {
+		var first []byte
+		n := 0
+		elements(raw, func(i int, v []byte) bool {
+			if i == 0 {
+				first = v
+			}
+			n++
+			return true
+		})
+		if n != 1 {
 			return invalid("prompt", "prompt must hold exactly one token array; batches of prompts are not supported")
 		}
-		raw = batch[0]
+		raw = first
 	}
 	tokens, bad := tokenArray(raw)
 	if bad >= 0 {
@@ -294,8 +364,8 @@ func parsePrompt(raw json.RawMessage, req *Request) error {
 }
 
 // tokenArray reads an array of plain non-negative integers (no sign, fraction or exponent)
-// up to maxTokenID. raw is part of a document encoding/json has already validated, so a
-// byte scan suffices; it returns the index of the first bad element, or -1.
+// up to maxTokenID. raw is part of a checked document, so a byte scan suffices; it returns
+// the index of the first bad element, or -1.
 func tokenArray(raw []byte) ([]uint32, int) {
 	i := skipSpace(raw, 0)
 	if i >= len(raw) || raw[i] != '[' {
@@ -338,6 +408,47 @@ func tokenArray(raw []byte) ([]uint32, int) {
 	}
 }
 
+// jsonString decodes raw when it is a JSON string.
+func jsonString(raw []byte) (string, bool) {
+	if !isString(raw) {
+		return "", false
+	}
+	// Plain ASCII, the common case, is found in one pass; then other text without escapes.
+	if s := raw[1 : len(raw)-1]; plainRun(s, 0, true) == len(s) || (bytes.IndexByte(s, '\\') < 0 && utf8.Valid(s)) {
+		return string(s), true
+	}
+	b, ok := appendString(nil, raw)
+	return string(b), ok
+}
+
+func isString(raw []byte) bool {
+	return len(raw) >= 2 && raw[0] == '"' && raw[len(raw)-1] == '"'
+}
+
+func invalid(param, msg string) *Error {
+	return &Error{Status: http.StatusBadRequest, Message: msg, Type: TypeInvalidRequest, Param: param}
+}
+
+// The scanner below checks JSON as encoding/json does (the same grammar, the same nesting
+// limit, strings not required to be valid UTF-8) and decodes strings as it does (invalid
+// UTF-8 and lone surrogates become U+FFFD), so that what the router reads of a body is what a
+// worker's JSON decoder reads. Callers that walk a value already checked (members of a
+// document scanTop accepted) still get bounds-checked code: bad input gives false, never a
+// panic.
+
+// maxDepth is encoding/json's nesting limit.
+const maxDepth = 10000
+
+// stringStop marks the bytes that end a run of plain string bytes: the quote, the
+// backslash and control characters.
+var stringStop = func() (t [256]bool) {
+	for c := range 0x20 {
+		t[c] = true
+	}
+	t['"'], t['\\'] = true, true
+	return t
+}()
+
 func skipSpace(b []byte, i int) int {
 	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
 		i++
@@ -345,23 +456,392 @@ func skipSpace(b []byte, i int) int {
 	return i
 }
 
-// jsonString decodes raw when it is a JSON string. raw comes from a validated document, so
-// a string without escapes is its bytes between the quotes.
-func jsonString(raw json.RawMessage) (string, bool) {
-	raw = bytes.TrimSpace(raw)
-	if len(raw) < 2 || raw[0] != '"' || raw[len(raw)-1] != '"' {
-		return "", false
+// skipString checks the string starting at b[i] == '"' and returns the index after it, and
+// whether it holds escapes.
+func skipString(b []byte, i int) (end int, escaped, ok bool) {
+	i++
+	for {
+		i = plainRun(b, i, false)
+		if i >= len(b) {
+			return i, escaped, false
+		}
+		switch b[i] {
+		case '"':
+			return i + 1, escaped, true
+		case '\\':
+			escaped = true
+			if i+1 >= len(b) {
+				return i, escaped, false
+			}
+			switch b[i+1] {
+			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+				i += 2
+			case 'u':
+				if hex4(b, i+2) < 0 {
+					return i, escaped, false
+				}
+				i += 6
+			default:
+				return i, escaped, false
+			}
+		default:
+			return i, escaped, false
+		}
 	}
-	if body := raw[1 : len(raw)-1]; bytes.IndexByte(body, '\\') < 0 && utf8.Valid(body) {
-		return string(body), true
-	}
-	var s string
-	if err := json.Unmarshal(raw, &s); err != nil {
-		return "", false
-	}
-	return s, true
 }
 
-func invalid(param, msg string) *Error {
-	return &Error{Status: http.StatusBadRequest, Message: msg, Type: TypeInvalidRequest, Param: param}
+// plainRun returns the index of the first byte at or after i that ends a run of plain
+// string bytes (see stringStop; with ascii, bytes from 0x80 end it too), or len(b). It tests
+// eight bytes at a time: prompts are mostly long plain runs.
+func plainRun(b []byte, i int, ascii bool) int {
+	const (
+		ones  = 0x0101010101010101
+		highs = 0x8080808080808080
+	)
+	var high uint64
+	if ascii {
+		high = highs
+	}
+	for ; i+8 <= len(b); i += 8 {
+		x := binary.LittleEndian.Uint64(b[i:])
+		// Each term has a high bit set in some byte if and only if a byte is below 0x20, a
+		// quote, or a backslash (the borrow trick; it may mark bytes above the first hit,
+		// which the byte loop below sorts out).
+		ctl := (x - 0x20*ones) &^ x
+		q := x ^ '"'*ones
+		quote := (q - ones) &^ q
+		bs := x ^ '\\'*ones
+		slash := (bs - ones) &^ bs
+		if ((ctl|quote|slash)&highs)|(x&high) != 0 {
+			break
+		}
+	}
+	for i < len(b) && !stringStop[b[i]] && (!ascii || b[i] < utf8.RuneSelf) {
+		i++
+	}
+	return i
+}
+
+// hex4 decodes the four hex digits at b[i:], or returns -1.
+func hex4(b []byte, i int) rune {
+	if i+4 > len(b) {
+		return -1
+	}
+	var r rune
+	for _, c := range b[i : i+4] {
+		switch {
+		case '0' <= c && c <= '9':
+			c -= '0'
+		case 'a' <= c && c <= 'f':
+			c = c - 'a' + 10
+		case 'A' <= c && c <= 'F':
+			c = c - 'A' + 10
+		default:
+			return -1
+		}
+		r = r<<4 | rune(c)
+	}
+	return r
+}
+
+func skipNumber(b []byte, i int) (int, bool) {
+	if i < len(b) && b[i] == '-' {
+		i++
+	}
+	switch {
+	case i >= len(b):
+		return i, false
+	case b[i] == '0':
+		i++
+	case b[i] >= '1' && b[i] <= '9':
+		i = skipDigits(b, i+1)
+	default:
+		return i, false
+	}
+	if i < len(b) && b[i] == '.' {
+		j := skipDigits(b, i+1)
+		if j == i+1 {
+			return j, false
+		}
+		i = j
+	}
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			i++
+		}
+		j := skipDigits(b, i)
+		if j == i {
+			return j, false
+		}
+		i = j
+	}
+	return i, true
+}
+
+func skipDigits(b []byte, i int) int {
+	for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+		i++
+	}
+	return i
+}
+
+// skipKey checks an object key and its colon, from b[i] on (spaces first), and returns the
+// index after the colon.
+func skipKey(b []byte, i int) (int, bool) {
+	i = skipSpace(b, i)
+	if i >= len(b) || b[i] != '"' {
+		return i, false
+	}
+	i, _, ok := skipString(b, i)
+	if !ok {
+		return i, false
+	}
+	i = skipSpace(b, i)
+	if i >= len(b) || b[i] != ':' {
+		return i, false
+	}
+	return i + 1, true
+}
+
+// skipValue checks the JSON value starting at b[i] (spaces first), nested at most depth
+// deep, and returns the index after it. It keeps its own stack rather than recursing, so a
+// deeply nested body costs a byte per level.
+func skipValue(b []byte, i int, depth int) (int, bool) {
+	var stackBuf [64]byte
+	stack := stackBuf[:0]
+	var ok bool
+	for {
+		// A value starts at i.
+		i = skipSpace(b, i)
+		if i >= len(b) {
+			return i, false
+		}
+		switch c := b[i]; c {
+		case '{', '[':
+			if len(stack) >= depth {
+				return i, false
+			}
+			end := byte('}')
+			if c == '[' {
+				end = ']'
+			}
+			j := skipSpace(b, i+1)
+			if j < len(b) && b[j] == end {
+				i = j + 1
+				break // an empty container is a whole value
+			}
+			stack = append(stack, c)
+			i = j
+			if c == '{' {
+				if i, ok = skipKey(b, i); !ok {
+					return i, false
+				}
+			}
+			continue
+		case '"':
+			if i, _, ok = skipString(b, i); !ok {
+				return i, false
+			}
+		case 't':
+			if i, ok = skipLiteral(b, i, "true"); !ok {
+				return i, false
+			}
+		case 'f':
+			if i, ok = skipLiteral(b, i, "false"); !ok {
+				return i, false
+			}
+		case 'n':
+			if i, ok = skipLiteral(b, i, "null"); !ok {
+				return i, false
+			}
+		default:
+			if i, ok = skipNumber(b, i); !ok {
+				return i, false
+			}
+		}
+		// A value ended at i: close containers until one has a next member.
+		for next := false; !next; {
+			if len(stack) == 0 {
+				return i, true
+			}
+			i = skipSpace(b, i)
+			if i >= len(b) {
+				return i, false
+			}
+			top := stack[len(stack)-1]
+			switch {
+			case b[i] == ',' && top == '{':
+				if i, ok = skipKey(b, i+1); !ok {
+					return i, false
+				}
+				next = true
+			case b[i] == ',':
+				i++
+				next = true
+			case (b[i] == '}' && top == '{') || (b[i] == ']' && top == '['):
+				i++
+				stack = stack[:len(stack)-1]
+			default:
+				return i, false
+			}
+		}
+	}
+}
+
+func skipLiteral(b []byte, i int, lit string) (int, bool) {
+	if !bytes.HasPrefix(b[i:], []byte(lit)) {
+		return i, false
+	}
+	return i + len(lit), true
+}
+
+// validJSON reports whether b is one JSON value, as json.Valid does.
+func validJSON(b []byte) bool {
+	end, ok := skipValue(b, 0, maxDepth)
+	return ok && skipSpace(b, end) == len(b)
+}
+
+// members walks the object starting at obj[0] == '{', nested at most depth deep with
+// itself counted, checking it and calling fn with each member's decoded key and raw value.
+// It returns the index after the object.
+func members(obj []byte, depth int, fn func(key, val []byte)) (int, bool) {
+	i := skipSpace(obj, 1)
+	if i < len(obj) && obj[i] == '}' {
+		return i + 1, true
+	}
+	// Every pass consumes a member or returns.
+	for {
+		i = skipSpace(obj, i)
+		if i >= len(obj) || obj[i] != '"' {
+			return i, false
+		}
+		keyEnd, escaped, ok := skipString(obj, i)
+		if !ok {
+			return keyEnd, false
+		}
+		key := obj[i+1 : keyEnd-1]
+		if escaped {
+			key, _ = appendString(nil, obj[i:keyEnd])
+		}
+		i = skipSpace(obj, keyEnd)
+		if i >= len(obj) || obj[i] != ':' {
+			return i, false
+		}
+		start := skipSpace(obj, i+1)
+		end, ok := skipValue(obj, start, depth-1)
+		if !ok {
+			return end, false
+		}
+		fn(key, obj[start:end])
+		i = skipSpace(obj, end)
+		if i >= len(obj) {
+			return i, false
+		}
+		switch obj[i] {
+		case ',':
+			i++
+		case '}':
+			return i + 1, true
+		default:
+			return i, false
+		}
+	}
+}
+
+// fieldsOf calls fn with each member of a checked object (ignoring any fault in it).
+func fieldsOf(obj []byte, fn func(key, val []byte)) {
+	_, _ = members(obj, maxDepth, fn)
+}
+
+// elements calls fn with each element of a checked array until fn returns false.
+func elements(arr []byte, fn func(i int, v []byte) bool) {
+	if len(arr) == 0 || arr[0] != '[' {
+		return
+	}
+	i := skipSpace(arr, 1)
+	if i < len(arr) && arr[i] == ']' {
+		return
+	}
+	// Every pass consumes an element or returns.
+	for n := 0; ; n++ {
+		start := skipSpace(arr, i)
+		end, ok := skipValue(arr, start, maxDepth)
+		if !ok || !fn(n, arr[start:end]) {
+			return
+		}
+		i = skipSpace(arr, end)
+		if i >= len(arr) || arr[i] != ',' {
+			return
+		}
+		i++
+	}
+}
+
+// appendString appends the decoded JSON string raw to dst; false if raw is not a string.
+// Decoding follows encoding/json: invalid UTF-8 and unpaired surrogates become U+FFFD.
+func appendString(dst, raw []byte) ([]byte, bool) {
+	if !isString(raw) {
+		return dst, false
+	}
+	s := raw[1 : len(raw)-1]
+	// Every pass consumes at least one byte or returns.
+	for r := 0; r < len(s); {
+		c := s[r]
+		switch {
+		case c == '\\':
+			if r+1 >= len(s) {
+				return dst, false
+			}
+			switch s[r+1] {
+			case '"', '\\', '/', '\'':
+				dst = append(dst, s[r+1])
+			case 'b':
+				dst = append(dst, '\b')
+			case 'f':
+				dst = append(dst, '\f')
+			case 'n':
+				dst = append(dst, '\n')
+			case 'r':
+				dst = append(dst, '\r')
+			case 't':
+				dst = append(dst, '\t')
+			case 'u':
+				rr := hex4(s, r+2)
+				if rr < 0 {
+					return dst, false
+				}
+				r += 6
+				if utf16.IsSurrogate(rr) {
+					var rr1 rune = -1
+					if r+1 < len(s) && s[r] == '\\' && s[r+1] == 'u' {
+						rr1 = hex4(s, r+2)
+					}
+					if dec := utf16.DecodeRune(rr, rr1); dec != utf8.RuneError {
+						dst = utf8.AppendRune(dst, dec)
+						r += 6
+						continue
+					}
+					rr = utf8.RuneError
+				}
+				dst = utf8.AppendRune(dst, rr)
+				continue
+			default:
+				return dst, false
+			}
+			r += 2
+		case c == '"' || c < ' ':
+			return dst, false
+		case c < utf8.RuneSelf:
+			// A run of plain ASCII goes in one copy.
+			j := plainRun(s, r+1, true)
+			dst = append(dst, s[r:j]...)
+			r = j
+		default:
+			rr, size := utf8.DecodeRune(s[r:])
+			dst = utf8.AppendRune(dst, rr)
+			r += size
+		}
+	}
+	return dst, true
 }

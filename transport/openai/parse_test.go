@@ -1,6 +1,8 @@
 package openai
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"net/http"
 	"slices"
@@ -198,6 +200,140 @@ func FuzzParse(f *testing.F) {
 		}
 		if kind == KindChat && !strings.Contains(req.Text, "\n") {
 			t.Fatalf("chat request rendered no message: %q", req.Text)
+		}
+	})
+}
+
+// sameAsReference fails t unless Parse and the encoding/json parser it replaced agree on
+// body: the same fields, or the same error naming the same field.
+func sameAsReference(t *testing.T, kind Kind, body []byte) {
+	t.Helper()
+	got, gotErr := Parse(kind, body)
+	want, wantErr := refParse(kind, body)
+	if (gotErr == nil) != (wantErr == nil) {
+		t.Fatalf("Parse(%q): error %v, the encoding/json parser's %v", body, gotErr, wantErr)
+	}
+	if gotErr != nil {
+		var g, w *Error
+		if !errors.As(gotErr, &g) || !errors.As(wantErr, &w) || *g != *w {
+			t.Fatalf("Parse(%q): error %#v, the encoding/json parser's %#v", body, gotErr, wantErr)
+		}
+		return
+	}
+	if got.Kind != want.Kind || got.Model != want.Model || got.Stream != want.Stream || got.Text != want.Text ||
+		got.HasTokens != want.HasTokens || !slices.Equal(got.Tokens, want.Tokens) ||
+		!bytes.Equal(got.Messages, want.Messages) || !bytes.Equal(got.Body, want.Body) {
+		t.Fatalf("Parse(%q) = %+v, the encoding/json parser's %+v", body, got, want)
+	}
+}
+
+func TestParseReadsWhatEncodingJSONReads(t *testing.T) {
+	deep := func(n int) string { return strings.Repeat("[", n) + strings.Repeat("]", n) }
+	tests := []struct {
+		name string
+		body string
+	}{
+		{"escaped key", `{"mod\u0065l":"m","prompt":"p"}`},
+		{"escaped key that is not ours", `{"model":"m","prompt":"p","pr\u006fmpt2":1}`},
+		{"repeated key takes the last", `{"model":"a","model":"b","prompt":5,"prompt":"p"}`},
+		{"escapes in text", `{"model":"m","prompt":"a\"b\\c\/d\b\f\n\r\t\u00e9\u4e2d"}`},
+		{"surrogate pair", `{"model":"m","prompt":"\ud83d\ude00"}`},
+		{"lone high surrogate", `{"model":"m","prompt":"x\ud83dy"}`},
+		{"lone low surrogate", `{"model":"m","prompt":"\ude00"}`},
+		{"high surrogate then escape", `{"model":"m","prompt":"\ud83d\u0041"}`},
+		{"high surrogate twice", `{"model":"m","prompt":"\ud83d\ud83d\ude00"}`},
+		{"invalid utf-8", "{\"model\":\"m\xff\",\"prompt\":\"a\xc3\x28b\xed\xa0\x80\"}"},
+		{"utf-8 text", `{"model":"m","prompt":"héllo wörld ✓ 😀"}`},
+		{"escaped assistant role", `{"model":"m","messages":[{"role":"assist\u0061nt","content":null}]}`},
+		{"whitespace everywhere", " \t\r\n{ \"model\" : \"m\" , \"stream\" : true , \"prompt\" : [ 1 , 2 ] } \n"},
+		{"numbers", `{"model":"m","prompt":"p","x":[0,-0,1.5,-2e10,3E+2,4e-2,0.0e0]}`},
+		{"bad number leading zero", `{"model":"m","prompt":"p","x":01}`},
+		{"bad number dot", `{"model":"m","prompt":"p","x":1.}`},
+		{"bad number exponent", `{"model":"m","prompt":"p","x":1e}`},
+		{"bad number minus", `{"model":"m","prompt":"p","x":-}`},
+		{"bad literal", `{"model":"m","prompt":"p","x":tru}`},
+		{"bad escape", `{"model":"m","prompt":"a\x"}`},
+		{"bad unicode escape", `{"model":"m","prompt":"\u12g4"}`},
+		{"control character in string", "{\"model\":\"m\",\"prompt\":\"a\x01\"}"},
+		{"trailing comma", `{"model":"m","prompt":"p",}`},
+		{"trailing garbage", `{"model":"m","prompt":"p"} x`},
+		{"two values", `{"model":"m","prompt":"p"}{}`},
+		{"byte order mark", "\xef\xbb\xbf{\"model\":\"m\",\"prompt\":\"p\"}"},
+		{"nested 9999 deep", `{"model":"m","prompt":"p","x":` + deep(9999) + `}`},
+		{"nested 10000 deep", `{"model":"m","prompt":"p","x":` + deep(10000) + `}`},
+		{"top level array too deep", deep(10001)},
+		{"top level array deep", deep(10000)},
+		{"prompt strings with null", `{"model":"m","prompt":["a",null]}`},
+		{"prompt strings with number", `{"model":"m","prompt":["a",1]}`},
+		{"prompt token batch with string", `{"model":"m","prompt":[[1],"a"]}`},
+		{"prompt token batch of null", `{"model":"m","prompt":[[1],null]}`},
+		{"prompt escaped string batch", `{"model":"m","prompt":["\u0041"]}`},
+		{"content part type escaped", `{"model":"m","messages":[{"role":"user","content":[{"type":"t\u0065xt","text":"a\nb"}]}]}`},
+		{"content part type not text", `{"model":"m","messages":[{"role":"user","content":[{"type":"image","text":5}]}]}`},
+		{"message null", `{"model":"m","messages":[{"role":"user","content":"a"},null]}`},
+		{"second message not object before first role error", `{"model":"m","messages":[{"content":"a"},"x"]}`},
+		{"part null", `{"model":"m","messages":[{"role":"user","content":[null]}]}`},
+		{"empty content parts", `{"model":"m","messages":[{"role":"user","content":[]}]}`},
+		{"content object", `{"model":"m","messages":[{"role":"user","content":{}}]}`},
+		{"content true", `{"model":"m","messages":[{"role":"user","content":true}]}`},
+		{"role null", `{"model":"m","messages":[{"role":null,"content":"a"}]}`},
+		{"stream number", `{"model":"m","stream":1,"prompt":"p"}`},
+		{"stream string", `{"model":"m","stream":"true","prompt":"p"}`},
+		{"model empty after escape", `{"model":"\u0000","prompt":"p"}`},
+		{"model array", `{"model":["m"],"prompt":"p"}`},
+		{"long plain strings", `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("abcdefgh", 300) + `\n` + strings.Repeat("z", 77) + `"}]}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			sameAsReference(t, KindChat, []byte(tt.body))
+			sameAsReference(t, KindCompletion, []byte(tt.body))
+		})
+	}
+}
+
+func TestValidJSONAgreesWithEncodingJSON(t *testing.T) {
+	for _, s := range []string{
+		``, ` `, `1`, `-1.5e3`, `"a"`, `"\u00"`, `true`, `nul`, `[1,]`, `[,1]`, `{"a":1,}`, `{"a"}`, `{1:2}`,
+		`[1 2]`, `{"a":1 "b":2}`, `[[[]]]`, `[{}]`, `{"a":[{"b":null}]}`, "\"\x7f\x80\"", `"\/"`, `"\'"`,
+		`01`, `1.`, `.5`, `+1`, `1e+`, `[1]]`, `{}}`, `"abc`, `"abcdefghijklmnop`, `"abcdefgh\"ijklmnop"`,
+	} {
+		if got, want := validJSON([]byte(s)), json.Valid([]byte(s)); got != want {
+			t.Errorf("validJSON(%q) = %v, json.Valid says %v", s, got, want)
+		}
+	}
+}
+
+func FuzzParseMatchesEncodingJSON(f *testing.F) {
+	for _, s := range []string{
+		`{"model":"m","messages":[{"role":"user","content":"h\u00e9 \ud83d\ude00"}]}`,
+		`{"model":"m","prompt":"a\nb","stream":false}`,
+		`{"model":"m","prompt":[[1,2]],"x":[1.5e3,{"y":null}]}`,
+		`{"mod\u0065l":"m","prompt":["x",null]}`,
+		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url"}]}]}`,
+		"{\"model\":\"m\xff\",\"prompt\":\"\xc3\"}",
+	} {
+		f.Add(true, []byte(s))
+		f.Add(false, []byte(s))
+	}
+	f.Fuzz(func(t *testing.T, chat bool, body []byte) {
+		kind := KindCompletion
+		if chat {
+			kind = KindChat
+		}
+		sameAsReference(t, kind, body)
+		if got, want := validJSON(body), json.Valid(body); got != want {
+			t.Fatalf("validJSON(%q) = %v, json.Valid says %v", body, got, want)
+		}
+		// Every JSON string decodes as encoding/json decodes it.
+		if len(body) > 0 && body[0] == '"' && json.Valid(body) {
+			var want string
+			if err := json.Unmarshal(body, &want); err != nil {
+				t.Fatal(err)
+			}
+			// Parse hands it values without the spaces around them.
+			if got, ok := jsonString(bytes.TrimRight(body, " \t\r\n")); !ok || got != want {
+				t.Fatalf("jsonString(%q) = %q, %v; encoding/json reads %q", body, got, ok, want)
+			}
 		}
 	})
 }

@@ -1,17 +1,16 @@
 package openai
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/textproto"
+	"os"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -23,8 +22,9 @@ const (
 	maxDispatches = 16
 	// maxBufferedResponse caps a non-streamed answer, which is read whole to check it.
 	maxBufferedResponse = 64 << 20
-	// copyBuffer is the read size for relaying a body.
-	copyBuffer = 32 << 10
+	// copyBuffer is the read size for relaying a body: streamed events are small, and a
+	// non-streamed answer is read whole without it.
+	copyBuffer = 16 << 10
 	// drainOnRetry is how much of a failed answer is read before dropping the connection.
 	drainOnRetry = 4 << 10
 )
@@ -42,6 +42,7 @@ var (
 	errFirstByte = errors.New("worker sent no body within the first-byte timeout")
 )
 
+// newTransport is the net/http client for worker calls off the hot path (the model list).
 func newTransport(cfg Config) *http.Transport {
 	// HTTP/1.1 only, even for https workers: one stream per connection keeps a slow stream
 	// from holding up others, and matches what inference servers speak.
@@ -55,6 +56,7 @@ func newTransport(cfg Config) *http.Transport {
 		MaxIdleConnsPerHost:   256,
 		IdleConnTimeout:       90 * time.Second,
 		TLSHandshakeTimeout:   cfg.ConnectTimeout,
+		TLSClientConfig:       cfg.WorkerTLS,
 		ResponseHeaderTimeout: cfg.FirstByteTimeout,
 		ExpectContinueTimeout: 0,
 		DisableCompression:    true,
@@ -160,15 +162,8 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if d.Target.Spec == nil {
 		return retry, failure{cause: "internal", err: errors.New("routing chose a target without a spec")}
 	}
-	upCtx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-
-	up, err := s.upstreamRequest(upCtx, c.r, c.p, d.Target)
-	if err != nil {
-		return retry, failure{cause: "upstream_connect", err: err}
-	}
-	dispatched := time.Now()
-	resp, err := s.transport.RoundTrip(up)
+	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
+	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, upstreamRequest(c.r, c.p, d.Target), firstBy)
 	if err != nil {
 		if ctx.Err() != nil {
 			s.fail(c.w, c.r, nil)
@@ -182,15 +177,13 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return retry, failure{cause: cause, err: fmt.Errorf("worker %s: %w", d.Target.Worker, err)}
 	}
 	defer resp.Body.Close()
+	rd := &upstreamReader{body: ub, firstBy: firstBy, idle: s.cfg.IdleTimeout}
 
 	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests {
 		_, _ = io.CopyN(io.Discard, resp.Body, drainOnRetry)
 		return retry, failure{cause: "upstream_status",
 			err: fmt.Errorf("worker %s answered %s", d.Target.Worker, resp.Status)}
 	}
-
-	rd := newUpstreamReader(resp.Body, cancel, dispatched.Add(s.cfg.FirstByteTimeout), s.cfg.IdleTimeout)
-	defer rd.stop()
 
 	if resp.StatusCode < 200 || resp.StatusCode >= 300 {
 		// The worker refused the request itself: the client's fault, so it is theirs to see.
@@ -200,7 +193,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 
 	binding, err := c.att.Commit(ctx)
 	if err != nil {
-		cancel(err)
+		// Closing the body unread drops the connection, which cancels the worker's request.
 		s.fail(c.w, c.r, commitError(err))
 		return done, failure{}
 	}
@@ -212,7 +205,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		})
 	}
 
-	body, err := s.readAll(c, rd)
+	body, err := s.readAll(c, rd, resp.ContentLength)
 	switch {
 	case err != nil && ctx.Err() != nil:
 		s.fail(c.w, c.r, nil)
@@ -221,13 +214,19 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return retry, s.badResponse(d, "upstream_timeout", err)
 	case err != nil:
 		return retry, s.badResponse(d, "upstream_garbage", err)
-	case resp.Header.Get("Content-Encoding") == "" && !json.Valid(body):
+	case resp.Header.Get("Content-Encoding") == "" && !validJSON(body):
 		return retry, s.badResponse(d, "upstream_garbage", errors.New("a 2xx answer that is not JSON"))
 	}
 	c.observeTTFT(s)
 	s.writeHeaders(c, resp, d, binding, len(body))
 	if _, err := c.w.Write(body); err != nil {
 		s.log.Debug("client write failed", "error", err)
+		return done, failure{}
+	}
+	// The answer is whole (its length is set), so it goes out now, in one write, rather
+	// than after the handler's cleanup.
+	if err := http.NewResponseController(c.w).Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		s.log.Debug("client flush failed", "error", err)
 	}
 	return done, failure{}
 }
@@ -255,52 +254,105 @@ func (s *Server) badResponse(d routing.Decision, cause string, err error) failur
 	return failure{cause: cause, err: fmt.Errorf("worker %s: %s", d.Target.Worker, reason)}
 }
 
-// upstreamRequest builds the worker's copy of the client request.
-func (s *Server) upstreamRequest(ctx context.Context, r *http.Request, p *Request, t routing.Target) (*http.Request, error) {
-	target := strings.TrimSuffix(t.Spec.URL, "/") + r.URL.Path
+// upstreamRequest describes the worker's copy of the client request: the client's method,
+// path, query and body, and its end-to-end headers.
+func upstreamRequest(r *http.Request, p *Request, t routing.Target) outbound {
+	target := r.URL.EscapedPath()
 	if r.URL.RawQuery != "" {
 		target += "?" + r.URL.RawQuery
 	}
-	up, err := http.NewRequestWithContext(ctx, r.Method, target, bytes.NewReader(p.Body))
-	if err != nil {
-		return nil, fmt.Errorf("build request for worker %s: %w", t.Worker, err)
-	}
-	copyHeaders(up.Header, r.Header)
-	// Identity encoding lets the proxy check a buffered answer and pass SSE as it comes.
-	up.Header.Del("Accept-Encoding")
-	up.Header.Del("Expect")
-	up.Header.Del("Content-Length")
-	if max(t.Spec.DPSize, 1) > 1 {
-		up.Header.Set(headerDPRank, strconv.FormatUint(uint64(t.Worker.DPRank), 10))
-	} else {
-		// A rank the client named means nothing to a worker without data parallelism.
-		up.Header.Del(headerDPRank)
-	}
-	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
-		if prior := r.Header.Values("X-Forwarded-For"); len(prior) > 0 {
-			host = strings.Join(prior, ", ") + ", " + host
-		}
-		up.Header.Set("X-Forwarded-For", host)
-	}
-	return up, nil
+	return outbound{method: r.Method, target: target, body: p.Body, header: func(b []byte) []byte {
+		return appendForwardHeaders(b, r, t)
+	}}
 }
 
-// copyHeaders copies src into dst without hop-by-hop headers, including those the
-// Connection header names.
-func copyHeaders(dst, src http.Header) {
+// appendForwardHeaders appends the client's headers a worker should see, without hop-by-hop
+// headers (including those the Connection header names), plus the proxy's own.
+func appendForwardHeaders(b []byte, r *http.Request, t routing.Target) []byte {
+	named := connectionNamed(r.Header)
+	for k, vs := range r.Header {
+		if !forwardable(k) || containsFold(named, k) {
+			continue
+		}
+		for _, v := range vs {
+			b = appendHeaderLine(b, k, v)
+		}
+	}
+	if max(t.Spec.DPSize, 1) > 1 {
+		// A rank the client named means nothing to a worker without data parallelism, so
+		// the header goes only to workers with ranks.
+		b = append(b, headerDPRank+": "...)
+		b = strconv.AppendUint(b, uint64(t.Worker.DPRank), 10)
+		b = append(b, "\r\n"...)
+	}
+	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
+		b = append(b, "X-Forwarded-For: "...)
+		for _, prior := range r.Header.Values("X-Forwarded-For") {
+			b = appendHeaderValue(b, prior)
+			b = append(b, ", "...)
+		}
+		b = appendHeaderValue(b, host)
+		b = append(b, "\r\n"...)
+	}
+	return b
+}
+
+// forwardable reports whether a client header goes on to the worker as it is. Identity
+// encoding lets the proxy check a buffered answer and pass SSE as it comes; the proxy sets
+// framing, rank and forwarding headers itself.
+func forwardable(k string) bool {
+	switch textproto.CanonicalMIMEHeaderKey(k) {
+	case "Accept-Encoding", "Expect", "Content-Length", "Host", headerDPRank, "X-Forwarded-For":
+		return false
+	}
+	return !isHop(k)
+}
+
+// appendHeaderLine appends "k: v\r\n". Header names and values that reached the handler
+// were already checked by net/http; appendHeaderValue still keeps line breaks out.
+func appendHeaderLine(b []byte, k, v string) []byte {
+	b = append(b, k...)
+	b = append(b, ": "...)
+	b = appendHeaderValue(b, v)
+	return append(b, "\r\n"...)
+}
+
+func appendHeaderValue(b []byte, v string) []byte {
+	if !strings.ContainsAny(v, "\r\n") {
+		return append(b, v...)
+	}
+	for i := 0; i < len(v); i++ {
+		if c := v[i]; c == '\r' || c == '\n' {
+			b = append(b, ' ')
+		} else {
+			b = append(b, c)
+		}
+	}
+	return b
+}
+
+// connectionNamed lists the headers the Connection header marks as hop-by-hop.
+func connectionNamed(h http.Header) []string {
 	var named []string
-	for _, v := range src.Values("Connection") {
+	for _, v := range h["Connection"] {
 		for tok := range strings.SplitSeq(v, ",") {
 			if tok = strings.TrimSpace(tok); tok != "" {
 				named = append(named, tok)
 			}
 		}
 	}
+	return named
+}
+
+// copyHeaders copies the worker's answer headers src (owned by this request) into dst
+// without hop-by-hop headers, including those the Connection header names.
+func copyHeaders(dst, src http.Header) {
+	named := connectionNamed(src)
 	for k, vs := range src {
 		if isHop(k) || containsFold(named, k) {
 			continue
 		}
-		dst[k] = append([]string(nil), vs...)
+		dst[k] = vs
 	}
 }
 
@@ -318,7 +370,9 @@ func containsFold(list []string, k string) bool {
 }
 
 func isEventStream(h http.Header) bool {
-	return strings.HasPrefix(strings.ToLower(h.Get("Content-Type")), "text/event-stream")
+	const sse = "text/event-stream"
+	ct := h.Get("Content-Type")
+	return len(ct) >= len(sse) && strings.EqualFold(ct[:len(sse)], sse)
 }
 
 // writeHeaders sends the worker's status and headers plus the router's own. bodyLen < 0
@@ -352,7 +406,9 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func()) (outcome, failure) {
 	ctx := c.r.Context()
 	rc := http.NewResponseController(c.w)
-	buf := make([]byte, copyBuffer)
+	bp := s.getCopyBuffer()
+	defer s.copyBuffers.Put(bp)
+	buf := *bp
 	started := hdr == nil
 	// Each pass reads at least one byte or ends; the idle timeout bounds how long a pass waits.
 	for {
@@ -368,9 +424,13 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 				s.metrics.errors.WithLabelValues("client_cancel").Inc()
 				return done, failure{}
 			}
-			if ferr := rc.Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
-				s.metrics.errors.WithLabelValues("client_cancel").Inc()
-				return done, failure{}
+			// Bytes that came with the end of the stream go out with the end of the response,
+			// in one write, when the handler returns; all others at once.
+			if !errors.Is(err, io.EOF) {
+				if ferr := rc.Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
+					s.metrics.errors.WithLabelValues("client_cancel").Inc()
+					return done, failure{}
+				}
 			}
 		}
 		switch {
@@ -398,23 +458,40 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 	}
 }
 
-// readAll reads a whole non-streamed answer within maxBufferedResponse.
-func (s *Server) readAll(c *call, rd *upstreamReader) ([]byte, error) {
-	var out bytes.Buffer
-	buf := make([]byte, copyBuffer)
+// getCopyBuffer returns a relay buffer of copyBuffer bytes; put it back in s.copyBuffers.
+func (s *Server) getCopyBuffer() *[]byte {
+	if bp, ok := s.copyBuffers.Get().(*[]byte); ok {
+		return bp
+	}
+	b := make([]byte, copyBuffer)
+	return &b
+}
+
+// readAll reads a whole non-streamed answer within maxBufferedResponse; size is the
+// announced length, or -1.
+func (s *Server) readAll(c *call, rd *upstreamReader, size int64) ([]byte, error) {
+	// The buffer starts at the announced size (a worker's claim, so within reason) and one
+	// spare byte, so that the read that finds the end does not grow it.
+	if size < 0 {
+		size = 512
+	}
+	out := make([]byte, 0, min(size, 1<<20)+1)
 	// Each pass reads at least one byte or ends; the size cap and the idle timeout bound it.
 	for {
-		n, err := rd.read(buf)
+		if len(out) == cap(out) {
+			out = append(out, 0)[:len(out)]
+		}
+		n, err := rd.read(out[len(out):cap(out)])
 		if n > 0 {
 			c.firstBytes()
-			if out.Len()+n > maxBufferedResponse {
+			if len(out)+n > maxBufferedResponse {
 				return nil, fmt.Errorf("answer exceeds %d bytes", maxBufferedResponse)
 			}
-			out.Write(buf[:n])
+			out = out[:len(out)+n]
 		}
 		switch {
 		case errors.Is(err, io.EOF):
-			return out.Bytes(), nil
+			return out, nil
 		case err != nil && rd.cause() != nil:
 			return nil, rd.cause()
 		case err != nil:
@@ -423,59 +500,43 @@ func (s *Server) readAll(c *call, rd *upstreamReader) ([]byte, error) {
 	}
 }
 
-// upstreamReader reads a worker's body under the first-byte deadline, then the idle timeout
-// between reads, by cancelling the upstream request when a read waits too long.
+// upstreamReader reads a worker's answer body under the first-byte deadline (for a stream,
+// until its first bytes), then the idle timeout between reads.
 type upstreamReader struct {
-	body     io.Reader
-	cancel   context.CancelCauseFunc
-	timer    *time.Timer
-	why      atomic.Pointer[error]
+	body     *upBody
 	firstBy  time.Time
 	idle     time.Duration
 	gotBytes bool
+	empty    int // reads in a row that returned nothing
 	timedOut error
 }
 
-func newUpstreamReader(body io.Reader, cancel context.CancelCauseFunc, firstBy time.Time, idle time.Duration) *upstreamReader {
-	u := &upstreamReader{body: body, cancel: cancel, firstBy: firstBy, idle: idle}
-	u.timer = time.AfterFunc(time.Hour, func() {
-		if why := u.why.Load(); why != nil {
-			u.cancel(*why)
-		}
-	})
-	u.timer.Stop()
-	return u
-}
-
-// read reads once, cancelling the upstream request if the read outlives its timeout.
+// read reads once within the current deadline.
 func (u *upstreamReader) read(buf []byte) (int, error) {
 	if u.timedOut != nil {
 		return 0, u.timedOut
 	}
-	timeout, why := u.idle, errIdle
+	deadline, why := time.Now().Add(u.idle), errIdle
 	if !u.gotBytes {
-		timeout, why = time.Until(u.firstBy), errFirstByte
+		deadline, why = u.firstBy, errFirstByte
 	}
-	if timeout <= 0 {
-		u.timedOut = why
-		u.cancel(why)
-		return 0, why
-	}
-	u.why.Store(&why)
-	u.timer.Reset(timeout)
+	u.body.setReadDeadline(deadline)
 	n, err := u.body.Read(buf)
-	if !u.timer.Stop() {
-		// The timer fired during the read: whatever this read returned, the request is
-		// being cancelled.
-		u.timedOut = why
-	}
 	if n > 0 {
 		u.gotBytes = true
+	}
+	// A reader that keeps returning nothing would spin its caller: call it stuck.
+	if n > 0 || err != nil {
+		u.empty = 0
+	} else if u.empty++; u.empty >= maxEmptyReads {
+		return 0, io.ErrNoProgress
+	}
+	// A deadline in the past is also how a cancelled request ends; that is not a timeout.
+	if err != nil && errors.Is(err, os.ErrDeadlineExceeded) && !u.body.conn.isCancelled() {
+		u.timedOut = why
 	}
 	return n, err
 }
 
 // cause reports the timeout that cut the upstream request, if one did.
 func (u *upstreamReader) cause() error { return u.timedOut }
-
-func (u *upstreamReader) stop() { u.timer.Stop() }

@@ -5,6 +5,7 @@
 package openai
 
 import (
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,6 +16,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -42,6 +44,10 @@ const (
 // maxSessionKey is DESIGN's bound on a session key, in bytes.
 const maxSessionKey = 256
 
+// maxEmptyReads is how many reads in a row may return nothing before a reader is deemed
+// stuck.
+const maxEmptyReads = 100
+
 // loraRefresh is how long the set of configured LoRA names is reused before re-reading the
 // registry; adapters change rarely and the set is read on every request.
 const loraRefresh = time.Second
@@ -65,6 +71,9 @@ type Config struct {
 	Logger *slog.Logger
 	// Registerer receives the metrics (nil: not registered).
 	Registerer prometheus.Registerer
+	// WorkerTLS configures connections to https workers (nil: the system's roots). Workers
+	// are spoken to in HTTP/1.1 whatever its NextProtos say.
+	WorkerTLS *tls.Config
 	// Tokenizer, when set, turns text prompts into the worker's token ids before hashing
 	// (--tokenizer=worker); nil hashes text in byte chunks (approximate).
 	Tokenizer Tokenizer
@@ -109,12 +118,15 @@ type Server struct {
 	router    *routing.Router
 	workers   *routing.Registry
 	tracker   *routing.Tracker
-	transport *http.Transport
-	metrics   *metrics
-	ready     atomic.Pointer[func() error]
-	loras     atomic.Pointer[loraSet]
-	models    *modelCache
-	handler   http.Handler
+	transport *http.Transport // off the hot path: the model list
+	upstream  *upstream       // the proxied requests
+	// copyBuffers holds relay buffers (*[]byte of copyBuffer bytes).
+	copyBuffers sync.Pool
+	metrics     *metrics
+	ready       atomic.Pointer[func() error]
+	loras       atomic.Pointer[loraSet]
+	models      *modelCache
+	handler     http.Handler
 }
 
 // loraSet is a snapshot of the adapter names configured workers serve.
@@ -138,6 +150,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		workers:   workers,
 		tracker:   tracker,
 		transport: newTransport(cfg),
+		upstream:  newUpstream(cfg.ConnectTimeout, cfg.WorkerTLS),
 		metrics:   newMetrics(),
 	}
 	s.models = newModelCache(s)
@@ -178,7 +191,10 @@ func (s *Server) SetReady(fn func() error) {
 }
 
 // Close drops the idle connections to workers.
-func (s *Server) Close() { s.transport.CloseIdleConnections() }
+func (s *Server) Close() {
+	s.upstream.close()
+	s.transport.CloseIdleConnections()
+}
 
 // recorder remembers the status a handler answered with, for the request metrics.
 type recorder struct {
@@ -217,6 +233,8 @@ func (r *recorder) clientGone() {
 
 // endpoint wraps a handler with the method check, panic recovery and request metrics.
 func (s *Server) endpoint(name, method string, h func(*recorder, *http.Request)) http.Handler {
+	// The common answer's counter is looked up once, not per request.
+	ok := s.metrics.requests.WithLabelValues(name, strconv.Itoa(http.StatusOK))
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := &recorder{ResponseWriter: w}
 		defer func() {
@@ -229,11 +247,11 @@ func (s *Server) endpoint(name, method string, h func(*recorder, *http.Request))
 						Type: TypeServer}).write(rec)
 				}
 			}
-			code := rec.status
-			if code == 0 {
-				code = http.StatusOK
+			if code := rec.status; code == 0 || code == http.StatusOK {
+				ok.Inc()
+			} else {
+				s.metrics.requests.WithLabelValues(name, strconv.Itoa(code)).Inc()
 			}
-			s.metrics.requests.WithLabelValues(name, strconv.Itoa(code)).Inc()
 			if v == http.ErrAbortHandler {
 				panic(v)
 			}
@@ -273,16 +291,28 @@ func (s *Server) fail(w *recorder, r *http.Request, apiErr *Error) {
 
 // readBody reads the request body within MaxBodyBytes.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *Error) {
-	tooLarge := &Error{Status: http.StatusRequestEntityTooLarge, Type: TypeInvalidRequest, Code: "body_too_large",
-		Message: fmt.Sprintf("request body exceeds %d bytes", s.cfg.MaxBodyBytes), Cause: "body_too_large"}
-	if r.ContentLength > s.cfg.MaxBodyBytes {
-		return nil, tooLarge
+	tooLarge := func() *Error {
+		return &Error{Status: http.StatusRequestEntityTooLarge, Type: TypeInvalidRequest, Code: "body_too_large",
+			Message: fmt.Sprintf("request body exceeds %d bytes", s.cfg.MaxBodyBytes), Cause: "body_too_large"}
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
+	if r.ContentLength > s.cfg.MaxBodyBytes {
+		return nil, tooLarge()
+	}
+	var body []byte
+	var err error
+	if r.ContentLength >= 0 {
+		// net/http ends the body at its Content-Length, so a buffer of that size and a byte
+		// (for the read that finds the end) holds it; but no larger than 64 KiB to start
+		// with, so that a client announcing a large body and sending little gets the router
+		// to hold little.
+		body, err = readToEOF(r.Body, make([]byte, 0, min(r.ContentLength, 64<<10)+1))
+	} else {
+		body, err = readToEOF(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes), make([]byte, 0, 4<<10))
+	}
 	if err != nil {
 		var maxErr *http.MaxBytesError
 		if errors.As(err, &maxErr) {
-			return nil, tooLarge
+			return nil, tooLarge()
 		}
 		if r.Context().Err() != nil {
 			return nil, nil
@@ -291,6 +321,32 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *Erro
 			Message: "could not read request body: " + err.Error(), Cause: "parse"}
 	}
 	return body, nil
+}
+
+// readToEOF appends everything src yields to buf, growing it as needed. Reading up to the
+// end matters: that is when net/http starts watching the client connection for a
+// disconnect, which cancels the request's context.
+func readToEOF(src io.Reader, buf []byte) ([]byte, error) {
+	// Each pass reads or ends (the source's own limit bounds it), or counts an empty read.
+	for empty := 0; empty < maxEmptyReads; {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
+		}
+		n, err := src.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if n == 0 {
+			empty++
+		} else {
+			empty = 0
+		}
+		if errors.Is(err, io.EOF) {
+			return buf, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	return nil, io.ErrNoProgress
 }
 
 // routingRequest turns a parsed request and its headers into routing's input.

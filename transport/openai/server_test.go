@@ -3,6 +3,7 @@ package openai
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -26,6 +27,7 @@ func TestCompletionIsProxiedWithBodyUntouchedAndHopHeadersDropped(t *testing.T) 
 	body := `{"model":"m", "prompt":"hi",  "unknown_field":{"nested":[1,2,3]},"temperature":0.5}`
 	resp, got := rg.post("/v1/completions?trace=1", body, map[string]string{
 		"Connection": "X-Hop", "X-Hop": "1", "X-Custom": "kept", "Authorization": "Bearer k",
+		"X-Forwarded-For": "10.0.0.1", "Accept-Encoding": "gzip", "Te": "trailers",
 	})
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("status %d: %s", resp.StatusCode, got)
@@ -46,8 +48,57 @@ func TestCompletionIsProxiedWithBodyUntouchedAndHopHeadersDropped(t *testing.T) 
 	if hdr.Get("X-Hop") != "" || hdr.Get("Connection") != "" {
 		t.Fatalf("hop-by-hop headers forwarded: %v", hdr)
 	}
-	if hdr.Get("X-Forwarded-For") == "" {
-		t.Fatal("X-Forwarded-For not set")
+	if hdr.Get("Te") != "" || hdr.Get("Accept-Encoding") != "" {
+		t.Fatalf("hop-by-hop or encoding headers forwarded: %v", hdr)
+	}
+	if got := hdr.Values("X-Forwarded-For"); len(got) != 1 || got[0] != "10.0.0.1, 127.0.0.1" {
+		t.Fatalf("X-Forwarded-For %q, want the client's chain and its address", got)
+	}
+	if got := hdr.Get("Content-Length"); got != strconv.Itoa(len(body)) {
+		t.Fatalf("worker got Content-Length %q for a body of %d bytes", got, len(body))
+	}
+}
+
+func TestLargeBodiesAreProxiedIntact(t *testing.T) {
+	w0 := newFakeWorker(t, okJSON)
+	rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL)}, rigOptions{})
+	body := `{"model":"m","prompt":"` + strings.Repeat("a long prompt ", 30000) + `"}`
+	for _, chunked := range []bool{false, true} {
+		var src io.Reader = strings.NewReader(body)
+		if chunked {
+			src = io.MultiReader(src)
+		}
+		req, err := http.NewRequest(http.MethodPost, rg.front.URL+"/v1/completions", src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if chunked {
+			req.ContentLength = -1
+		}
+		resp, err := rg.front.Client().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("chunked=%v: status %d", chunked, resp.StatusCode)
+		}
+		if sent, _, _ := w0.last(); sent != body {
+			t.Fatalf("chunked=%v: worker got %d bytes, want the client's %d", chunked, len(sent), len(body))
+		}
+	}
+}
+
+func TestHTTPSWorkerIsReachedWithWorkerTLS(t *testing.T) {
+	tw := httptest.NewTLSServer(http.HandlerFunc(okJSON))
+	t.Cleanup(tw.Close)
+	roots := tw.Client().Transport.(*http.Transport).TLSClientConfig.RootCAs
+	rg := newRig(t, []routing.WorkerSpec{spec("w0", tw.URL)},
+		rigOptions{front: func(c *Config) { c.WorkerTLS = &tls.Config{RootCAs: roots} }})
+	resp, body := rg.post("/v1/completions", completionBody, nil)
+	if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderWorker) != "w0" || !strings.Contains(body, `"ok"`) {
+		t.Fatalf("status %d from %q: %s", resp.StatusCode, resp.Header.Get(HeaderWorker), body)
 	}
 }
 

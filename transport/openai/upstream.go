@@ -1,0 +1,509 @@
+package openai
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// The upstream client is the proxy's HTTP/1.1 client for workers. net/http's Transport
+// hands every request to a connection's writer goroutine and every response back from its
+// reader goroutine; on an otherwise idle machine each hand-off is a thread wake-up, and
+// together they cost more than the router's own work (see BenchmarkAddedLatencyFloor). This
+// client writes the request and reads the answer on the handler's goroutine, over pooled
+// keep-alive connections, and leaves the HTTP parsing of the answer to net/http.
+//
+// It speaks only what the proxy needs: one request at a time per connection, a body known
+// in full, identity encoding. Anything else that talks to workers (health probes, the model
+// list) keeps using net/http.
+
+const (
+	// maxIdlePerWorker caps the idle connections kept per worker URL.
+	maxIdlePerWorker = 256
+	// idleConnTimeout closes a connection left idle this long.
+	idleConnTimeout = 90 * time.Second
+	// maxResponseHead caps a worker's status line and headers (1xx answers included), so a
+	// worker cannot make the router buffer without end.
+	maxResponseHead = 1 << 20
+	// readBufferSize is each connection's read buffer; large reads bypass it.
+	readBufferSize = 8 << 10
+	// maxInformational bounds the 1xx answers skipped before the real one.
+	maxInformational = 8
+	// maxPooledHead is the largest request head buffer kept for reuse.
+	maxPooledHead = 64 << 10
+)
+
+// Causes that end an exchange with a worker.
+var (
+	errResponseHeadTooLarge = fmt.Errorf("worker response headers exceed %d bytes", maxResponseHead)
+	errNoAnswer             = errors.New("worker sent no answer within the first-byte timeout")
+)
+
+// aLongTimeAgo is a deadline in the past, which wakes any blocked read or write at once.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// upstream pools connections per worker URL.
+type upstream struct {
+	dialer      net.Dialer
+	tlsConfig   *tls.Config
+	maxIdle     int
+	idleTimeout time.Duration
+	heads       sync.Pool // of *[]byte, request heads being built
+	hosts       sync.Map  // worker URL -> *hostPool
+	closed      atomic.Bool
+}
+
+func newUpstream(connectTimeout time.Duration, tlsConfig *tls.Config) *upstream {
+	return &upstream{
+		dialer:      net.Dialer{Timeout: connectTimeout, KeepAlive: 30 * time.Second},
+		tlsConfig:   tlsConfig,
+		maxIdle:     maxIdlePerWorker,
+		idleTimeout: idleConnTimeout,
+	}
+}
+
+// outbound is a request for a worker. The head lines are appended by header, which must
+// append complete "Name: value\r\n" lines; the client writes Host and Content-Length.
+type outbound struct {
+	method string
+	// target is the path and query, beginning with "/", that follow the worker URL's path.
+	target string
+	header func(dst []byte) []byte
+	body   []byte
+}
+
+// roundTrip sends req to the worker at base and reads the answer's status and headers,
+// all before the deadline firstBy. The body reads on the caller's goroutine, each read
+// under a deadline the caller sets; reading it to the end returns the connection to the
+// pool, closing it early drops the connection. Cancelling ctx aborts any read or write in
+// progress; the error then wraps context.Cause(ctx). A missed deadline gives an error that
+// wraps errNoAnswer and is a net.Error timeout.
+func (u *upstream) roundTrip(ctx context.Context, base string, req outbound, firstBy time.Time) (*http.Response, *upBody, error) {
+	p, err := u.host(base)
+	if err != nil {
+		return nil, nil, err
+	}
+	bp, _ := u.heads.Get().(*[]byte)
+	if bp == nil {
+		bp = new([]byte)
+	}
+	head := p.appendHead((*bp)[:0], req)
+	defer func() {
+		if cap(head) <= maxPooledHead {
+			*bp = head[:0]
+			u.heads.Put(bp)
+		}
+	}()
+	// A pooled connection may have been closed by the worker while idle (keep-alive timeout,
+	// restart); that shows as a failure before any answer, and the request goes once more
+	// on a new connection. The worker may then see it twice, as it may when the router
+	// retries on another worker; generation has no side effect to repeat.
+	for attempt := 0; ; attempt++ {
+		c, reused, err := p.get(ctx, attempt > 0, firstBy)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, nil, fmt.Errorf("connect to %s: %w", p.addr, context.Cause(ctx))
+			}
+			return nil, nil, err
+		}
+		resp, body, err := c.exchange(ctx, head, req, firstBy)
+		switch {
+		case err == nil:
+			return resp, body, nil
+		case ctx.Err() != nil:
+			return nil, nil, fmt.Errorf("exchange with %s: %w", p.addr, context.Cause(ctx))
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			return nil, nil, fmt.Errorf("%w (%w)", errNoAnswer, err)
+		case !reused || attempt > 0 || errors.Is(err, errResponseHeadTooLarge):
+			return nil, nil, err
+		}
+	}
+}
+
+// host returns the pool for a worker URL, creating it on first use.
+func (u *upstream) host(base string) (*hostPool, error) {
+	if p, ok := u.hosts.Load(base); ok {
+		return p.(*hostPool), nil
+	}
+	if u.closed.Load() {
+		return nil, errors.New("upstream client is closed")
+	}
+	p, err := newHostPool(u, base)
+	if err != nil {
+		return nil, err
+	}
+	actual, _ := u.hosts.LoadOrStore(base, p)
+	p = actual.(*hostPool)
+	if u.closed.Load() {
+		// close may have missed this pool: make sure its connections go.
+		p.close()
+	}
+	return p, nil
+}
+
+// close drops every idle connection; connections in use are closed when their answer ends.
+func (u *upstream) close() {
+	u.closed.Store(true)
+	u.hosts.Range(func(_, p any) bool {
+		p.(*hostPool).close()
+		return true
+	})
+}
+
+// hostPool is the idle connections to one worker URL, most recently used last.
+type hostPool struct {
+	u      *upstream
+	addr   string // host:port to dial
+	host   string // Host header
+	prefix string // the worker URL's path, without a trailing slash
+	tls    *tls.Config
+
+	mu     sync.Mutex
+	idle   []*upConn
+	sweep  *time.Timer
+	armed  bool
+	closed bool
+}
+
+func newHostPool(u *upstream, base string) (*hostPool, error) {
+	pu, err := url.Parse(base)
+	if err != nil {
+		return nil, fmt.Errorf("worker url %q: %w", base, err)
+	}
+	if pu.Host == "" || (pu.Scheme != "http" && pu.Scheme != "https") {
+		return nil, fmt.Errorf("worker url %q must be http(s)://host[:port]", base)
+	}
+	p := &hostPool{u: u, host: pu.Host, prefix: strings.TrimSuffix(pu.EscapedPath(), "/")}
+	port := pu.Port()
+	switch {
+	case port != "":
+	case pu.Scheme == "https":
+		port = "443"
+	default:
+		port = "80"
+	}
+	p.addr = net.JoinHostPort(pu.Hostname(), port)
+	if pu.Scheme == "https" {
+		cfg := &tls.Config{}
+		if u.tlsConfig != nil {
+			cfg = u.tlsConfig.Clone()
+		}
+		if cfg.ServerName == "" {
+			cfg.ServerName = pu.Hostname()
+		}
+		cfg.NextProtos = []string{"http/1.1"}
+		p.tls = cfg
+	}
+	return p, nil
+}
+
+// appendHead appends the request line and headers of req.
+func (p *hostPool) appendHead(b []byte, req outbound) []byte {
+	b = append(b, req.method...)
+	b = append(b, ' ')
+	b = append(b, p.prefix...)
+	b = append(b, req.target...)
+	b = append(b, " HTTP/1.1\r\nHost: "...)
+	b = append(b, p.host...)
+	b = append(b, "\r\n"...)
+	if req.header != nil {
+		b = req.header(b)
+	}
+	if len(req.body) > 0 || req.method == http.MethodPost || req.method == http.MethodPut {
+		b = append(b, "Content-Length: "...)
+		b = strconv.AppendInt(b, int64(len(req.body)), 10)
+		b = append(b, "\r\n"...)
+	}
+	return append(b, "\r\n"...)
+}
+
+// get returns an idle connection, or dials a new one (always, with fresh) before the
+// deadline; reused tells which.
+func (p *hostPool) get(ctx context.Context, fresh bool, deadline time.Time) (*upConn, bool, error) {
+	p.mu.Lock()
+	if n := len(p.idle); n > 0 && !fresh {
+		c := p.idle[n-1]
+		p.idle[n-1] = nil
+		p.idle = p.idle[:n-1]
+		p.mu.Unlock()
+		return c, true, nil
+	}
+	p.mu.Unlock()
+	c, err := p.dial(ctx, deadline)
+	return c, false, err
+}
+
+func (p *hostPool) dial(ctx context.Context, deadline time.Time) (*upConn, error) {
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	conn, err := p.u.dialer.DialContext(ctx, "tcp", p.addr)
+	if err != nil {
+		return nil, err
+	}
+	if p.tls != nil {
+		tc := tls.Client(conn, p.tls)
+		hctx := ctx
+		if p.u.dialer.Timeout > 0 {
+			var stop context.CancelFunc
+			hctx, stop = context.WithTimeout(ctx, p.u.dialer.Timeout)
+			defer stop()
+		}
+		if err := tc.HandshakeContext(hctx); err != nil {
+			_ = conn.Close()
+			return nil, fmt.Errorf("tls handshake with %s: %w", p.addr, err)
+		}
+		conn = tc
+	}
+	c := &upConn{pool: p, conn: conn, budget: -1}
+	c.br = bufio.NewReaderSize(c, readBufferSize)
+	return c, nil
+}
+
+// put returns a connection whose answer was read to the end.
+func (p *hostPool) put(c *upConn) {
+	if c.br.Buffered() > 0 {
+		// The worker sent more than its answer: what it says next cannot be trusted.
+		c.close()
+		return
+	}
+	c.idleSince = time.Now()
+	p.mu.Lock()
+	if p.closed || len(p.idle) >= p.u.maxIdle {
+		p.mu.Unlock()
+		c.close()
+		return
+	}
+	p.idle = append(p.idle, c)
+	if !p.armed {
+		p.armed = true
+		if p.sweep == nil {
+			p.sweep = time.AfterFunc(p.u.idleTimeout, p.expire)
+		} else {
+			p.sweep.Reset(p.u.idleTimeout)
+		}
+	}
+	p.mu.Unlock()
+}
+
+// expire closes the connections idle past the timeout and re-arms for the oldest left.
+func (p *hostPool) expire() {
+	now := time.Now()
+	p.mu.Lock()
+	// idle is in order of return, so the stale ones are a prefix.
+	n := 0
+	for n < len(p.idle) && now.Sub(p.idle[n].idleSince) >= p.u.idleTimeout {
+		n++
+	}
+	stale := make([]*upConn, n)
+	copy(stale, p.idle[:n])
+	rest := copy(p.idle, p.idle[n:])
+	clear(p.idle[rest:])
+	p.idle = p.idle[:rest]
+	p.armed = false
+	if len(p.idle) > 0 && !p.closed {
+		p.armed = true
+		p.sweep.Reset(p.u.idleTimeout - now.Sub(p.idle[0].idleSince))
+	}
+	p.mu.Unlock()
+	for _, c := range stale {
+		c.close()
+	}
+}
+
+func (p *hostPool) close() {
+	p.mu.Lock()
+	p.closed = true
+	idle := p.idle
+	p.idle = nil
+	if p.sweep != nil {
+		p.sweep.Stop()
+	}
+	p.mu.Unlock()
+	for _, c := range idle {
+		c.close()
+	}
+}
+
+// idleCount is the number of pooled connections.
+func (p *hostPool) idleCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.idle)
+}
+
+// upConn is one connection to a worker. Its reader counts down a budget while a response
+// head is read. Deadlines do the waiting: the caller's, and one in the past once the
+// request's context is cancelled, which no later deadline may undo.
+type upConn struct {
+	pool      *hostPool
+	conn      net.Conn
+	br        *bufio.Reader
+	budget    int // bytes the head may still take; < 0: unlimited
+	idleSince time.Time
+
+	mu        sync.Mutex
+	cancelled bool
+}
+
+// cancel ends whatever the connection is waiting for, for good.
+func (c *upConn) cancel() {
+	c.mu.Lock()
+	c.cancelled = true
+	_ = c.conn.SetDeadline(aLongTimeAgo)
+	c.mu.Unlock()
+}
+
+// setDeadline sets the read deadline, or both, unless the connection was cancelled.
+func (c *upConn) setDeadline(t time.Time, write bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.cancelled:
+	case write:
+		_ = c.conn.SetDeadline(t)
+	default:
+		_ = c.conn.SetReadDeadline(t)
+	}
+}
+
+// Read implements io.Reader for the buffered reader.
+func (c *upConn) Read(b []byte) (int, error) {
+	if c.budget < 0 {
+		return c.conn.Read(b)
+	}
+	if c.budget == 0 {
+		return 0, errResponseHeadTooLarge
+	}
+	if len(b) > c.budget {
+		b = b[:c.budget]
+	}
+	n, err := c.conn.Read(b)
+	c.budget -= n
+	return n, err
+}
+
+func (c *upConn) close() { _ = c.conn.Close() }
+
+// exchange writes the request and reads the answer's head before the deadline.
+func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadline time.Time) (*http.Response, *upBody, error) {
+	stop := context.AfterFunc(ctx, c.cancel)
+	fail := func(err error) (*http.Response, *upBody, error) {
+		stop()
+		c.close()
+		return nil, nil, err
+	}
+	c.setDeadline(deadline, true)
+	bufs := net.Buffers{head, req.body}
+	if _, werr := bufs.WriteTo(c.conn); werr != nil {
+		// A worker may answer (say, 413) and close before taking the whole body; its answer
+		// is then already here and better than the write error.
+		resp, err := c.readHead(req.method)
+		if err != nil {
+			return fail(fmt.Errorf("send request to %s: %w", c.pool.addr, werr))
+		}
+		body := &upBody{src: resp.Body, conn: c, stop: stop}
+		resp.Body = body
+		return resp, body, nil
+	}
+	resp, err := c.readHead(req.method)
+	if err != nil {
+		return fail(err)
+	}
+	body := &upBody{src: resp.Body, conn: c, stop: stop, reuse: !resp.Close}
+	resp.Body = body
+	return resp, body, nil
+}
+
+// readHead reads the answer's status line and headers, skipping informational answers.
+func (c *upConn) readHead(method string) (*http.Response, error) {
+	// The budget covers what the buffered reader takes ahead of the head, too.
+	c.budget = maxResponseHead + readBufferSize
+	defer func() { c.budget = -1 }()
+	probe := &http.Request{Method: method}
+	for range maxInformational {
+		resp, err := http.ReadResponse(c.br, probe)
+		if err != nil {
+			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
+		}
+		switch {
+		case resp.StatusCode == http.StatusSwitchingProtocols:
+			return nil, fmt.Errorf("worker %s switched protocols", c.pool.addr)
+		case resp.StatusCode >= 200:
+			return resp, nil
+		}
+		// 1xx answers other than 101 precede the real one.
+	}
+	return nil, fmt.Errorf("worker %s sent more than %d informational answers", c.pool.addr, maxInformational)
+}
+
+// upBody is a worker's response body. Its end gives the connection back to the pool.
+type upBody struct {
+	src   io.ReadCloser
+	conn  *upConn
+	stop  func() bool
+	reuse bool
+	done  bool
+	eof   bool
+}
+
+// Read implements io.Reader.
+func (b *upBody) Read(p []byte) (int, error) {
+	if b.done {
+		if b.eof {
+			return 0, io.EOF
+		}
+		return 0, errors.New("read of a closed response body")
+	}
+	n, err := b.src.Read(p)
+	if errors.Is(err, io.EOF) {
+		b.eof = true
+		b.release()
+	}
+	return n, err
+}
+
+// setReadDeadline bounds the reads that follow.
+func (b *upBody) setReadDeadline(t time.Time) {
+	if !b.done {
+		b.conn.setDeadline(t, false)
+	}
+}
+
+// Close implements io.Closer: an answer not read to its end takes its connection with it.
+func (b *upBody) Close() error {
+	b.release()
+	return nil
+}
+
+func (b *upBody) release() {
+	if b.done {
+		return
+	}
+	b.done = true
+	// stop fails once cancellation has poisoned the connection's deadline.
+	if b.stop() && b.eof && b.reuse {
+		b.conn.setDeadline(time.Time{}, true)
+		b.conn.pool.put(b.conn)
+		return
+	}
+	b.conn.close()
+}
+
+// isCancelled reports whether the request's context ended the connection's waits.
+func (c *upConn) isCancelled() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.cancelled
+}

@@ -1,0 +1,418 @@
+package openai
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// connCounter counts the connections a test server accepts and closes.
+type connCounter struct {
+	opened, closed atomic.Int64
+}
+
+func (c *connCounter) track(_ net.Conn, s http.ConnState) {
+	switch s {
+	case http.StateNew:
+		c.opened.Add(1)
+	case http.StateClosed, http.StateHijacked:
+		c.closed.Add(1)
+	}
+}
+
+// countedServer serves h and counts its connections.
+func countedServer(t *testing.T, h http.HandlerFunc) (*httptest.Server, *connCounter) {
+	t.Helper()
+	cc := &connCounter{}
+	srv := httptest.NewUnstartedServer(h)
+	srv.Config.ConnState = cc.track
+	srv.Start()
+	t.Cleanup(srv.Close)
+	return srv, cc
+}
+
+func testUpstream(t *testing.T) *upstream {
+	t.Helper()
+	u := newUpstream(2*time.Second, nil)
+	t.Cleanup(u.close)
+	return u
+}
+
+func post(body string) outbound {
+	return outbound{method: http.MethodPost, target: "/v1/completions", body: []byte(body),
+		header: func(b []byte) []byte { return appendHeaderLine(b, "Content-Type", "application/json") }}
+}
+
+// trip makes one request with a first-byte deadline a minute away.
+func trip(ctx context.Context, u *upstream, base string, req outbound) (*http.Response, error) {
+	resp, _, err := u.roundTrip(ctx, base, req, time.Now().Add(time.Minute))
+	return resp, err
+}
+
+// send makes one request and reads the answer to its end.
+func send(t *testing.T, u *upstream, base string, req outbound) (*http.Response, string) {
+	t.Helper()
+	resp, err := trip(context.Background(), u, base, req)
+	if err != nil {
+		t.Fatalf("roundTrip: %v", err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("read body: %v", err)
+	}
+	return resp, string(b)
+}
+
+func idleConns(t *testing.T, u *upstream, base string) int {
+	t.Helper()
+	p, err := u.host(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p.idleCount()
+}
+
+func TestUpstreamSendsTheRequestAndReusesTheConnection(t *testing.T) {
+	var mu sync.Mutex
+	var got []string
+	srv, cc := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		got = append(got, r.Method+" "+r.URL.RequestURI()+" "+r.Host+" "+r.Header.Get("Content-Type")+" "+string(body))
+		mu.Unlock()
+		if r.URL.Query().Get("chunked") != "" {
+			_, _ = io.WriteString(w, "part1,")
+			http.NewResponseController(w).Flush()
+		}
+		_, _ = io.WriteString(w, "answer")
+	})
+	u := testUpstream(t)
+	host := strings.TrimPrefix(srv.URL, "http://")
+	for i, target := range []string{"/v1/completions", "/v1/completions?chunked=1", "/v1/chat/completions"} {
+		req := post(`{"n":1}`)
+		req.target = target
+		_, body := send(t, u, srv.URL+"/", req)
+		want := "answer"
+		if strings.Contains(target, "chunked") {
+			want = "part1,answer"
+		}
+		if body != want {
+			t.Fatalf("request %d: body %q, want %q", i, body, want)
+		}
+		mu.Lock()
+		line := got[len(got)-1]
+		mu.Unlock()
+		if wantLine := "POST " + target + " " + host + " application/json " + `{"n":1}`; line != wantLine {
+			t.Fatalf("worker saw %q, want %q", line, wantLine)
+		}
+	}
+	if n := cc.opened.Load(); n != 1 {
+		t.Fatalf("%d connections for three requests in turn, want 1", n)
+	}
+	if n := idleConns(t, u, srv.URL+"/"); n != 1 {
+		t.Fatalf("%d idle connections, want 1", n)
+	}
+}
+
+func TestUpstreamKeepsTheWorkerURLPathAndSpeaksTLS(t *testing.T) {
+	paths := make(chan string, 1)
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		paths <- r.URL.Path
+		_, _ = io.WriteString(w, "ok")
+	}))
+	// The refused handshake below is expected; keep it out of the test output.
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0)
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	roots := srv.Client().Transport.(*http.Transport).TLSClientConfig.RootCAs
+	u := newUpstream(2*time.Second, &tls.Config{RootCAs: roots})
+	t.Cleanup(u.close)
+	resp, body := send(t, u, srv.URL+"/engine/", post("{}"))
+	if resp.StatusCode != http.StatusOK || body != "ok" {
+		t.Fatalf("status %d body %q", resp.StatusCode, body)
+	}
+	if p := <-paths; p != "/engine/v1/completions" {
+		t.Fatalf("worker saw path %q, want /engine/v1/completions", p)
+	}
+	if resp.Proto != "HTTP/1.1" {
+		t.Fatalf("spoke %s to an https worker, want HTTP/1.1", resp.Proto)
+	}
+
+	// Without the test CA the worker's certificate is refused.
+	strict := testUpstream(t)
+	if _, err := trip(context.Background(), strict, srv.URL, post("{}")); err == nil {
+		t.Fatal("an unknown certificate was accepted")
+	}
+}
+
+func TestUpstreamRetriesOnceWhenAPooledConnectionWasClosed(t *testing.T) {
+	var requests atomic.Int64
+	srv, cc := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		requests.Add(1)
+		_, _ = io.WriteString(w, "ok")
+	})
+	u := testUpstream(t)
+	send(t, u, srv.URL, post("{}"))
+	// The worker drops its idle connections, as at a keep-alive timeout or a restart.
+	srv.CloseClientConnections()
+	waitFor(t, "the worker to close its side", func() bool { return cc.closed.Load() == 1 })
+	if _, body := send(t, u, srv.URL, post("{}")); body != "ok" {
+		t.Fatalf("body %q", body)
+	}
+	if n := requests.Load(); n != 2 {
+		t.Fatalf("worker served %d requests, want 2", n)
+	}
+	if n := cc.opened.Load(); n != 2 {
+		t.Fatalf("%d connections, want 2 (one new after the close)", n)
+	}
+}
+
+// rawWorker answers every connection with handle, which speaks raw HTTP.
+func rawWorker(t *testing.T, handle func(conn net.Conn, br *bufio.Reader)) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		_ = l.Close()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			conn, err := l.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer conn.Close()
+				handle(conn, bufio.NewReader(conn))
+			}()
+		}
+	}()
+	return "http://" + l.Addr().String()
+}
+
+// readRequest consumes one request from br.
+func readRequest(t *testing.T, br *bufio.Reader) bool {
+	req, err := http.ReadRequest(br)
+	if err != nil {
+		return false
+	}
+	_, _ = io.Copy(io.Discard, req.Body)
+	return true
+}
+
+func TestUpstreamDropsConnectionsItCannotTrust(t *testing.T) {
+	tests := []struct {
+		name   string
+		answer string
+		// readAll reads the body to its end; otherwise the body is closed after 2 bytes.
+		readAll bool
+	}{
+		{"connection close", "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", true},
+		{"http/1.0 without keep-alive", "HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", true},
+		{"bytes after the answer", "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n", true},
+		{"body left unread", "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789", false},
+		{"end by close", "HTTP/1.1 200 OK\r\n\r\nuntil the end", true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+				if readRequest(t, br) {
+					_, _ = io.WriteString(conn, tt.answer)
+				}
+			})
+			u := testUpstream(t)
+			resp, err := trip(context.Background(), u, base, post("{}"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tt.readAll {
+				if _, err := io.ReadAll(resp.Body); err != nil {
+					t.Fatal(err)
+				}
+			} else if _, err := io.ReadFull(resp.Body, make([]byte, 2)); err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if n := idleConns(t, u, base); n != 0 {
+				t.Fatalf("%d connections pooled, want 0", n)
+			}
+		})
+	}
+}
+
+func TestUpstreamRefusesEndlessHeaders(t *testing.T) {
+	base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+		if !readRequest(t, br) {
+			return
+		}
+		bw := bufio.NewWriter(conn)
+		_, _ = bw.WriteString("HTTP/1.1 200 OK\r\n")
+		line := "X-Filler: " + strings.Repeat("f", 1000) + "\r\n"
+		// Twice the limit, unless the router hangs up first.
+		for range 2 * maxResponseHead / len(line) {
+			if _, err := bw.WriteString(line); err != nil {
+				return
+			}
+		}
+		_ = bw.Flush()
+	})
+	u := testUpstream(t)
+	_, err := trip(context.Background(), u, base, post("{}"))
+	if !errors.Is(err, errResponseHeadTooLarge) {
+		t.Fatalf("error %v, want %v", err, errResponseHeadTooLarge)
+	}
+}
+
+func TestUpstreamSkipsInformationalAnswers(t *testing.T) {
+	base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+		if readRequest(t, br) {
+			_, _ = io.WriteString(conn, "HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"+
+				"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	})
+	resp, body := send(t, testUpstream(t), base, post("{}"))
+	if resp.StatusCode != http.StatusOK || body != "ok" {
+		t.Fatalf("status %d body %q, want 200 ok", resp.StatusCode, body)
+	}
+}
+
+func TestUpstreamPassesAnAnswerSentBeforeTheBodyWasRead(t *testing.T) {
+	base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+		if _, err := http.ReadRequest(br); err != nil {
+			return
+		}
+		// Refuse at the headers and hang up with the body unread (the connection resets).
+		_, _ = io.WriteString(conn, "HTTP/1.1 413 Request Entity Too Large\r\nContent-Length: 3\r\n\r\nbig")
+	})
+	u := testUpstream(t)
+	// Far more than the socket buffers hold, so the write fails on the reset.
+	resp, body := send(t, u, base, post(strings.Repeat("x", 32<<20)))
+	if resp.StatusCode != http.StatusRequestEntityTooLarge || body != "big" {
+		t.Fatalf("status %d body %q, want the worker's 413", resp.StatusCode, body)
+	}
+}
+
+func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
+	release := make(chan struct{})
+	srv, cc := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		_, _ = io.WriteString(w, "first")
+		http.NewResponseController(w).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	})
+	// Cleanups run last first: the handler must be let go before the server closes.
+	t.Cleanup(func() { close(release) })
+	u := testUpstream(t)
+	ctx, cancel := context.WithCancelCause(context.Background())
+	resp, err := trip(ctx, u, srv.URL, post("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 16)
+	if n, err := resp.Body.Read(buf); err != nil || string(buf[:n]) != "first" {
+		t.Fatalf("first read %q, %v", buf[:n], err)
+	}
+	cancel(errIdle)
+	if _, err := io.ReadAll(resp.Body); err == nil {
+		t.Fatal("a read after cancel ended cleanly")
+	}
+	resp.Body.Close()
+	waitFor(t, "the worker to see the connection close", func() bool { return cc.closed.Load() == 1 })
+	if n := idleConns(t, u, srv.URL); n != 0 {
+		t.Fatalf("%d connections pooled after a cancel, want 0", n)
+	}
+
+	// A cancel before the answer comes reports its cause.
+	ctx, cancel = context.WithCancelCause(context.Background())
+	cancel(errFirstByte)
+	if _, err := trip(ctx, u, srv.URL, post("{}")); !errors.Is(err, errFirstByte) {
+		t.Fatalf("error %v, want the cause %v", err, errFirstByte)
+	}
+}
+
+func TestUpstreamClosesIdleConnectionsAfterTheTimeout(t *testing.T) {
+	srv, cc := countedServer(t, func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") })
+	u := testUpstream(t)
+	u.idleTimeout = 20 * time.Millisecond
+	send(t, u, srv.URL, post("{}"))
+	waitFor(t, "the idle connection to be closed", func() bool {
+		return cc.closed.Load() == 1 && idleConns(t, u, srv.URL) == 0
+	})
+	// The pool works on after a sweep.
+	if _, body := send(t, u, srv.URL, post("{}")); body != "ok" {
+		t.Fatalf("body %q", body)
+	}
+}
+
+func TestUpstreamRejectsBadWorkerURLs(t *testing.T) {
+	u := testUpstream(t)
+	for _, base := range []string{"ftp://h/", "http://", "://x", "h:1"} {
+		if _, err := trip(context.Background(), u, base, post("{}")); err == nil {
+			t.Errorf("worker url %q accepted", base)
+		}
+	}
+}
+
+func TestUpstreamGivesUpAtTheDeadlines(t *testing.T) {
+	release := make(chan struct{})
+	srv, _ := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if r.URL.Query().Get("stall") == "body" {
+			w.WriteHeader(http.StatusOK)
+			http.NewResponseController(w).Flush()
+		}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	})
+	// Cleanups run last first: the handlers must be let go before the server closes.
+	t.Cleanup(func() { close(release) })
+	u := testUpstream(t)
+
+	// No answer at all by the first-byte deadline.
+	req := post("{}")
+	req.target = "/?stall=head"
+	_, _, err := u.roundTrip(context.Background(), srv.URL, req, time.Now().Add(20*time.Millisecond))
+	var netErr net.Error
+	if !errors.Is(err, errNoAnswer) || !errors.As(err, &netErr) || !netErr.Timeout() {
+		t.Fatalf("error %v, want a timeout wrapping %v", err, errNoAnswer)
+	}
+
+	// Headers, then nothing: the caller's read deadline ends the read.
+	req.target = "/?stall=body"
+	resp, body, err := u.roundTrip(context.Background(), srv.URL, req, time.Now().Add(time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body.setReadDeadline(time.Now().Add(20 * time.Millisecond))
+	if _, err := body.Read(make([]byte, 8)); !errors.Is(err, os.ErrDeadlineExceeded) || body.conn.isCancelled() {
+		t.Fatalf("read error %v (cancelled %v), want a deadline", err, body.conn.isCancelled())
+	}
+}
