@@ -9,7 +9,8 @@ FUZZ_TARGETS := \
 	./transport/openai:FuzzParse \
 	./sim:FuzzDecodeRequest \
 	./sim/trace:FuzzRead \
-	./indexer:FuzzChain
+	./indexer:FuzzChain \
+	./transport/kvevents:FuzzDecode
 
 .PHONY: all build test unit fuzz demo bench lint clean
 
