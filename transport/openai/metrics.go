@@ -19,6 +19,7 @@ type metrics struct {
 	ttft      prometheus.Histogram
 	selection prometheus.Histogram
 	kvHit     prometheus.Histogram
+	predError prometheus.Histogram
 }
 
 func newMetrics() *metrics {
@@ -46,6 +47,12 @@ func newMetrics() *metrics {
 			// 1us .. ~4s: selection is normally microseconds, queueing for a busy fleet is not.
 			Buckets: prometheus.ExponentialBuckets(1e-6, 4, 12),
 		}),
+		predError: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvrouter_kv_prediction_error_tokens",
+			Help: "Absolute difference between the cached tokens the router predicted (overlap x block size) " +
+				"and the cached_tokens the worker reported in its usage.",
+			Buckets: append([]float64{0}, prometheus.ExponentialBuckets(16, 4, 8)...),
+		}),
 		kvHit: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_predicted_kv_hit_ratio",
 			Help:    "Predicted share of the prompt's blocks already cached on the chosen worker.",
@@ -55,7 +62,7 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
-	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.ttft, m.selection, m.kvHit, c} {
+	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.ttft, m.selection, m.kvHit, m.predError, c} {
 		if err := reg.Register(col); err != nil {
 			return fmt.Errorf("register metrics: %w", err)
 		}

@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -218,6 +219,9 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return retry, s.badResponse(d, "upstream_garbage", errors.New("a 2xx answer that is not JSON"))
 	}
 	c.observeTTFT(s)
+	if n, ok := cachedTokens(body); ok {
+		s.observePrediction(d, n)
+	}
 	s.writeHeaders(c, resp, d, binding, len(body))
 	if _, err := c.w.Write(body); err != nil {
 		s.log.Debug("client write failed", "error", err)
@@ -410,10 +414,14 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 	defer s.copyBuffers.Put(bp)
 	buf := *bp
 	started := hdr == nil
+	cached, sawUsage := 0, false
 	// Each pass reads at least one byte or ends; the idle timeout bounds how long a pass waits.
 	for {
 		n, err := rd.read(buf)
 		if n > 0 {
+			if v, ok := cachedTokens(buf[:n]); ok {
+				cached, sawUsage = v, true
+			}
 			c.firstBytes()
 			if !started {
 				hdr()
@@ -437,6 +445,9 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 		case err == nil:
 			continue
 		case errors.Is(err, io.EOF) && started:
+			if sawUsage {
+				s.observePrediction(d, cached)
+			}
 			return done, failure{}
 		case errors.Is(err, io.EOF):
 			return retry, s.badResponse(d, "upstream_garbage", errors.New("a 2xx stream with an empty body"))
@@ -540,3 +551,39 @@ func (u *upstreamReader) read(buf []byte) (int, error) {
 
 // cause reports the timeout that cut the upstream request, if one did.
 func (u *upstreamReader) cause() error { return u.timedOut }
+
+// cachedTokensKey is how a worker's usage reports its prefix-cache hit.
+const cachedTokensKey = `"cached_tokens"`
+
+// cachedTokens finds the last "cached_tokens": N in b (a whole answer, or one read of a stream,
+// where the usage chunk comes last). It is a scan, not a parse: the number only feeds a metric.
+func cachedTokens(b []byte) (int, bool) {
+	i := bytes.LastIndex(b, []byte(cachedTokensKey))
+	if i < 0 {
+		return 0, false
+	}
+	rest := bytes.TrimLeft(b[i+len(cachedTokensKey):], " \t\r\n")
+	if len(rest) == 0 || rest[0] != ':' {
+		return 0, false
+	}
+	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	n, digits := 0, 0
+	for _, ch := range rest {
+		if ch < '0' || ch > '9' || digits >= 12 {
+			break
+		}
+		n = n*10 + int(ch-'0')
+		digits++
+	}
+	return n, digits > 0
+}
+
+// observePrediction records how far the predicted cache hit was from the worker's report.
+func (s *Server) observePrediction(d routing.Decision, cached int) {
+	predicted := d.Overlap * s.router.BlockSize()
+	diff := predicted - cached
+	if diff < 0 {
+		diff = -diff
+	}
+	s.metrics.predError.Observe(float64(diff))
+}
