@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"context"
 	"log/slog"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
@@ -15,14 +16,33 @@ type EventPublisher interface {
 // PublishEvents returns a Config.OnEvent hook that publishes the cache's changes in vLLM's KV
 // event format. The block hashes are the worker's own (FNV, not the router's xxhash), so a
 // router must derive its keys from the token ids, as it must with a real engine.
-func PublishEvents(pub EventPublisher, blockSize int, log *slog.Logger) func(CacheEvent) {
-	return func(ce CacheEvent) {
-		events := translateCacheEvent(ce, blockSize)
-		if len(events) == 0 {
-			return
+//
+// The hook runs under the cache's lock, so it only queues the change; one goroutine (until ctx
+// ends) encodes and publishes in order. Encoding a long prompt's blocks under the lock stalled
+// every other request of the worker. A full queue makes the hook wait rather than drop: a change
+// the router never hears of would leave its index wrong until the blocks are touched again.
+func PublishEvents(ctx context.Context, pub EventPublisher, blockSize int, log *slog.Logger) func(CacheEvent) {
+	queue := make(chan CacheEvent, 4096)
+	go func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case ce := <-queue:
+				events := translateCacheEvent(ce, blockSize)
+				if len(events) == 0 {
+					continue
+				}
+				if err := pub.Publish(events); err != nil && log != nil {
+					log.Warn("publishing KV events failed", "error", err)
+				}
+			}
 		}
-		if err := pub.Publish(events); err != nil && log != nil {
-			log.Warn("publishing KV events failed", "error", err)
+	}()
+	return func(ce CacheEvent) {
+		select {
+		case queue <- ce:
+		case <-ctx.Done():
 		}
 	}
 }

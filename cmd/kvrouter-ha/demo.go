@@ -188,7 +188,7 @@ func startSimFleet(ctx context.Context, n int, base sim.Config, events bool) (*s
 			f.publishers = append(f.publishers, pub)
 			spec.KVEvents = "tcp://" + pub.Addr().String()
 			spec.KVReplay = "tcp://" + pub.ReplayAddr().String()
-			c.OnEvent = sim.PublishEvents(pub, max(c.BlockSize, sim.DefaultBlockSize), c.Logger)
+			c.OnEvent = sim.PublishEvents(ctx, pub, max(c.BlockSize, sim.DefaultBlockSize), c.Logger)
 		}
 		w, err := sim.New(c)
 		if err != nil {

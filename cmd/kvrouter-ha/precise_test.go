@@ -61,9 +61,10 @@ func (w *eventWorker) start() {
 	if err != nil {
 		t.Fatalf("publisher: %v", err)
 	}
+	ctx, cancel := context.WithCancel(context.Background())
 	c := simConfig(0)
 	c.ID = w.spec.ID
-	c.OnEvent = sim.PublishEvents(pub, sim.DefaultBlockSize, nil)
+	c.OnEvent = sim.PublishEvents(ctx, pub, sim.DefaultBlockSize, nil)
 	sw, err := sim.New(c)
 	if err != nil {
 		t.Fatal(err)
@@ -73,7 +74,6 @@ func (w *eventWorker) start() {
 		ln, err = net.Listen("tcp", w.httpAddr)
 		return err == nil, fmt.Sprint(err)
 	})
-	ctx, cancel := context.WithCancel(context.Background())
 	w.sim, w.pub, w.cancel, w.done = sw, pub, cancel, make(chan struct{})
 	go func() { defer close(w.done); _ = sw.Serve(ctx, ln) }()
 }

@@ -57,7 +57,7 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 					return fmt.Errorf("kv events: %w", err)
 				}
 				defer p.Close()
-				cfg.OnEvent = sim.PublishEvents(p, cfg.BlockSize, log)
+				cfg.OnEvent = sim.PublishEvents(ctx, p, cfg.BlockSize, log)
 				log.Info("publishing KV events", "endpoint", pub.Endpoint, "replay", pub.ReplayEndpoint)
 			}
 			w, err := sim.New(cfg)
