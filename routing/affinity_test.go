@@ -6,8 +6,6 @@ import (
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 )
 
 type fakeClock struct {
@@ -239,5 +237,3 @@ func TestSessionCapAnswersTooManySessions(t *testing.T) {
 		}
 	}
 }
-
-var _ = indexer.Worker{}

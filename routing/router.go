@@ -307,6 +307,11 @@ func (r *Router) routeQuery(ctx context.Context, a *Attempt) error {
 // selectWorker picks a target. A preferred worker (bound or explicit) is taken if routable,
 // busy or not: affinity outranks balance.
 func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.Worker, exclude []indexer.Worker) (Decision, error) {
+	// Selection races the request's cancellation, as the reference router's does: a request
+	// whose client has gone is not placed (and an existing binding is kept, see Route).
+	if err := ctx.Err(); err != nil {
+		return Decision{}, err
+	}
 	start := time.Now()
 	promptBlocks := max(len(req.Hashes), (req.PromptTokens+r.cfg.BlockSize-1)/r.cfg.BlockSize)
 	sc := r.scratch.Get().(*scratch)

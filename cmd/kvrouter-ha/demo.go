@@ -96,8 +96,9 @@ func splitList(s string) []string {
 	return out
 }
 
-// loadTrace reads the trace at path, or the bundled one, with sessions assigned.
-func loadTrace(path string) ([]trace.Request, error) {
+// loadTrace reads the trace at path, or the bundled one, with sessions assigned, from its
+// request start on.
+func loadTrace(path string, start int) ([]trace.Request, error) {
 	var reqs []trace.Request
 	var err error
 	if path == "" {
@@ -109,22 +110,19 @@ func loadTrace(path string) ([]trace.Request, error) {
 		return nil, err
 	}
 	trace.AssignSessions(reqs)
-	return reqs, nil
+	if start < 0 || start >= len(reqs) {
+		return nil, fmt.Errorf("--start %d outside the trace's %d requests", start, len(reqs))
+	}
+	return reqs[start:], nil
 }
 
 func runDemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) error {
 	if len(cfg.Policies) == 0 {
 		return errors.New("no policies to compare")
 	}
-	reqs, err := loadTrace(cfg.TracePath)
+	reqs, err := loadTrace(cfg.TracePath, cfg.Start)
 	if err != nil {
 		return err
-	}
-	if cfg.Start > 0 {
-		if cfg.Start >= len(reqs) {
-			return fmt.Errorf("--start %d past the trace's %d requests", cfg.Start, len(reqs))
-		}
-		reqs = reqs[cfg.Start:]
 	}
 	if cfg.Limit > 0 && cfg.Limit < len(reqs) {
 		reqs = reqs[:cfg.Limit]

@@ -562,3 +562,20 @@ func sawNothing(w *testWorker) bool {
 	s := w.Stats()
 	return s.PromptTokens == 0 && s.Served == 0 && s.Running == 0 && s.Waiting == 0 && s.Aborted == 0
 }
+
+// requireNoTrace checks that requests the router turned away left nothing behind: no session,
+// no load, and no request on any worker.
+func requireNoTrace(t *testing.T, rep *replica, fleet testFleet, what string) {
+	t.Helper()
+	if got := rep.affinity.Len(); got != 0 {
+		t.Errorf("%s left %d sessions", what, got)
+	}
+	if ok, why := routerIdle(rep); !ok {
+		t.Errorf("%s left load: %s", what, why)
+	}
+	for _, w := range fleet {
+		if !sawNothing(w) {
+			t.Errorf("worker %s saw one of the %s: %+v", w.spec.ID, what, w.Stats())
+		}
+	}
+}

@@ -552,14 +552,7 @@ func TestUnknownTargetIs404(t *testing.T) {
 			})
 		}
 	}
-	if got := rep.affinity.Len(); got != 0 {
-		t.Errorf("rejected requests left %d sessions", got)
-	}
-	for _, w := range fleet {
-		if !sawNothing(w) {
-			t.Errorf("worker %s saw a rejected request: %+v", w.spec.ID, w.Stats())
-		}
-	}
+	requireNoTrace(t, rep, fleet, "rejected requests")
 	// A rank suffix of a real worker is a valid target.
 	a := c.complete(promptTokens(2, blockTokens), 2, hdr("X-Target-Worker", "w1/0")).mustOK(t)
 	if a.worker() != "w1" {
@@ -606,17 +599,7 @@ func TestRouteQueryChangesNothing(t *testing.T) {
 			t.Errorf("query %d found state a query should not have made: %+v", i, ans)
 		}
 	}
-	if got := rep.affinity.Len(); got != 0 {
-		t.Errorf("queries created %d sessions", got)
-	}
-	if ok, why := routerIdle(rep); !ok {
-		t.Errorf("queries left load: %s", why)
-	}
-	for _, w := range fleet {
-		if !sawNothing(w) {
-			t.Errorf("worker %s saw a query: %+v", w.spec.ID, w.Stats())
-		}
-	}
+	requireNoTrace(t, rep, fleet, "queries")
 
 	// The first real request of the session initialises its binding.
 	real := c.complete(prompt, 2, session).mustOK(t)
@@ -707,14 +690,7 @@ func TestBadSessionKeyIs400(t *testing.T) {
 			}
 		})
 	}
-	if got := rep.affinity.Len(); got != 0 {
-		t.Errorf("rejected keys left %d sessions", got)
-	}
-	for _, w := range fleet {
-		if !sawNothing(w) {
-			t.Errorf("worker %s saw a rejected request: %+v", w.spec.ID, w.Stats())
-		}
-	}
+	requireNoTrace(t, rep, fleet, "rejected keys")
 	// The bound is inclusive: 256 printable bytes are a valid key.
 	a := c.complete(promptTokens(2, blockTokens), 2, hdr("X-Session-ID", strings.Repeat("k", 256))).mustOK(t)
 	if a.revision(t) == 0 {
@@ -792,17 +768,7 @@ func TestBadInputGetsClearErrors(t *testing.T) {
 	}
 	a.wantError(t, http.StatusMethodNotAllowed)
 
-	if got := rep.affinity.Len(); got != 0 {
-		t.Errorf("bad requests left %d sessions", got)
-	}
-	if ok, why := routerIdle(rep); !ok {
-		t.Errorf("bad requests left load: %s", why)
-	}
-	for _, w := range fleet {
-		if !sawNothing(w) {
-			t.Errorf("worker %s saw a bad request: %+v", w.spec.ID, w.Stats())
-		}
-	}
+	requireNoTrace(t, rep, fleet, "bad requests")
 
 	// Requests the router cannot judge reach a worker, whose refusal the client sees as is;
 	// the session is not bound to a worker that refused its first request.

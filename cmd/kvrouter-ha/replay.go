@@ -43,15 +43,9 @@ func replayCommand(stdout, stderr io.Writer) *ffcli.Command {
 			if (cfg.Target == "") == (len(cfg.Workers) == 0) {
 				return errors.New("give exactly one of --target or --workers")
 			}
-			reqs, err := loadTrace(*tracePath)
+			reqs, err := loadTrace(*tracePath, *start)
 			if err != nil {
 				return err
-			}
-			if *start > 0 {
-				if *start >= len(reqs) {
-					return fmt.Errorf("--start %d past the trace's %d requests", *start, len(reqs))
-				}
-				reqs = reqs[*start:]
 			}
 			cfg.Requests = reqs
 			if *progress {

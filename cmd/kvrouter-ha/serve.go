@@ -343,7 +343,7 @@ func (r *replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger
 	if err != nil {
 		return nil, err
 	}
-	base := kvevents.Config{BlockSize: r.router0BlockSize(), Sink: r.precise, Metrics: metrics, Logger: log}
+	base := kvevents.Config{BlockSize: r.blockSize(), Sink: r.precise, Metrics: metrics, Logger: log}
 	var subs []*kvevents.Subscriber
 	for _, spec := range specs {
 		for rank := range max(spec.DPSize, 1) {
@@ -387,8 +387,9 @@ func (r *replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger
 	return subs, nil
 }
 
-// router0BlockSize is the block size the router will use (its config's, or the default).
-func (r *replica) router0BlockSize() int {
+// blockSize is the block size the router will use (its config's, or the default); the KV event
+// subscribers are built before the router.
+func (r *replica) blockSize() int {
 	if r.cfg.Router.BlockSize > 0 {
 		return r.cfg.Router.BlockSize
 	}

@@ -459,16 +459,22 @@ func (s *Subscriber) resync(ctx context.Context) {
 		s.cfg.Sink.RemoveWorker(st.w)
 		st.started = false
 	}
+	s.applyReplayed(st, got)
+}
+
+// applyReplayed applies, in order, the replayed messages the stream does not have yet, and
+// remembers them so that their live copies are skipped; it returns how many it applied.
+func (s *Subscriber) applyReplayed(st *stream, got []replayed) int {
 	applied := 0
 	clear(st.replayed)
 	for _, r := range got {
 		if st.started && r.seq <= st.last {
-			continue
+			continue // a duplicate
 		}
-		b, derr := s.replayDec.Decode(r.payload)
-		if derr != nil {
-			s.drop(st.w, Cause(derr), derr)
-			st.started, st.last = true, r.seq
+		b, err := s.replayDec.Decode(r.payload)
+		if err != nil {
+			s.drop(st.w, Cause(err), err)
+			st.started, st.last = true, r.seq // it is bad however often it is fetched
 			continue
 		}
 		s.apply(st, r.seq, b)
@@ -476,6 +482,7 @@ func (s *Subscriber) resync(ctx context.Context) {
 		applied++
 	}
 	s.m.replayed.WithLabelValues(st.label).Add(float64(applied))
+	return applied
 }
 
 // apply applies one decoded batch and moves the stream to seq.
@@ -493,23 +500,7 @@ func (s *Subscriber) apply(st *stream, seq uint64, b Batch) {
 // order, skipping what the stream already has.
 func (s *Subscriber) recover(ctx context.Context, st *stream, from, to uint64) {
 	got, err := s.fetchReplay(ctx, st.replay, from, to)
-	applied := 0
-	clear(st.replayed)
-	for _, r := range got {
-		if st.started && r.seq <= st.last {
-			continue // a duplicate
-		}
-		b, derr := s.replayDec.Decode(r.payload)
-		if derr != nil {
-			s.drop(st.w, Cause(derr), derr)
-			st.started, st.last = true, r.seq // it is bad however often it is fetched
-			continue
-		}
-		s.apply(st, r.seq, b)
-		st.noteReplayed(r)
-		applied++
-	}
-	s.m.replayed.WithLabelValues(st.label).Add(float64(applied))
+	applied := s.applyReplayed(st, got)
 	result := "ok"
 	switch {
 	case err != nil:
