@@ -1,0 +1,219 @@
+package peer
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"errors"
+	"math/big"
+	"net"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeHandler records what reaches it. With redirect set it behaves as a follower:
+// every leader-only call answers with the redirect and changes nothing.
+type fakeHandler struct {
+	mu       sync.Mutex
+	redirect *NotLeaderError
+	fail     error // returned by every call when set
+	applied  [][]byte
+	touches  []Touch
+	joins    []JoinRequest
+	leaves   []string
+	reads    int
+	status   Status
+	// readIndex, when set, answers ReadIndex (after the leader checks).
+	readIndex func(ctx context.Context) (uint64, error)
+}
+
+func (h *fakeHandler) check() error {
+	if h.fail != nil {
+		return h.fail
+	}
+	if h.redirect != nil {
+		return h.redirect
+	}
+	return nil
+}
+
+func (h *fakeHandler) setRedirect(nl *NotLeaderError) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.redirect = nl
+}
+
+func (h *fakeHandler) Apply(_ context.Context, cmd []byte) ([]byte, uint64, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err := h.check(); err != nil {
+		return nil, 0, err
+	}
+	h.applied = append(h.applied, append([]byte(nil), cmd...))
+	return append([]byte("applied:"), cmd...), uint64(len(h.applied)), nil
+}
+
+func (h *fakeHandler) ReadIndex(ctx context.Context) (uint64, error) {
+	h.mu.Lock()
+	if err := h.check(); err != nil {
+		h.mu.Unlock()
+		return 0, err
+	}
+	h.reads++
+	n, fn := h.reads, h.readIndex
+	h.mu.Unlock()
+	if fn != nil {
+		return fn(ctx)
+	}
+	return uint64(100 + n), nil
+}
+
+func (h *fakeHandler) Touch(_ context.Context, ts []Touch) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err := h.check(); err != nil {
+		return err
+	}
+	h.touches = append(h.touches, ts...)
+	return nil
+}
+
+func (h *fakeHandler) Status(context.Context) (Status, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.fail != nil {
+		return Status{}, h.fail
+	}
+	return h.status, nil
+}
+
+func (h *fakeHandler) Join(_ context.Context, req JoinRequest) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err := h.check(); err != nil {
+		return err
+	}
+	h.joins = append(h.joins, req)
+	return nil
+}
+
+func (h *fakeHandler) Leave(_ context.Context, id string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err := h.check(); err != nil {
+		return err
+	}
+	h.leaves = append(h.leaves, id)
+	return nil
+}
+
+func (h *fakeHandler) appliedCount() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.applied)
+}
+
+// serve starts a Server for h on 127.0.0.1:0 and returns its address; the server stops
+// when the test ends.
+func serve(t testing.TB, h Handler, opts ServerOptions) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewServer(h, opts)
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(l) }()
+	t.Cleanup(func() {
+		s.Stop()
+		if err := <-done; err != nil {
+			t.Errorf("Serve returned %v after Stop", err)
+		}
+	})
+	return l.Addr().String()
+}
+
+// dial connects a Client to addr, closed when the test ends.
+func dial(t testing.TB, addr string, opts ClientOptions) *Client {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := Dial(ctx, addr, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// testCtx is a context bounded well inside the test timeout.
+func testCtx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// testCA is a throwaway certificate authority for TLS tests.
+type testCA struct {
+	cert *x509.Certificate
+	key  *ecdsa.PrivateKey
+	pool *x509.CertPool
+}
+
+func newTestCA(t testing.TB, name string) *testCA {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: name},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(time.Hour),
+		IsCA:                  true,
+		KeyUsage:              x509.KeyUsageCertSign,
+		BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AddCert(cert)
+	return &testCA{cert: cert, key: key, pool: pool}
+}
+
+// issue signs a leaf certificate for 127.0.0.1 usable as server and client.
+func (ca *testCA) issue(t testing.TB, name string) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(time.Now().UnixNano()),
+		Subject:      pkix.Name{CommonName: name},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		IPAddresses:  []net.IP{net.ParseIP("127.0.0.1")},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+var errBoom = errors.New("boom")
