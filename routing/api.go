@@ -126,6 +126,12 @@ var (
 	ErrTargetConflict = errors.New("target worker conflicts with the session's binding")
 	// ErrTooManySessions: the binding cap is reached (429).
 	ErrTooManySessions = errors.New("too many sessions")
+	// ErrUnavailable: the affinity store cannot vouch for bindings now (no leader, or out of
+	// contact past the staleness bound) (503 with Retry-After).
+	ErrUnavailable = errors.New("session bindings unavailable")
+	// ErrBoundElsewhere: a concurrent first request on another replica bound the session to
+	// another worker first; the request moves there before its first byte.
+	ErrBoundElsewhere = errors.New("session was bound to another worker by a concurrent request")
 	// ErrRetriesExhausted: the bounded retries before the first byte are used up (502).
 	ErrRetriesExhausted = errors.New("retries exhausted")
 )

@@ -198,6 +198,23 @@ func (r *Registry) Drain(id string) error {
 	return nil
 }
 
+// Undrain lets a drained worker take new requests again.
+func (r *Registry) Undrain(id string) error {
+	r.mu.Lock()
+	st, ok := r.workers[id]
+	if !ok {
+		r.mu.Unlock()
+		return fmt.Errorf("worker %s: %w", id, ErrUnknownTarget)
+	}
+	if !st.Drained {
+		r.mu.Unlock()
+		return nil
+	}
+	st.Drained = false
+	r.changed(*st, false)
+	return nil
+}
+
 // Remove forgets a worker.
 func (r *Registry) Remove(id string) error {
 	r.mu.Lock()

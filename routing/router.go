@@ -561,6 +561,21 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 		return a.decision.Binding, nil
 	}
 	b, err := a.lease.Commit(ctx, a.decision.Target.Worker)
+	if errors.Is(err, ErrBoundElsewhere) {
+		// A concurrent first request (on another replica) bound the session to another
+		// worker: this request moves there, with its load, before any byte reaches the client.
+		spec, ok := a.router.deps.Workers.Lookup(b.Worker.ID)
+		if !ok || int(b.Worker.DPRank) >= max(spec.DPSize, 1) {
+			return Binding{}, fmt.Errorf("bind session: bound to unknown worker %s: %w", b.Worker, ErrNoWorker)
+		}
+		bs := int64(a.router.cfg.BlockSize)
+		prefill := max(int64(a.req.PromptTokens)-int64(a.decision.Overlap)*bs, 0)
+		a.ticket.Finish()
+		a.decision.Target = Target{Worker: b.Worker, Spec: &spec}
+		a.decision.Binding, a.decision.Bound = b, true
+		a.ticket = a.router.deps.Tracker.Start(b.Worker, prefill, int64(a.decision.PromptBlocks))
+		return b, err
+	}
 	if err != nil {
 		return Binding{}, fmt.Errorf("bind session: %w", err)
 	}

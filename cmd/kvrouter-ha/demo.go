@@ -228,6 +228,11 @@ func demoRun(ctx context.Context, cfg demoConfig, policy string, precise bool, r
 		return nil, err
 	}
 	defer fleet.Close()
+	dataDir, err := os.MkdirTemp("", "kvrouter-demo-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dataDir)
 	rep, err := startReplica(ctx, serveConfig{
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ReplicaID: "demo",
 		Workers: fleet.specs,
@@ -237,7 +242,9 @@ func demoRun(ctx context.Context, cfg demoConfig, policy string, precise bool, r
 		ApproxTTL: time.Duration(float64(120*time.Second) / cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
 		SessionTTL: time.Duration(float64(10*time.Minute) / cfg.Speedup), MaxSessions: 1_000_000,
 		Health: openai.HealthConfig{Timeout: 2 * time.Second, FailThreshold: 3},
-		Logger: quiet,
+		// A lone replica is a one-node Raft cluster, on a throwaway data directory here.
+		Cluster: clusterConfig{DataDir: dataDir, RaftListen: "127.0.0.1:0", PeerListen: "127.0.0.1:0", BootstrapExpect: 1},
+		Logger:  quiet,
 	})
 	if err != nil {
 		return nil, err

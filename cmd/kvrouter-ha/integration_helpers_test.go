@@ -147,8 +147,9 @@ func startTestReplica(t *testing.T, fleet testFleet, tune func(*serveConfig)) *r
 		Router:    routing.Config{Policy: "kv"},
 		ApproxTTL: 2 * time.Minute, ApproxMaxBlocks: 1 << 20,
 		SessionTTL: 10 * time.Minute, MaxSessions: 10_000,
-		Health: openai.HealthConfig{Interval: time.Hour},
-		Logger: slog.New(slog.DiscardHandler),
+		Health:  openai.HealthConfig{Interval: time.Hour},
+		Cluster: testClusterConfig(t),
+		Logger:  slog.New(slog.DiscardHandler),
 	}
 	if tune != nil {
 		tune(&cfg)
@@ -163,6 +164,16 @@ func startTestReplica(t *testing.T, fleet testFleet, tune func(*serveConfig)) *r
 		}
 	})
 	return rep
+}
+
+// testClusterConfig is a lone replica's Raft node on loopback with a throwaway data directory
+// and LAN-fast timeouts.
+func testClusterConfig(t *testing.T) clusterConfig {
+	return clusterConfig{
+		DataDir: t.TempDir(), RaftListen: "127.0.0.1:0", PeerListen: "127.0.0.1:0", BootstrapExpect: 1,
+		Heartbeat: 100 * time.Millisecond, Election: 100 * time.Millisecond, LeaderLease: 50 * time.Millisecond,
+		BindWait: 5 * time.Second,
+	}
 }
 
 // eventually polls cond until it reports true, failing the test with cond's last word when

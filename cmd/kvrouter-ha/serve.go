@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/kvrouter-ha/kvrouter-ha/cluster"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
@@ -47,7 +48,11 @@ type serveConfig struct {
 	OverlayTTL time.Duration
 	// Tokenizer is "none" (text prompts hash in byte chunks) or "worker" (ask a worker's /tokenize).
 	Tokenizer string
-	Logger    *slog.Logger
+	// AdminToken guards /admin/* on the admin listener ("" leaves it open: loopback only).
+	AdminToken string
+	// Cluster configures the Raft node that keeps session bindings.
+	Cluster clusterConfig
+	Logger  *slog.Logger
 }
 
 // workerFlag collects --worker values: "id=url" or a bare url (id w<n>).
@@ -128,6 +133,9 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.StringVar(&cfg.TopicPattern, "kv-events-topic-pattern", "kv@{host:port}@{model}", "how a bound subscriber tells workers apart: the {host:port} in a topic is matched against worker URLs")
 	fs.DurationVar(&cfg.OverlayTTL, "overlay-ttl", 10*time.Second, "precise mode: how long the replica's own decisions count on top of the KV events")
 	fs.StringVar(&cfg.Tokenizer, "tokenizer", "none", "text prompts: none (hash text in byte chunks) or worker (ask a worker's POST /tokenize, so text routes on exact token blocks)")
+	registerClusterFlags(fs, &cfg.Cluster)
+	fs.StringVar(&cfg.AdminToken, "admin-token", "", "bearer token for the admin API (prefer --admin-token-file or KVROUTER_ADMIN_TOKEN: flags show in ps)")
+	adminTokenFile := fs.String("admin-token-file", "", "file holding the admin API bearer token")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	return &ffcli.Command{
 		Name:       "serve",
@@ -147,8 +155,15 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 				}
 				cfg.Workers = append(cfg.Workers, specs...)
 			}
-			if len(cfg.Workers) == 0 {
-				return errors.New("no workers: give --worker id=url or --workers-file")
+			if *adminTokenFile != "" {
+				b, err := os.ReadFile(*adminTokenFile)
+				if err != nil {
+					return fmt.Errorf("admin token file: %w", err)
+				}
+				cfg.AdminToken = strings.TrimSpace(string(b))
+			}
+			if cfg.AdminToken == "" {
+				log.Warn("no admin token: the admin API is open to anyone who reaches the admin listener")
 			}
 			rep, err := startReplica(ctx, cfg)
 			if err != nil {
@@ -170,7 +185,9 @@ type replica struct {
 	tracker  *routing.Tracker
 	approx   *indexer.Index
 	precise  *indexer.Index // fed by KV events; nil without them
-	affinity *routing.MemoryAffinity
+	affinity *cluster.Affinity
+	cluster  *clusterParts
+	log      *slog.Logger
 	server   *openai.Server
 	http     *http.Server
 	admin    *http.Server
@@ -189,7 +206,7 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &replica{cfg: cfg, registry: reg, tracker: routing.NewTracker()}
+	r := &replica{cfg: cfg, registry: reg, tracker: routing.NewTracker(), log: log}
 	promReg := prometheus.NewRegistry()
 	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	subs, err := r.kvEventSubscribers(promReg, log)
@@ -209,11 +226,15 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 	if r.precise != nil {
 		index = routing.Overlay{r.precise, r.approx}
 	}
-	r.affinity = routing.NewMemoryAffinity(cfg.SessionTTL, cfg.MaxSessions)
+	if r.cluster, err = startCluster(ctx, cfg, log); err != nil {
+		return nil, err
+	}
+	r.affinity = r.cluster.affinity
 	r.router, err = routing.New(cfg.Router, routing.Deps{
 		Index: index, Recorder: r.approx, Workers: reg, Tracker: r.tracker, Affinity: r.affinity,
 	})
 	if err != nil {
+		r.cluster.Close()
 		return nil, err
 	}
 	reg.OnChange(func(st routing.WorkerStatus, removed bool) {
@@ -228,6 +249,7 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 			}
 			r.tracker.Forget(w)
 		}
+		go r.invalidateRemoved(context.WithoutCancel(ctx), indexer.Worker{ID: st.Spec.ID})
 	})
 	pcfg := cfg.Proxy
 	pcfg.ReplicaID = cfg.ReplicaID
@@ -242,13 +264,17 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 	}
 	r.server, err = openai.NewServer(pcfg, r.router, reg, r.tracker)
 	if err != nil {
+		r.cluster.Close()
 		return nil, err
 	}
+	r.server.SetReady(r.cluster.node.Ready)
 	if r.ln, err = net.Listen("tcp", cfg.Listen); err != nil {
+		r.cluster.Close()
 		return nil, fmt.Errorf("client listener: %w", err)
 	}
 	if r.aln, err = net.Listen("tcp", cfg.AdminListen); err != nil {
 		r.ln.Close()
+		r.cluster.Close()
 		return nil, fmt.Errorf("admin listener: %w", err)
 	}
 	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
@@ -261,10 +287,12 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		cancel()
 		r.ln.Close()
 		r.aln.Close()
+		r.cluster.Close()
 		return nil, err
 	}
 	r.http = &http.Server{Handler: r.server.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	r.admin = &http.Server{Handler: openai.AdminHandler(promReg), ReadHeaderTimeout: 10 * time.Second}
+	admin := &adminAPI{rep: r, token: cfg.AdminToken}
+	r.admin = &http.Server{Handler: admin.handler(openai.AdminHandler(promReg)), ReadHeaderTimeout: 10 * time.Second}
 	r.goRun(func() { checker.Run(bg) })
 	for _, sub := range subs {
 		r.goRun(func() {
@@ -274,6 +302,8 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		})
 	}
 	r.goRun(func() { r.housekeeping(bg) })
+	r.goRun(func() { r.syncWorkers(bg) })
+	r.goRun(func() { r.watchWorkerHealth(bg) })
 	r.goRun(func() {
 		if err := r.http.Serve(r.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.Error("client listener stopped", "err", err)
@@ -302,7 +332,6 @@ func (r *replica) housekeeping(ctx context.Context) {
 			return
 		case <-t.C:
 			r.approx.Expire()
-			r.affinity.Expire()
 		}
 	}
 }
@@ -321,6 +350,9 @@ func (r *replica) Close() error {
 	r.admin.Shutdown(ctx)
 	r.cancel()
 	r.wg.Wait()
+	if cerr := r.cluster.Close(); cerr != nil && err == nil {
+		err = cerr
+	}
 	return err
 }
 

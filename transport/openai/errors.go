@@ -81,6 +81,9 @@ func routeError(err error) *Error {
 	case errors.Is(err, routing.ErrBusy):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
 			Code: "busy", RetryAfter: "1", Cause: "busy"}
+	case errors.Is(err, routing.ErrUnavailable):
+		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
+			Code: "cluster_unavailable", RetryAfter: "1", Cause: "cluster_unavailable"}
 	case errors.Is(err, routing.ErrUnknownTarget):
 		return &Error{Status: http.StatusNotFound, Message: err.Error(), Type: TypeNotFound,
 			Param: headerTarget, Code: "unknown_target", Cause: "unknown_target"}

@@ -73,6 +73,7 @@ const (
 	done    outcome = iota // the client has its answer (or is gone)
 	retry                  // nothing reached the client: try the next choice
 	aborted                // the response had started when the worker broke off
+	moved                  // another replica bound the session first: dispatch again to its worker
 )
 
 // failure is a dispatch that may be retried.
@@ -124,6 +125,8 @@ func (s *Server) proxy(c *call) bool {
 			return false
 		case aborted:
 			return true
+		case moved:
+			continue
 		}
 		last = fail
 		s.metrics.errors.WithLabelValues(fail.cause).Inc()
@@ -193,6 +196,13 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 
 	binding, err := c.att.Commit(ctx)
+	if errors.Is(err, routing.ErrBoundElsewhere) {
+		// Nothing has reached the client: drop this worker's answer (closing the body
+		// cancels it) and go where the session is bound.
+		s.log.Debug("session bound elsewhere by a concurrent request; moving", "session", c.att.Decision().Binding.Session,
+			"worker", c.att.Decision().Target.Worker.String())
+		return moved, failure{}
+	}
 	if err != nil {
 		// Closing the body unread drops the connection, which cancels the worker's request.
 		s.fail(c.w, c.r, commitError(err))

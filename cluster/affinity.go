@@ -1,0 +1,408 @@
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
+)
+
+// Affinity is the Raft-backed routing.AffinityStore: bindings are read from the local FSM
+// at the node's consistency level and written through the leader. Concurrent first
+// requests of a session on this replica wait for one initializer, as in
+// routing.MemoryAffinity; across replicas the FSM's absent-only Bind decides, and the
+// loser adopts the winner's binding.
+type Affinity struct {
+	n   *Node
+	log interface {
+		Debug(string, ...any)
+		Warn(string, ...any)
+	}
+
+	mu    sync.Mutex
+	local map[string]*localSession
+
+	tmu     sync.Mutex
+	touches []peer.Touch
+	wake    chan struct{}
+}
+
+// localSession is this replica's in-flight view of one session.
+type localSession struct {
+	initDone chan struct{} // open while an initializer runs
+	active   int
+	// bound is the binding this replica committed or read, kept until the local FSM has
+	// applied it (a follower learns its own bind one round trip later).
+	bound routing.Binding
+}
+
+// NewAffinity returns the store over n; it runs until n closes.
+func NewAffinity(n *Node) *Affinity {
+	a := &Affinity{n: n, log: n.log, local: make(map[string]*localSession), wake: make(chan struct{}, 1)}
+	n.wg.Add(2)
+	go a.flushTouches()
+	go a.keepAlive()
+	return a
+}
+
+var _ routing.AffinityStore = (*Affinity)(nil)
+
+func toRouting(b fsm.Binding) routing.Binding {
+	return routing.Binding{Session: b.Session, Worker: indexer.Worker{ID: b.Worker, DPRank: b.DPRank}, Revision: b.Revision}
+}
+
+// fence waits (up to BindWait) for the replica to be fresh enough to read at its level.
+func (a *Affinity) fence(ctx context.Context) error {
+	err := a.n.ReadFence(ctx)
+	if err == nil || !errors.Is(err, ErrStale) && !errors.Is(err, ErrNoLeader) {
+		return err
+	}
+	wctx, cancel := context.WithTimeout(ctx, a.n.cfg.BindWait)
+	defer cancel()
+	for {
+		ch := a.n.changeCh()
+		select {
+		case <-wctx.Done():
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return err
+		case <-ch:
+		case <-time.After(25 * time.Millisecond):
+		}
+		if err = a.n.ReadFence(wctx); err == nil {
+			return nil
+		}
+		if !errors.Is(err, ErrStale) && !errors.Is(err, ErrNoLeader) {
+			return err
+		}
+	}
+}
+
+// current is the session's binding as this replica knows it: the FSM's, or a newer one
+// this replica committed that the FSM has not applied yet.
+func (a *Affinity) currentLocked(session string) (routing.Binding, bool) {
+	b, ok := a.n.fsm.Get(session)
+	ls := a.local[session]
+	if ls != nil && ls.bound.Revision != 0 {
+		if !ok && a.n.fsm.AppliedIndex() < ls.bound.Revision {
+			return ls.bound, true
+		}
+		if ok && b.Revision < ls.bound.Revision {
+			return ls.bound, true
+		}
+	}
+	if ok {
+		return toRouting(b), true
+	}
+	return routing.Binding{}, false
+}
+
+// Acquire implements routing.AffinityStore.
+func (a *Affinity) Acquire(ctx context.Context, session string, explicit *indexer.Worker) (routing.Lease, error) {
+	if err := fsm.ValidSession(session); err != nil {
+		return nil, err
+	}
+	if err := a.fence(ctx); err != nil {
+		return nil, err
+	}
+	for {
+		a.mu.Lock()
+		ls := a.local[session]
+		if ls != nil && ls.initDone != nil {
+			wait := ls.initDone
+			a.mu.Unlock()
+			select {
+			case <-wait:
+				continue
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		}
+		if ls == nil {
+			ls = &localSession{}
+			a.local[session] = ls
+		}
+		b, ok := a.currentLocked(session)
+		if ok {
+			if explicit != nil && *explicit != b.Worker {
+				a.dropIfIdleLocked(session, ls)
+				a.mu.Unlock()
+				return nil, fmt.Errorf("session bound to %s at revision %d, target %s: %w", b.Worker, b.Revision, explicit, routing.ErrTargetConflict)
+			}
+			ls.active++
+			a.mu.Unlock()
+			a.touch(session, b.Revision)
+			return &lease{a: a, session: session, ls: ls, bound: true, binding: b}, nil
+		}
+		if max := a.n.cfg.MaxBindings; max > 0 && a.n.fsm.Len() >= max {
+			a.dropIfIdleLocked(session, ls)
+			a.mu.Unlock()
+			return nil, fmt.Errorf("%d sessions bound: %w", max, routing.ErrTooManySessions)
+		}
+		ls.initDone = make(chan struct{})
+		ls.active++
+		a.mu.Unlock()
+		return &lease{a: a, session: session, ls: ls, binding: routing.Binding{Session: session}}, nil
+	}
+}
+
+func (a *Affinity) dropIfIdleLocked(session string, ls *localSession) {
+	if ls.active == 0 && ls.initDone == nil && a.local[session] == ls {
+		delete(a.local, session)
+	}
+}
+
+// Len is the number of sessions held: bound in the FSM or being initialised here.
+func (a *Affinity) Len() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	n := a.n.fsm.Len()
+	for s, ls := range a.local {
+		if _, ok := a.n.fsm.Get(s); !ok && (ls.initDone != nil || ls.bound.Revision != 0) {
+			n++
+		}
+	}
+	return n
+}
+
+// Peek implements routing.AffinityStore.
+func (a *Affinity) Peek(ctx context.Context, session string) (routing.Binding, bool, error) {
+	if err := fsm.ValidSession(session); err != nil {
+		return routing.Binding{}, false, err
+	}
+	if err := a.fence(ctx); err != nil {
+		return routing.Binding{}, false, err
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	b, ok := a.currentLocked(session)
+	return b, ok, nil
+}
+
+// Invalidate implements routing.AffinityStore.
+func (a *Affinity) Invalidate(ctx context.Context, session string, revision uint64) error {
+	_, err := a.n.Apply(ctx, &fsm.Invalidate{Session: session, Revision: revision})
+	a.mu.Lock()
+	if ls := a.local[session]; ls != nil && ls.bound.Revision == revision {
+		ls.bound = routing.Binding{}
+	}
+	a.mu.Unlock()
+	return err
+}
+
+// bind proposes an absent-only Bind through the leader, waiting up to BindWait for one.
+func (a *Affinity) bind(ctx context.Context, session string, w indexer.Worker) (*fsm.Result, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.n.cfg.BindWait)
+	defer cancel()
+	res, err := a.n.Apply(ctx, &fsm.Bind{
+		Session: session, Worker: w.ID, DPRank: w.DPRank,
+		TTL: a.n.cfg.SessionTTL, MaxBindings: uint64(max(a.n.cfg.MaxBindings, 0)),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("bind session %q: %w", session, err)
+	}
+	return res, nil
+}
+
+// touch tells the leader a session is in use (its idle timer restarts).
+func (a *Affinity) touch(session string, revision uint64) {
+	if revision == 0 {
+		return
+	}
+	if a.n.IsLeader() {
+		a.n.lead.touch(session, revision)
+		return
+	}
+	a.tmu.Lock()
+	a.touches = append(a.touches, peer.Touch{Session: session, Revision: revision})
+	n := len(a.touches)
+	a.tmu.Unlock()
+	if n == 1 {
+		select {
+		case a.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// flushTouches sends coalesced touches to the leader; they are hints, so a failed send
+// is dropped (the next touch or the ttl/3 keep-alive repeats it).
+func (a *Affinity) flushTouches() {
+	defer a.n.wg.Done()
+	for {
+		select {
+		case <-a.n.ctx.Done():
+			return
+		case <-a.wake:
+		}
+		select {
+		case <-a.n.ctx.Done():
+			return
+		case <-time.After(a.n.cfg.TouchFlush):
+		}
+		a.tmu.Lock()
+		batch := a.touches
+		a.touches = nil
+		a.tmu.Unlock()
+		if len(batch) == 0 {
+			continue
+		}
+		if a.n.IsLeader() {
+			for _, t := range batch {
+				a.n.lead.touch(t.Session, t.Revision)
+			}
+			continue
+		}
+		if a.n.cfg.Remote == nil {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(a.n.ctx, time.Second)
+		if err := a.n.cfg.Remote.Touch(ctx, dedupe(batch)); err != nil {
+			a.log.Debug("touch flush failed", "touches", len(batch), "err", err)
+		}
+		cancel()
+	}
+}
+
+func dedupe(ts []peer.Touch) []peer.Touch {
+	seen := make(map[peer.Touch]struct{}, len(ts))
+	out := ts[:0]
+	for _, t := range ts {
+		if _, ok := seen[t]; ok {
+			continue
+		}
+		seen[t] = struct{}{}
+		out = append(out, t)
+	}
+	return out
+}
+
+// keepAlive touches every session with a request in flight here every ttl/3, so a long
+// stream does not idle its binding out.
+func (a *Affinity) keepAlive() {
+	defer a.n.wg.Done()
+	every := max(a.n.cfg.SessionTTL/3, 10*time.Millisecond)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.n.ctx.Done():
+			return
+		case <-t.C:
+		}
+		type st struct {
+			s string
+			r uint64
+		}
+		var live []st
+		a.mu.Lock()
+		applied := a.n.fsm.AppliedIndex()
+		for s, ls := range a.local {
+			if ls.active == 0 && ls.initDone == nil && applied >= ls.bound.Revision {
+				delete(a.local, s) // its bind has reached the FSM: the map is no longer needed
+				continue
+			}
+			if ls.active > 0 {
+				if b, ok := a.currentLocked(s); ok {
+					live = append(live, st{s, b.Revision})
+				}
+			}
+		}
+		a.mu.Unlock()
+		for _, x := range live {
+			a.touch(x.s, x.r)
+		}
+	}
+}
+
+// lease is one request's hold on a session.
+type lease struct {
+	a       *Affinity
+	session string
+	ls      *localSession
+	bound   bool
+	binding routing.Binding
+	done    bool
+}
+
+func (l *lease) Binding() (routing.Binding, bool) { return l.binding, l.bound }
+
+// Commit binds the session (initializer). If another replica bound it first, the lease
+// adopts that binding and returns it with routing.ErrBoundElsewhere, so the caller can move
+// the request to the bound worker while no byte has reached the client.
+func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, error) {
+	if l.done || l.bound {
+		return routing.Binding{}, fmt.Errorf("commit of session %q: lease is not an open initializer", l.session)
+	}
+	res, err := l.a.bind(ctx, l.session, w)
+	a := l.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	init := l.ls.initDone
+	l.ls.initDone = nil
+	defer close(init)
+	if err != nil {
+		return routing.Binding{}, err
+	}
+	switch res.Status {
+	case fsm.Created, fsm.Exists:
+		b := toRouting(res.Binding)
+		l.ls.bound = b
+		l.bound, l.binding = true, b
+		go a.touch(l.session, b.Revision)
+		if res.Status == fsm.Exists && b.Worker != w {
+			return b, fmt.Errorf("session %q: %w", l.session, routing.ErrBoundElsewhere)
+		}
+		return b, nil
+	case fsm.Full:
+		return routing.Binding{}, fmt.Errorf("bind session %q: %w", l.session, routing.ErrTooManySessions)
+	default:
+		return routing.Binding{}, fmt.Errorf("bind session %q to %s: %s", l.session, w, res.Status)
+	}
+}
+
+// Invalidate drops the lease's binding (revision-guarded) or gives up an initialization.
+func (l *lease) Invalidate(ctx context.Context) {
+	if l.done {
+		return
+	}
+	if l.bound && l.binding.Revision != 0 {
+		if err := l.a.Invalidate(ctx, l.session, l.binding.Revision); err != nil {
+			l.a.log.Warn("invalidate binding", "session", l.session, "revision", l.binding.Revision, "err", err)
+		}
+	}
+	l.end()
+}
+
+// Release ends the request; the binding's idle TTL counts from now.
+func (l *lease) Release() {
+	if l.done {
+		return
+	}
+	if l.bound {
+		l.a.touch(l.session, l.binding.Revision)
+	}
+	l.end()
+}
+
+func (l *lease) end() {
+	l.done = true
+	a := l.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if l.ls.initDone != nil && !l.bound {
+		close(l.ls.initDone)
+		l.ls.initDone = nil
+	}
+	l.ls.active--
+	if l.ls.active <= 0 && a.local[l.session] == l.ls && a.n.fsm.AppliedIndex() >= l.ls.bound.Revision {
+		delete(a.local, l.session)
+	}
+}

@@ -1,0 +1,339 @@
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/raft"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+func bindVia(t *testing.T, a *Affinity, session string, w indexer.Worker) routing.Binding {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	l, err := a.Acquire(ctx, session, nil)
+	if err != nil {
+		t.Fatalf("acquire %s: %v", session, err)
+	}
+	defer l.Release()
+	if b, ok := l.Binding(); ok {
+		return b
+	}
+	b, err := l.Commit(ctx, w)
+	if err != nil && !errors.Is(err, routing.ErrBoundElsewhere) {
+		t.Fatalf("commit %s: %v", session, err)
+	}
+	return b
+}
+
+func TestClusterBootstrapsAndElectsOneLeader(t *testing.T) {
+	c := newTestCluster(t, 3, nil)
+	li, _ := c.leader()
+	eventually(t, 5*time.Second, func() error {
+		ids := map[string]bool{}
+		for _, n := range c.nodes {
+			ids[n.ClusterID()] = true
+		}
+		if len(ids) != 1 || ids[""] {
+			return fmt.Errorf("cluster ids %v: want one shared id", ids)
+		}
+		return nil
+	})
+	// Every member's peer address reaches every replica's FSM.
+	eventually(t, 5*time.Second, func() error {
+		for i, n := range c.nodes {
+			if got := len(n.FSM().Members()); got != 3 {
+				return fmt.Errorf("node %d knows %d members", i, got)
+			}
+		}
+		return nil
+	})
+	t.Logf("leader r%d", li)
+}
+
+func TestFollowerForwardsBindToLeader(t *testing.T) {
+	c := newTestCluster(t, 3, nil)
+	li, _ := c.leader()
+	fi := (li + 1) % 3
+	a := NewAffinity(c.nodes[fi])
+	b := bindVia(t, a, "s1", indexer.Worker{ID: "w1"})
+	if b.Revision == 0 || b.Worker.ID != "w1" {
+		t.Fatalf("binding %+v", b)
+	}
+	c.net.mu.Lock()
+	served := c.net.forwarded[peerAddr(li)]
+	c.net.mu.Unlock()
+	if served == 0 {
+		t.Fatal("the follower's bind was not served by the leader")
+	}
+	eventually(t, 5*time.Second, func() error {
+		for i, n := range c.nodes {
+			got, ok := n.FSM().Get("s1")
+			if !ok || got.Revision != b.Revision || got.Worker != "w1" {
+				return fmt.Errorf("node %d has %+v %v", i, got, ok)
+			}
+		}
+		return nil
+	})
+}
+
+func TestRacingFirstRequestsOnAllReplicasEndOnOneBinding(t *testing.T) {
+	c := newTestCluster(t, 3, nil)
+	c.leader()
+	stores := []*Affinity{NewAffinity(c.nodes[0]), NewAffinity(c.nodes[1]), NewAffinity(c.nodes[2])}
+	const sessions = 20
+	for s := range sessions {
+		session := fmt.Sprintf("race-%d", s)
+		got := make([]routing.Binding, 6)
+		var wg sync.WaitGroup
+		for k := range got {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				got[k] = bindVia(t, stores[k%3], session, indexer.Worker{ID: fmt.Sprintf("w%d", k)})
+			}()
+		}
+		wg.Wait()
+		for k := range got {
+			if got[k] != got[0] {
+				t.Fatalf("session %s: request %d saw %+v, request 0 saw %+v", session, k, got[k], got[0])
+			}
+		}
+	}
+}
+
+func TestLeaderLossKeepsBindingsAndElectsAnother(t *testing.T) {
+	c := newTestCluster(t, 3, nil)
+	li, _ := c.leader()
+	a := NewAffinity(c.nodes[(li+1)%3])
+	want := map[string]routing.Binding{}
+	for s := range 50 {
+		session := fmt.Sprintf("s%d", s)
+		want[session] = bindVia(t, a, session, indexer.Worker{ID: fmt.Sprintf("w%d", s%4)})
+	}
+	c.kill(li)
+	nli, _ := c.leader()
+	if nli == li {
+		t.Fatal("the killed node still leads")
+	}
+	// The new leader has everything the old one acknowledged as soon as it has established
+	// its term (Barrier); the other survivor once the next heartbeat carries the commit index.
+	check := func(i int) error {
+		for s, b := range want {
+			got, ok := c.nodes[i].FSM().Get(s)
+			if !ok || got.Revision != b.Revision || got.Worker != b.Worker.ID {
+				return fmt.Errorf("node %d lost %s: %+v %v, want %+v", i, s, got, ok, b)
+			}
+		}
+		return nil
+	}
+	if err := check(nli); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, func() error {
+		for i, n := range c.nodes {
+			if n != nil {
+				if err := check(i); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+	// New sessions bind through the new leader.
+	b := bindVia(t, a, "after-failover", indexer.Worker{ID: "w9"})
+	if b.Revision == 0 {
+		t.Fatalf("no binding after failover: %+v", b)
+	}
+	// The old leader comes back and catches up.
+	c.start(li)
+	eventually(t, 10*time.Second, func() error {
+		if got, ok := c.nodes[li].FSM().Get("after-failover"); !ok || got.Revision != b.Revision {
+			return errors.New("restarted node has not caught up")
+		}
+		return nil
+	})
+}
+
+func TestNewLeaderRearmsTimersAndExpiresOnce(t *testing.T) {
+	const ttl = 300 * time.Millisecond
+	c := newTestCluster(t, 3, func(cfg *Config) { cfg.SessionTTL = ttl; cfg.CheckpointInterval = time.Hour })
+	li, _ := c.leader()
+	a := NewAffinity(c.nodes[(li+1)%3])
+	const sessions = 30
+	for s := range sessions {
+		bindVia(t, a, fmt.Sprintf("s%d", s), indexer.Worker{ID: "w1"})
+	}
+	c.kill(li)
+	_, nl := c.leader()
+	if got := nl.lead.pendingTimers(); got != nl.FSM().Len() {
+		t.Fatalf("new leader armed %d timers for %d bindings", got, nl.FSM().Len())
+	}
+	// Every binding idles out, each through exactly one Expire from the new leader.
+	eventually(t, 10*time.Second, func() error {
+		if n := nl.FSM().Len(); n != 0 {
+			return fmt.Errorf("%d bindings left", n)
+		}
+		return nil
+	})
+	if got := nl.lead.expiresProposed.Load(); got != sessions {
+		t.Fatalf("new leader proposed %d expiries for %d sessions", got, sessions)
+	}
+}
+
+func TestActiveSessionIsNotExpired(t *testing.T) {
+	const ttl = 200 * time.Millisecond
+	c := newTestCluster(t, 3, func(cfg *Config) { cfg.SessionTTL = ttl })
+	li, nl := c.leader()
+	a := NewAffinity(c.nodes[(li+1)%3])
+	ctx := context.Background()
+	held, err := a.Acquire(ctx, "long", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := held.Commit(ctx, indexer.Worker{ID: "w1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bindVia(t, a, "short", indexer.Worker{ID: "w2"})
+	// Wait for the idle one to expire: by then the held one has outlived its TTL several
+	// times over and must still be bound (its keep-alive touches the leader every ttl/3).
+	eventually(t, 10*time.Second, func() error {
+		if _, ok := nl.FSM().Get("short"); ok {
+			return errors.New("idle session not expired yet")
+		}
+		return nil
+	})
+	if got, ok := nl.FSM().Get("long"); !ok || got.Revision != b.Revision {
+		t.Fatalf("active session lost its binding: %+v %v", got, ok)
+	}
+	held.Release()
+	eventually(t, 10*time.Second, func() error {
+		if _, ok := nl.FSM().Get("long"); ok {
+			return errors.New("released session not expired yet")
+		}
+		return nil
+	})
+}
+
+func TestInvalidateIsRevisionGuarded(t *testing.T) {
+	c := newTestCluster(t, 3, nil)
+	li, _ := c.leader()
+	a := NewAffinity(c.nodes[(li+2)%3])
+	ctx := context.Background()
+	b := bindVia(t, a, "s", indexer.Worker{ID: "w1"})
+	if err := a.Invalidate(ctx, "s", b.Revision+1000); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok, err := a.Peek(ctx, "s"); err != nil || !ok || got != b {
+		t.Fatalf("a stale invalidate removed the binding: %+v %v %v", got, ok, err)
+	}
+	if err := a.Invalidate(ctx, "s", b.Revision); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, func() error {
+		if _, ok, _ := a.Peek(ctx, "s"); ok {
+			return errors.New("still bound")
+		}
+		return nil
+	})
+	b2 := bindVia(t, a, "s", indexer.Worker{ID: "w2"})
+	if b2.Revision <= b.Revision || b2.Worker.ID != "w2" {
+		t.Fatalf("rebinding %+v after %+v", b2, b)
+	}
+}
+
+func TestLinearizableReadSeesEveryAcknowledgedBind(t *testing.T) {
+	c := newTestCluster(t, 3, func(cfg *Config) { cfg.Level = Linearizable })
+	li, _ := c.leader()
+	w := NewAffinity(c.nodes[li])
+	r := NewAffinity(c.nodes[(li+1)%3])
+	ctx := context.Background()
+	for s := range 20 {
+		session := fmt.Sprintf("lin-%d", s)
+		b := bindVia(t, w, session, indexer.Worker{ID: "w1"})
+		got, ok, err := r.Peek(ctx, session)
+		if err != nil || !ok || got != b {
+			t.Fatalf("follower read after an acknowledged bind: %+v %v %v, want %+v", got, ok, err, b)
+		}
+	}
+}
+
+func TestStaleReplicaTurnsUnready(t *testing.T) {
+	c := newTestCluster(t, 3, func(cfg *Config) { cfg.BindWait = 100 * time.Millisecond })
+	li, _ := c.leader()
+	fi := (li + 1) % 3
+	if err := c.nodes[fi].Ready(); err != nil {
+		t.Fatalf("healthy follower unready: %v", err)
+	}
+	// Cut the follower off from both others.
+	c.net.mu.Lock()
+	tr := c.net.trans[raftAddr(fi)]
+	c.net.mu.Unlock()
+	tr.DisconnectAll()
+	for i := range 3 {
+		if i != fi {
+			c.net.trans[raftAddr(i)].Disconnect(raft.ServerAddress(raftAddr(fi)))
+		}
+	}
+	eventually(t, 10*time.Second, func() error {
+		if err := c.nodes[fi].Ready(); err == nil {
+			return errors.New("cut-off follower still ready")
+		}
+		return nil
+	})
+	a := NewAffinity(c.nodes[fi])
+	_, err := a.Acquire(context.Background(), "x", nil)
+	if !errors.Is(err, ErrStale) {
+		t.Fatalf("acquire on a stale replica: %v, want ErrStale", err)
+	}
+}
+
+func TestOneNodeBindingsSurviveRestart(t *testing.T) {
+	dir := t.TempDir()
+	open := func() *Node {
+		n, err := Open(context.Background(), Config{
+			ID: "solo", DataDir: dir, RaftBind: "127.0.0.1:0", PeerAddr: "127.0.0.1:1",
+			HeartbeatTimeout: 100 * time.Millisecond, ElectionTimeout: 100 * time.Millisecond, LeaderLeaseTimeout: 50 * time.Millisecond,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	n := open()
+	a := NewAffinity(n)
+	b := bindVia(t, a, "durable", indexer.Worker{ID: "w3", DPRank: 1})
+	if err := n.Close(); err != nil {
+		t.Fatal(err)
+	}
+	n = open()
+	defer n.Close()
+	eventually(t, 10*time.Second, func() error {
+		got, ok := n.FSM().Get("durable")
+		if !ok || got.Revision != b.Revision || got.Worker != "w3" || got.DPRank != 1 {
+			return fmt.Errorf("after restart: %+v %v", got, ok)
+		}
+		return nil
+	})
+}
+
+func TestApplyRejectsGarbageCommandFromPeer(t *testing.T) {
+	c := newTestCluster(t, 3, nil)
+	_, ln := c.leader()
+	before := ln.FSM().AppliedIndex()
+	_, _, err := ln.PeerHandler().Apply(context.Background(), []byte{0x7f, 1, 2, 3})
+	if err == nil {
+		t.Fatal("garbage command accepted")
+	}
+	if ln.FSM().AppliedIndex() != before {
+		t.Fatal("garbage reached the log")
+	}
+}

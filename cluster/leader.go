@@ -1,0 +1,359 @@
+package cluster
+
+import (
+	"container/heap"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/raft"
+
+	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+)
+
+// leader holds the duties of the node while it leads: an idle timer per binding (touched
+// by every replica's requests, never through the log), Expire proposed once per timer,
+// periodic Checkpoints of remaining TTLs, and batched read-index rounds.
+type leader struct {
+	n *Node
+
+	mu          sync.Mutex
+	established bool // Barrier done and timers armed in this term
+	active      bool // tracking changes (set before the rebuild so none is missed)
+	timers      map[string]*idleTimer
+	queue       timerHeap
+	wake        chan struct{}
+
+	// expiresProposed counts Expire proposals (tests: each timer proposes once).
+	expiresProposed atomic.Int64
+
+	rmu     sync.Mutex
+	next    *readRound
+	running bool
+}
+
+// idleTimer is one binding's idle deadline on the leader.
+type idleTimer struct {
+	revision  uint64
+	ttl       time.Duration
+	deadline  time.Time
+	proposing bool
+}
+
+type timerEntry struct {
+	at       time.Time
+	session  string
+	revision uint64
+}
+
+type timerHeap []timerEntry
+
+func (h timerHeap) Len() int           { return len(h) }
+func (h timerHeap) Less(i, j int) bool { return h[i].at.Before(h[j].at) }
+func (h timerHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *timerHeap) Push(x any)        { *h = append(*h, x.(timerEntry)) }
+func (h *timerHeap) Pop() any {
+	old := *h
+	e := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return e
+}
+
+type readRound struct {
+	done chan struct{}
+	idx  uint64
+	err  error
+}
+
+func newLeader(n *Node) *leader {
+	return &leader{n: n, timers: make(map[string]*idleTimer), wake: make(chan struct{}, 1)}
+}
+
+func (l *leader) ttlOf(b fsm.Binding) time.Duration {
+	if b.TTL > 0 {
+		return b.TTL
+	}
+	return l.n.cfg.SessionTTL
+}
+
+// observe follows the FSM's changes (inside Apply: no blocking) while leading.
+func (l *leader) observe(c fsm.Change) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.active {
+		return
+	}
+	switch c.Kind {
+	case fsm.Bound:
+		l.armLocked(c.Binding, time.Now().Add(l.ttlOf(c.Binding)))
+	case fsm.Unbound:
+		if t := l.timers[c.Binding.Session]; t != nil && t.revision == c.Binding.Revision {
+			delete(l.timers, c.Binding.Session)
+		}
+	case fsm.Reset:
+		l.timers = make(map[string]*idleTimer)
+		l.queue = nil
+		now := time.Now()
+		l.n.fsm.Range(func(b fsm.Binding) bool {
+			l.armLocked(b, now.Add(l.restartTTL(b)))
+			return true
+		})
+	}
+}
+
+// restartTTL is how long a binding lives from a leadership change: what remained at the last
+// checkpoint (or the whole TTL) plus an election timeout, so a TTL stays a lower bound.
+func (l *leader) restartTTL(b fsm.Binding) time.Duration {
+	rem := b.Remaining
+	if rem <= 0 {
+		rem = l.ttlOf(b)
+	}
+	return rem + l.n.cfg.ElectionTimeout
+}
+
+func (l *leader) armLocked(b fsm.Binding, at time.Time) {
+	if t := l.timers[b.Session]; t != nil && t.revision == b.Revision {
+		if at.After(t.deadline) {
+			t.deadline = at
+		}
+		return
+	}
+	l.timers[b.Session] = &idleTimer{revision: b.Revision, ttl: l.ttlOf(b), deadline: at}
+	heap.Push(&l.queue, timerEntry{at: at, session: b.Session, revision: b.Revision})
+	l.poke()
+}
+
+func (l *leader) poke() {
+	select {
+	case l.wake <- struct{}{}:
+	default:
+	}
+}
+
+// touch pushes a binding's idle deadline to now + its TTL (a request started or ended, or
+// a long stream is still running).
+func (l *leader) touch(session string, revision uint64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	t := l.timers[session]
+	if t == nil || t.revision != revision {
+		return
+	}
+	if at := time.Now().Add(t.ttl); at.After(t.deadline) {
+		t.deadline = at
+	}
+}
+
+// run is the leader's loop for one term: establish, then serve timers and checkpoints
+// until leadership ends (ctx).
+func (l *leader) run(ctx context.Context) {
+	log := l.n.log
+	if err := l.establish(ctx); err != nil {
+		log.Warn("establishing leadership failed", "err", err)
+		l.revoke()
+		return
+	}
+	log.Info("leadership established", "bindings", l.n.fsm.Len())
+	defer l.revoke()
+	checkpoint := time.NewTicker(l.n.cfg.CheckpointInterval)
+	defer checkpoint.Stop()
+	for {
+		wait := l.fire(ctx)
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-l.wake:
+		case <-t.C:
+		case <-checkpoint.C:
+			l.checkpoint(ctx)
+		}
+		t.Stop()
+	}
+}
+
+// establish is the start of a term: Barrier (everything committed is applied), our member
+// record, then every binding's timer armed from its checkpointed remaining TTL.
+func (l *leader) establish(ctx context.Context) error {
+	if err := l.n.raft.Barrier(0).Error(); err != nil {
+		return fmt.Errorf("barrier: %w", err)
+	}
+	l.mu.Lock()
+	l.active = true
+	l.timers = make(map[string]*idleTimer)
+	l.queue = nil
+	now := time.Now()
+	l.n.fsm.Range(func(b fsm.Binding) bool {
+		l.armLocked(b, now.Add(l.restartTTL(b)))
+		return true
+	})
+	l.established = true
+	l.mu.Unlock()
+	if err := l.n.recordMembers(ctx); err != nil {
+		l.n.log.Warn("recording member addresses", "err", err)
+	}
+	return nil
+}
+
+func (l *leader) revoke() {
+	l.mu.Lock()
+	l.active, l.established = false, false
+	l.timers = make(map[string]*idleTimer)
+	l.queue = nil
+	l.mu.Unlock()
+}
+
+// fire proposes Expire for every due timer and returns how long until the next one.
+func (l *leader) fire(ctx context.Context) time.Duration {
+	var due []timerEntry
+	l.mu.Lock()
+	now := time.Now()
+	wait := time.Second
+	for l.queue.Len() > 0 {
+		e := l.queue[0]
+		if e.at.After(now) {
+			wait = min(wait, e.at.Sub(now))
+			break
+		}
+		heap.Pop(&l.queue)
+		t := l.timers[e.session]
+		if t == nil || t.revision != e.revision || t.proposing {
+			continue
+		}
+		if t.deadline.After(now) {
+			heap.Push(&l.queue, timerEntry{at: t.deadline, session: e.session, revision: e.revision})
+			continue
+		}
+		t.proposing = true
+		due = append(due, e)
+	}
+	l.mu.Unlock()
+	for _, e := range due {
+		l.proposeExpire(ctx, e)
+	}
+	return max(wait, time.Millisecond)
+}
+
+// proposeExpire sends one Expire without waiting for it: the FSM's revision guard makes a
+// stale one harmless; a failed proposal re-arms the timer.
+func (l *leader) proposeExpire(ctx context.Context, e timerEntry) {
+	b, err := fsm.Encode(&fsm.Expire{Session: e.session, Revision: e.revision})
+	if err != nil {
+		l.n.log.Error("encode expire", "session", e.session, "err", err)
+		return
+	}
+	l.expiresProposed.Add(1)
+	f := l.n.raft.Apply(b, 5*time.Second)
+	go func() {
+		if err := f.Error(); err != nil {
+			l.mu.Lock()
+			if t := l.timers[e.session]; t != nil && t.revision == e.revision {
+				t.proposing = false
+				t.deadline = time.Now().Add(time.Second)
+				heap.Push(&l.queue, timerEntry{at: t.deadline, session: e.session, revision: e.revision})
+			}
+			l.mu.Unlock()
+			if !errors.Is(err, raft.ErrNotLeader) && !errors.Is(err, raft.ErrLeadershipLost) && ctx.Err() == nil {
+				l.n.log.Warn("expire proposal failed", "session", e.session, "err", err)
+			}
+		}
+	}()
+}
+
+// checkpointChunk bounds one Checkpoint command.
+const checkpointChunk = 4096
+
+// checkpoint records every binding's remaining TTL, so a later leader cannot extend a
+// binding's life by more than an election timeout per change of leader.
+func (l *leader) checkpoint(ctx context.Context) {
+	l.mu.Lock()
+	now := time.Now()
+	entries := make([]fsm.Remaining, 0, len(l.timers))
+	for s, t := range l.timers {
+		entries = append(entries, fsm.Remaining{Session: s, Revision: t.revision, Remaining: max(t.deadline.Sub(now), time.Millisecond)})
+	}
+	l.mu.Unlock()
+	for i := 0; i < len(entries); i += checkpointChunk {
+		if ctx.Err() != nil {
+			return
+		}
+		chunk := entries[i:min(i+checkpointChunk, len(entries))]
+		b, err := fsm.Encode(&fsm.Checkpoint{Entries: chunk})
+		if err != nil {
+			l.n.log.Error("encode checkpoint", "err", err)
+			return
+		}
+		if err := l.n.raft.Apply(b, 10*time.Second).Error(); err != nil {
+			l.n.log.Warn("checkpoint failed", "err", err)
+			return
+		}
+	}
+}
+
+// readIndex confirms leadership and returns the commit index to read at. Concurrent callers
+// share a round; a caller arriving while a round runs waits for the next one.
+func (l *leader) readIndex(ctx context.Context) (uint64, error) {
+	l.mu.Lock()
+	ok := l.established
+	l.mu.Unlock()
+	if !ok {
+		return 0, fmt.Errorf("%w: leadership not established yet", ErrNoLeader)
+	}
+	l.rmu.Lock()
+	r := l.next
+	if r == nil {
+		r = &readRound{done: make(chan struct{})}
+		l.next = r
+		if !l.running {
+			l.running = true
+			go l.rounds()
+		}
+	}
+	l.rmu.Unlock()
+	select {
+	case <-r.done:
+		return r.idx, r.err
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+}
+
+func (l *leader) rounds() {
+	for {
+		l.rmu.Lock()
+		r := l.next
+		l.next = nil
+		if r == nil {
+			l.running = false
+			l.rmu.Unlock()
+			return
+		}
+		l.rmu.Unlock()
+		// The leader acknowledges a command only after its own FSM applied it, so the
+		// index of its last applied command bounds every write acknowledged before this
+		// read began (Raft's commit index would also count no-op and barrier entries, which
+		// never reach an FSM, and a follower would wait for them in vain).
+		r.idx = l.n.fsm.AppliedIndex()
+		if err := l.n.raft.VerifyLeader().Error(); err != nil {
+			r.err = fmt.Errorf("%w: %w", ErrNoLeader, err)
+		}
+		close(r.done)
+	}
+}
+
+// pendingTimers is the number of armed idle timers (tests, metrics).
+func (l *leader) pendingTimers() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.timers)
+}
+
+func (l *leader) isEstablished() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.established
+}

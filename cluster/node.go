@@ -1,0 +1,682 @@
+// Package cluster runs a replica's membership in the router cluster: the Raft node that
+// replicates session bindings (fsm), bootstrap and join, the leader's duties (idle timers,
+// expiry, checkpoints), the consistency levels for reading a binding, and the Raft-backed
+// routing.AffinityStore. DESIGN.md beside this file explains the choices.
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/raft"
+	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
+	"go.etcd.io/bbolt"
+
+	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// Level is how fresh a binding read on the hot path must be (DESIGN.md section 5).
+type Level int
+
+// The consistency levels.
+const (
+	// Bounded serves from the local FSM while the last contact with the leader is under
+	// Config.StaleBound; past it reads fail with ErrStale and the replica is unready.
+	Bounded Level = iota
+	// Linearizable confirms the leader's commit index (read-index) before reading locally.
+	Linearizable
+	// Local serves whatever the local FSM holds.
+	Local
+)
+
+// ParseLevel reads a level's flag spelling.
+func ParseLevel(s string) (Level, error) {
+	switch s {
+	case "bounded", "":
+		return Bounded, nil
+	case "linearizable":
+		return Linearizable, nil
+	case "local":
+		return Local, nil
+	}
+	return 0, fmt.Errorf("consistency level %q: want linearizable, bounded or local", s)
+}
+
+func (l Level) String() string {
+	switch l {
+	case Linearizable:
+		return "linearizable"
+	case Local:
+		return "local"
+	}
+	return "bounded"
+}
+
+// Errors callers map to answers.
+var (
+	// ErrStale: the replica has not heard from a leader within the bound (503, Retry-After).
+	ErrStale = fmt.Errorf("replica is out of contact with the cluster leader: %w", routing.ErrUnavailable)
+	// ErrNoLeader: no leader could be reached in time.
+	ErrNoLeader = fmt.Errorf("no cluster leader: %w", routing.ErrUnavailable)
+	// ErrClosed: the node is shutting down.
+	ErrClosed = errors.New("cluster node closed")
+)
+
+// Config is one replica's cluster settings.
+type Config struct {
+	// ID is the replica's stable name (its Raft server id).
+	ID string
+	// DataDir holds the Raft log, stable store, snapshots and the cluster id.
+	DataDir string
+	// RaftBind is the Raft TCP listen address; RaftAdvertise what peers dial (default RaftBind).
+	RaftBind, RaftAdvertise string
+	// PeerAddr is the advertised address of this replica's peer gRPC port.
+	PeerAddr string
+	// BootstrapExpect is how many replicas form a new cluster (1: bootstrap alone).
+	BootstrapExpect int
+	// Join lists seeds' peer addresses (host:port; a host resolving to several addresses counts as each).
+	Join []string
+
+	HeartbeatTimeout, ElectionTimeout, LeaderLeaseTimeout, CommitTimeout time.Duration
+	// MaxAppendEntries bounds a replication batch (bigger batches, more binds per fsync).
+	MaxAppendEntries int
+	SnapshotRetain   int
+	// SnapshotThreshold is how many log entries trigger a snapshot.
+	SnapshotThreshold uint64
+	SnapshotInterval  time.Duration
+
+	// Level and StaleBound govern hot-path reads.
+	Level      Level
+	StaleBound time.Duration
+	// SessionTTL is a binding's idle TTL; MaxBindings caps bindings (0: none).
+	SessionTTL  time.Duration
+	MaxBindings int
+	// BindWait is how long a new session waits for a leader before rendezvous placement.
+	BindWait time.Duration
+	// CheckpointInterval is how often the leader records remaining TTLs.
+	CheckpointInterval time.Duration
+	// TouchFlush is how long touches coalesce before they travel to the leader.
+	TouchFlush time.Duration
+
+	// Transport and InMemory are for tests: raft's in-memory transport and stores.
+	Transport raft.Transport
+	InMemory  bool
+
+	// Remote reaches other replicas' peer ports (nil: a lone node).
+	Remote Remote
+	Logger *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.BootstrapExpect == 0 {
+		c.BootstrapExpect = 1
+	}
+	if c.HeartbeatTimeout == 0 {
+		c.HeartbeatTimeout = 500 * time.Millisecond
+	}
+	if c.ElectionTimeout == 0 {
+		c.ElectionTimeout = 500 * time.Millisecond
+	}
+	if c.LeaderLeaseTimeout == 0 {
+		c.LeaderLeaseTimeout = 250 * time.Millisecond
+	}
+	if c.CommitTimeout == 0 {
+		c.CommitTimeout = 5 * time.Millisecond
+	}
+	if c.MaxAppendEntries == 0 {
+		c.MaxAppendEntries = 1024
+	}
+	if c.SnapshotRetain == 0 {
+		c.SnapshotRetain = 3
+	}
+	if c.SnapshotThreshold == 0 {
+		c.SnapshotThreshold = 65536
+	}
+	if c.SnapshotInterval == 0 {
+		c.SnapshotInterval = 2 * time.Minute
+	}
+	if c.StaleBound == 0 {
+		c.StaleBound = time.Second
+	}
+	if c.SessionTTL == 0 {
+		c.SessionTTL = 10 * time.Minute
+	}
+	if c.BindWait == 0 {
+		c.BindWait = 3 * time.Second
+	}
+	if c.CheckpointInterval == 0 {
+		c.CheckpointInterval = 30 * time.Second
+	}
+	if c.TouchFlush == 0 {
+		c.TouchFlush = 20 * time.Millisecond
+	}
+	if c.RaftAdvertise == "" {
+		c.RaftAdvertise = c.RaftBind
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+// Node is one replica's Raft node and the state machine it drives.
+type Node struct {
+	cfg   Config
+	log   *slog.Logger
+	fsm   *fsm.FSM
+	raft  *raft.Raft
+	trans raft.Transport
+	store io.Closer // the bolt store, nil in memory
+	lead  *leader
+
+	clusterID atomic.Pointer[string]
+	leaderID  atomic.Pointer[string]
+	ctx       context.Context
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
+	closeOnce sync.Once
+	closed    atomic.Bool
+
+	// pendingMembers are the founders' addresses, recorded in the FSM by the first leader.
+	memMu          sync.Mutex
+	pendingMembers []fsm.Member
+
+	// changes tells waiters (linearizable reads, bind waits) that something was applied.
+	changeMu sync.Mutex
+	changed  chan struct{}
+}
+
+// clusterIDFile names the file in the data directory that ties it to one cluster.
+const clusterIDFile = "cluster-id"
+
+// Open starts the replica's Raft node: a restarted node resumes from its data directory; a
+// new one bootstraps or joins in the background (see Config.BootstrapExpect and Join).
+func Open(ctx context.Context, cfg Config) (*Node, error) {
+	cfg.defaults()
+	if cfg.ID == "" {
+		return nil, errors.New("cluster: a replica id is required")
+	}
+	n := &Node{cfg: cfg, log: cfg.Logger.With("replica", cfg.ID), changed: make(chan struct{})}
+	n.lead = newLeader(n)
+	n.fsm = fsm.New(fsm.Options{OnChange: n.onChange, OnApplied: func(uint64) { n.notifyApplied() }})
+	n.ctx, n.cancel = context.WithCancel(context.Background())
+
+	rc := raft.DefaultConfig()
+	rc.LocalID = raft.ServerID(cfg.ID)
+	rc.HeartbeatTimeout = cfg.HeartbeatTimeout
+	rc.ElectionTimeout = cfg.ElectionTimeout
+	rc.LeaderLeaseTimeout = cfg.LeaderLeaseTimeout
+	rc.CommitTimeout = cfg.CommitTimeout
+	rc.MaxAppendEntries = cfg.MaxAppendEntries
+	rc.BatchApplyCh = true
+	rc.SnapshotThreshold = cfg.SnapshotThreshold
+	rc.SnapshotInterval = cfg.SnapshotInterval
+	rc.TrailingLogs = 10240
+	// A node removed from the configuration keeps running (unready) so an operator can see it.
+	rc.ShutdownOnRemove = false
+	rc.Logger = newHCLogger(n.log)
+
+	var (
+		logs   raft.LogStore
+		stable raft.StableStore
+		snaps  raft.SnapshotStore
+		err    error
+	)
+	if cfg.InMemory {
+		mem := raft.NewInmemStore()
+		logs, stable, snaps = mem, mem, raft.NewInmemSnapshotStore()
+	} else {
+		if cfg.DataDir == "" {
+			return nil, errors.New("cluster: a data directory is required")
+		}
+		if err := os.MkdirAll(cfg.DataDir, 0o750); err != nil {
+			return nil, fmt.Errorf("cluster: data directory: %w", err)
+		}
+		if id, err := readClusterID(cfg.DataDir); err != nil {
+			return nil, err
+		} else if id != "" {
+			n.clusterID.Store(&id)
+		}
+		bolt, err := raftboltdb.New(raftboltdb.Options{
+			Path:        filepath.Join(cfg.DataDir, "raft.db"),
+			BoltOptions: &bbolt.Options{Timeout: time.Second},
+		})
+		if err != nil {
+			return nil, fmt.Errorf("cluster: open raft log in %s (is another replica using it?): %w", cfg.DataDir, err)
+		}
+		n.store = bolt
+		cached, err := raft.NewLogCache(4096, bolt)
+		if err != nil {
+			_ = bolt.Close()
+			return nil, fmt.Errorf("cluster: log cache: %w", err)
+		}
+		logs, stable = cached, bolt
+		snaps, err = raft.NewFileSnapshotStoreWithLogger(filepath.Join(cfg.DataDir, "snapshots"), cfg.SnapshotRetain, rc.Logger)
+		if err != nil {
+			_ = bolt.Close()
+			return nil, fmt.Errorf("cluster: snapshot store: %w", err)
+		}
+	}
+	fail := func(err error) (*Node, error) {
+		if n.store != nil {
+			_ = n.store.Close()
+		}
+		return nil, err
+	}
+	if err := checkSnapshots(snaps); err != nil {
+		return fail(err)
+	}
+	n.trans = cfg.Transport
+	if n.trans == nil {
+		addr, err := net.ResolveTCPAddr("tcp", cfg.RaftAdvertise)
+		if err != nil {
+			return fail(fmt.Errorf("cluster: raft advertise address %q: %w", cfg.RaftAdvertise, err))
+		}
+		tt, err := raft.NewTCPTransportWithLogger(cfg.RaftBind, addr, 4, 10*time.Second, rc.Logger)
+		if err != nil {
+			return fail(fmt.Errorf("cluster: raft listen %s: %w", cfg.RaftBind, err))
+		}
+		n.trans = tt
+	}
+	existing, err := raft.HasExistingState(logs, stable, snaps)
+	if err != nil {
+		return fail(fmt.Errorf("cluster: read raft state: %w", err))
+	}
+	r, err := raft.NewRaft(rc, n.fsm, logs, stable, snaps, n.trans)
+	if err != nil {
+		n.closeTransport()
+		return fail(fmt.Errorf("cluster: start raft (a corrupt snapshot or log refuses to start rather than serve partial state): %w", err))
+	}
+	n.raft = r
+	n.wg.Add(1)
+	go n.watchLeadership()
+	if !existing {
+		n.wg.Add(1)
+		go n.bootstrapOrJoin()
+	}
+	n.log.Info("raft node started", "raft", cfg.RaftAdvertise, "peer", cfg.PeerAddr, "existing_state", existing,
+		"bootstrap_expect", cfg.BootstrapExpect, "join", cfg.Join)
+	return n, nil
+}
+
+// checkSnapshots opens the newest snapshot so a corrupt one stops the start with a clear
+// message (the file store verifies its checksum while reading it through).
+func checkSnapshots(snaps raft.SnapshotStore) error {
+	list, err := snaps.List()
+	if err != nil {
+		return fmt.Errorf("cluster: list snapshots: %w", err)
+	}
+	if len(list) == 0 {
+		return nil
+	}
+	meta, rc, err := snaps.Open(list[0].ID)
+	if err != nil {
+		return fmt.Errorf("cluster: snapshot %s cannot be opened: %w", list[0].ID, err)
+	}
+	defer rc.Close()
+	if err := fsm.New(fsm.Options{}).Restore(io.NopCloser(rc)); err != nil {
+		return fmt.Errorf("cluster: snapshot %s (index %d) is corrupt or truncated; refusing to start rather than serve partial state: %w",
+			meta.ID, meta.Index, err)
+	}
+	return nil
+}
+
+func (n *Node) closeTransport() {
+	if c, ok := n.trans.(io.Closer); ok {
+		_ = c.Close()
+	}
+}
+
+func readClusterID(dir string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(dir, clusterIDFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("cluster: read cluster id: %w", err)
+	}
+	return strings.TrimSpace(string(b)), nil
+}
+
+// setClusterID records which cluster this node belongs to; a different one is refused.
+func (n *Node) setClusterID(id string) error {
+	if cur := n.ClusterID(); cur != "" {
+		if cur != id {
+			return fmt.Errorf("this data directory belongs to cluster %s, not %s: refusing to join", cur, id)
+		}
+		return nil
+	}
+	if !n.cfg.InMemory {
+		tmp := filepath.Join(n.cfg.DataDir, clusterIDFile+".tmp")
+		if err := os.WriteFile(tmp, []byte(id+"\n"), 0o640); err != nil {
+			return fmt.Errorf("cluster: write cluster id: %w", err)
+		}
+		if err := os.Rename(tmp, filepath.Join(n.cfg.DataDir, clusterIDFile)); err != nil {
+			return fmt.Errorf("cluster: write cluster id: %w", err)
+		}
+	}
+	n.clusterID.Store(&id)
+	return nil
+}
+
+// ClusterID is the id of the cluster this node belongs to ("" before it bootstrapped or joined).
+func (n *Node) ClusterID() string {
+	if p := n.clusterID.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
+// ID is this replica's id.
+func (n *Node) ID() string { return n.cfg.ID }
+
+// FSM is the node's state machine (read-only use).
+func (n *Node) FSM() *fsm.FSM { return n.fsm }
+
+// Raft exposes the raft instance (admin and tests).
+func (n *Node) Raft() *raft.Raft { return n.raft }
+
+// IsLeader reports whether this node leads.
+func (n *Node) IsLeader() bool { return n.raft.State() == raft.Leader }
+
+// Leader returns the leader's id and peer address, if a leader is known.
+func (n *Node) Leader() (id, peerAddr string, ok bool) {
+	_, lid := n.raft.LeaderWithID()
+	if lid == "" {
+		return "", "", false
+	}
+	id = string(lid)
+	if id == n.cfg.ID {
+		return id, n.cfg.PeerAddr, true
+	}
+	if m, found := n.fsm.Member(id); found {
+		return id, m.PeerAddr, true
+	}
+	return id, "", true
+}
+
+// Ready reports whether the replica may serve: it must have heard from a leader within
+// the stale bound (a leader counts itself). Local consistency only needs the node running.
+func (n *Node) Ready() error {
+	if n.closed.Load() {
+		return ErrClosed
+	}
+	if n.cfg.Level == Local {
+		return nil
+	}
+	return n.fresh()
+}
+
+func (n *Node) fresh() error {
+	switch n.raft.State() {
+	case raft.Leader:
+		return nil
+	case raft.Follower:
+		if _, lid := n.raft.LeaderWithID(); lid == "" {
+			return fmt.Errorf("%w: no leader known", ErrStale)
+		}
+		if since := time.Since(n.raft.LastContact()); since > n.cfg.StaleBound {
+			return fmt.Errorf("%w: last contact %s ago (bound %s)", ErrStale, since.Round(time.Millisecond), n.cfg.StaleBound)
+		}
+		return nil
+	default:
+		return fmt.Errorf("%w: raft state %s", ErrStale, n.raft.State())
+	}
+}
+
+// ReadFence makes a read of the local FSM valid at the configured level: nothing for
+// local, a freshness check for bounded, a read-index round for linearizable.
+func (n *Node) ReadFence(ctx context.Context) error {
+	switch n.cfg.Level {
+	case Local:
+		return nil
+	case Bounded:
+		return n.fresh()
+	}
+	var idx uint64
+	if n.IsLeader() {
+		i, err := n.lead.readIndex(ctx)
+		if err != nil {
+			return err
+		}
+		idx = i
+	} else {
+		if n.cfg.Remote == nil {
+			return ErrNoLeader
+		}
+		i, err := n.cfg.Remote.ReadIndex(ctx)
+		if err != nil {
+			return fmt.Errorf("read index: %w", err)
+		}
+		idx = i
+	}
+	return n.waitApplied(ctx, idx)
+}
+
+// waitApplied blocks until the FSM has applied index idx.
+func (n *Node) waitApplied(ctx context.Context, idx uint64) error {
+	for {
+		ch := n.changeCh()
+		if n.fsm.AppliedIndex() >= idx {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-n.ctx.Done():
+			return ErrClosed
+		}
+	}
+}
+
+func (n *Node) changeCh() chan struct{} {
+	n.changeMu.Lock()
+	defer n.changeMu.Unlock()
+	return n.changed
+}
+
+func (n *Node) notifyApplied() {
+	n.changeMu.Lock()
+	close(n.changed)
+	n.changed = make(chan struct{})
+	n.changeMu.Unlock()
+}
+
+// onChange runs inside the FSM's Apply: it must not block.
+func (n *Node) onChange(c fsm.Change) {
+	n.lead.observe(c)
+}
+
+// Apply proposes cmd through the leader: locally when this node leads, else forwarded over
+// the peer port. It waits for the result until ctx ends.
+func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) {
+	b, err := fsm.Encode(cmd)
+	if err != nil {
+		return nil, err
+	}
+	if n.IsLeader() {
+		res, _, err := n.applyLocal(ctx, b)
+		if err == nil || !errors.Is(err, raft.ErrNotLeader) && !errors.Is(err, raft.ErrLeadershipLost) {
+			return res, err
+		}
+	}
+	if n.cfg.Remote == nil {
+		return nil, n.waitLocalLeader(ctx, b)
+	}
+	out, _, err := n.cfg.Remote.Apply(ctx, b)
+	if err != nil {
+		return nil, err
+	}
+	res, err := fsm.DecodeResult(out)
+	if err != nil {
+		return nil, err
+	}
+	return res, res.Err
+}
+
+// waitLocalLeader is a lone node's path while it elects itself.
+func (n *Node) waitLocalLeader(ctx context.Context, b []byte) error {
+	for {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w: %w", ErrNoLeader, ctx.Err())
+		case <-n.ctx.Done():
+			return ErrClosed
+		case <-time.After(10 * time.Millisecond):
+		}
+		if n.IsLeader() {
+			_, _, err := n.applyLocal(ctx, b)
+			return err
+		}
+	}
+}
+
+// applyLocal applies an encoded command on the leader.
+func (n *Node) applyLocal(ctx context.Context, b []byte) (*fsm.Result, uint64, error) {
+	timeout := 10 * time.Second
+	if dl, ok := ctx.Deadline(); ok {
+		timeout = max(time.Until(dl), time.Millisecond)
+	}
+	f := n.raft.Apply(b, timeout)
+	done := make(chan struct{})
+	go func() { _ = f.Error(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		return nil, 0, ctx.Err()
+	}
+	if err := f.Error(); err != nil {
+		return nil, 0, fmt.Errorf("raft apply: %w", err)
+	}
+	res, ok := f.Response().(*fsm.Result)
+	if !ok || res == nil {
+		return nil, 0, fmt.Errorf("raft apply: unexpected response %T", f.Response())
+	}
+	if res.Err != nil {
+		return res, f.Index(), res.Err
+	}
+	return res, f.Index(), nil
+}
+
+// Close leaves gracefully: leadership is transferred when this node leads, then Raft stops.
+func (n *Node) Close() error {
+	var err error
+	n.closeOnce.Do(func() {
+		n.closed.Store(true)
+		if n.IsLeader() {
+			if terr := n.raft.LeadershipTransfer().Error(); terr != nil {
+				n.log.Warn("leadership transfer before shutdown failed", "err", terr)
+			} else {
+				n.log.Info("leadership transferred before shutdown")
+			}
+		}
+		n.cancel()
+		err = n.raft.Shutdown().Error()
+		n.wg.Wait()
+		n.closeTransport()
+		if n.store != nil {
+			if cerr := n.store.Close(); cerr != nil && err == nil {
+				err = cerr
+			}
+		}
+	})
+	return err
+}
+
+// Kill stops the node without a leadership transfer (tests of a crash).
+func (n *Node) Kill() error {
+	var err error
+	n.closeOnce.Do(func() {
+		n.closed.Store(true)
+		n.cancel()
+		err = n.raft.Shutdown().Error()
+		n.wg.Wait()
+		n.closeTransport()
+		if n.store != nil {
+			_ = n.store.Close()
+		}
+	})
+	return err
+}
+
+// watchLeadership runs the leader's duties while this node leads.
+func (n *Node) watchLeadership() {
+	defer n.wg.Done()
+	obs := make(chan raft.Observation, 16)
+	o := raft.NewObserver(obs, false, func(o *raft.Observation) bool {
+		_, ok := o.Data.(raft.LeaderObservation)
+		return ok
+	})
+	n.raft.RegisterObserver(o)
+	defer n.raft.DeregisterObserver(o)
+	// term is the running leader loop, if this node leads.
+	type term struct {
+		stop context.CancelFunc
+		done chan struct{}
+	}
+	var cur *term
+	revoke := func() {
+		if cur != nil {
+			cur.stop()
+			<-cur.done
+			cur = nil
+		}
+	}
+	defer revoke()
+	for {
+		select {
+		case <-n.ctx.Done():
+			return
+		case ob := <-obs:
+			lo := ob.Data.(raft.LeaderObservation)
+			id := string(lo.LeaderID)
+			n.leaderID.Store(&id)
+			n.notifyApplied()
+		case <-time.After(50 * time.Millisecond):
+		}
+		leading := n.raft.State() == raft.Leader
+		switch {
+		case leading && cur == nil:
+			ctx, stop := context.WithCancel(n.ctx)
+			t := &term{stop: stop, done: make(chan struct{})}
+			go func() { defer close(t.done); n.lead.run(ctx) }()
+			cur = t
+		case !leading && cur != nil:
+			revoke()
+		}
+	}
+}
+
+// hclogWriter turns raft's hclog lines into slog records.
+type hclogWriter struct{ log *slog.Logger }
+
+func (w hclogWriter) Write(p []byte) (int, error) {
+	line := strings.TrimSpace(string(p))
+	level := slog.LevelDebug
+	switch {
+	case strings.Contains(line, "[ERROR]"):
+		level = slog.LevelError
+	case strings.Contains(line, "[WARN]"):
+		level = slog.LevelWarn
+	case strings.Contains(line, "[INFO]"):
+		level = slog.LevelInfo
+	}
+	w.log.Log(context.Background(), level, "raft", "line", line)
+	return len(p), nil
+}
+
+func newHCLogger(log *slog.Logger) hclog.Logger {
+	return hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Info, Output: hclogWriter{log}, DisableTime: true})
+}

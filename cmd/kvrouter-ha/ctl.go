@@ -1,0 +1,252 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/peterbourgon/ff/v3/ffcli"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// ctlClient speaks the admin API of one replica.
+type ctlClient struct {
+	addr, token string
+	json        bool
+	out         io.Writer
+	http        *http.Client
+}
+
+func (c *ctlClient) do(ctx context.Context, method, path string, body any) ([]byte, error) {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return nil, err
+		}
+		rd = bytes.NewReader(b)
+	}
+	base := c.addr
+	if !strings.Contains(base, "://") {
+		base = "http://" + base
+	}
+	req, err := http.NewRequestWithContext(ctx, method, base+path, rd)
+	if err != nil {
+		return nil, err
+	}
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("admin API at %s: %w", c.addr, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, fmt.Errorf("admin API at %s: %w", c.addr, err)
+	}
+	if resp.StatusCode/100 != 2 {
+		var e adminError
+		if json.Unmarshal(b, &e) == nil && e.Error != "" {
+			return nil, fmt.Errorf("%s %s: %s: %s", method, path, resp.Status, e.Error)
+		}
+		return nil, fmt.Errorf("%s %s: %s", method, path, resp.Status)
+	}
+	return b, nil
+}
+
+// show prints raw JSON with --json, else the table fn renders.
+func (c *ctlClient) show(b []byte, v any, table func(w *tabwriter.Writer)) error {
+	if c.json {
+		_, err := c.out.Write(b)
+		return err
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("admin API answer: %w", err)
+	}
+	tw := tabwriter.NewWriter(c.out, 0, 4, 2, ' ', 0)
+	table(tw)
+	return tw.Flush()
+}
+
+func ctlCommand(stdout, stderr io.Writer) *ffcli.Command {
+	fs := flag.NewFlagSet("kvrouter-ha ctl", flag.ContinueOnError)
+	c := &ctlClient{out: stdout, http: &http.Client{Timeout: 30 * time.Second}}
+	fs.StringVar(&c.addr, "addr", "127.0.0.1:9090", "admin address of any replica")
+	fs.StringVar(&c.token, "token", "", "admin bearer token (or KVROUTER_TOKEN, or --token-file)")
+	tokenFile := fs.String("token-file", "", "file holding the admin bearer token")
+	fs.BoolVar(&c.json, "json", false, "print the API's JSON instead of a table")
+	setup := func() error {
+		if *tokenFile != "" {
+			b, err := os.ReadFile(*tokenFile)
+			if err != nil {
+				return fmt.Errorf("token file: %w", err)
+			}
+			c.token = strings.TrimSpace(string(b))
+		}
+		return nil
+	}
+	sub := func(name, usage, help string, nargs int, fn func(ctx context.Context, args []string) error) *ffcli.Command {
+		return &ffcli.Command{
+			Name: name, ShortUsage: "kvrouter-ha ctl [flags] " + usage, ShortHelp: help,
+			Exec: func(ctx context.Context, args []string) error {
+				if len(args) != nargs {
+					return fmt.Errorf("usage: kvrouter-ha ctl %s", usage)
+				}
+				if err := setup(); err != nil {
+					return err
+				}
+				return fn(ctx, args)
+			},
+		}
+	}
+	workers := &ffcli.Command{
+		Name: "workers", ShortUsage: "kvrouter-ha ctl workers <list|add|drain|remove>", ShortHelp: "list, add, drain or remove workers",
+		Subcommands: []*ffcli.Command{
+			sub("list", "workers list", "list workers with health and bindings", 0, c.workersList),
+			sub("add", "workers add <id> <url>", "add a worker to every replica", 2, func(ctx context.Context, a []string) error {
+				_, err := c.do(ctx, http.MethodPost, "/admin/workers", routing.WorkerSpec{ID: a[0], URL: a[1]})
+				if err == nil {
+					fmt.Fprintf(c.out, "worker %s added\n", a[0])
+				}
+				return err
+			}),
+			sub("drain", "workers drain <id>", "stop new requests to a worker; its sessions move", 1, func(ctx context.Context, a []string) error {
+				return c.printResult(ctx, http.MethodPost, "/admin/workers/"+url.PathEscape(a[0])+"/drain")
+			}),
+			sub("remove", "workers remove <id>", "remove a worker", 1, func(ctx context.Context, a []string) error {
+				return c.printResult(ctx, http.MethodDelete, "/admin/workers/"+url.PathEscape(a[0]))
+			}),
+		},
+		Exec: func(context.Context, []string) error { return flag.ErrHelp },
+	}
+	sessions := &ffcli.Command{
+		Name: "sessions", ShortUsage: "kvrouter-ha ctl sessions <get|invalidate> <session>", ShortHelp: "read or invalidate a session's binding",
+		Subcommands: []*ffcli.Command{
+			sub("get", "sessions get <session>", "show a session's binding", 1, c.sessionGet),
+			sub("invalidate", "sessions invalidate <session>", "drop a session's binding", 1, func(ctx context.Context, a []string) error {
+				return c.printResult(ctx, http.MethodDelete, "/admin/sessions/"+url.PathEscape(a[0]))
+			}),
+		},
+		Exec: func(context.Context, []string) error { return flag.ErrHelp },
+	}
+	clusterCmd := &ffcli.Command{
+		Name: "cluster", ShortUsage: "kvrouter-ha ctl cluster <status|transfer-leadership|remove|snapshot>", ShortHelp: "cluster membership and Raft",
+		Subcommands: []*ffcli.Command{
+			sub("status", "cluster status", "members, leader, raft indexes", 0, c.clusterStatus),
+			sub("transfer-leadership", "cluster transfer-leadership", "make another replica lead (ask the leader)", 0, func(ctx context.Context, _ []string) error {
+				return c.printResult(ctx, http.MethodPost, "/admin/cluster/transfer-leadership")
+			}),
+			sub("remove", "cluster remove <replica-id>", "remove a replica from the Raft configuration", 1, func(ctx context.Context, a []string) error {
+				return c.printResult(ctx, http.MethodDelete, "/admin/cluster/servers/"+url.PathEscape(a[0]))
+			}),
+			sub("snapshot", "cluster snapshot", "take a Raft snapshot on the replica asked", 0, func(ctx context.Context, _ []string) error {
+				return c.printResult(ctx, http.MethodPost, "/admin/cluster/snapshot")
+			}),
+		},
+		Exec: func(context.Context, []string) error { return flag.ErrHelp },
+	}
+	cmd := &ffcli.Command{
+		Name:        "ctl",
+		ShortUsage:  "kvrouter-ha ctl [--addr host:port] [--token T] [--json] <workers|sessions|cluster> ...",
+		ShortHelp:   "operate a running cluster through a replica's admin API",
+		FlagSet:     fs,
+		Subcommands: []*ffcli.Command{workers, sessions, clusterCmd},
+		Exec:        func(context.Context, []string) error { return flag.ErrHelp },
+	}
+	for _, g := range cmd.Subcommands {
+		g.FlagSet = flag.NewFlagSet(g.Name, flag.ContinueOnError)
+		g.FlagSet.SetOutput(stderr)
+		for _, s := range g.Subcommands {
+			s.FlagSet = flag.NewFlagSet(s.Name, flag.ContinueOnError)
+			s.FlagSet.SetOutput(stderr)
+		}
+	}
+	return cmd
+}
+
+// printResult runs a write and prints its JSON answer's fields as "key: value" lines.
+func (c *ctlClient) printResult(ctx context.Context, method, path string) error {
+	b, err := c.do(ctx, method, path, nil)
+	if err != nil {
+		return err
+	}
+	var m map[string]any
+	return c.show(b, &m, func(w *tabwriter.Writer) {
+		keys := make([]string, 0, len(m))
+		for k := range m {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		for _, k := range keys {
+			fmt.Fprintf(w, "%s:\t%v\n", k, m[k])
+		}
+	})
+}
+
+func (c *ctlClient) workersList(ctx context.Context, _ []string) error {
+	b, err := c.do(ctx, http.MethodGet, "/admin/workers", nil)
+	if err != nil {
+		return err
+	}
+	var ws []workerView
+	return c.show(b, &ws, func(w *tabwriter.Writer) {
+		fmt.Fprintln(w, "ID\tURL\tHEALTHY\tDRAINED\tBINDINGS\tREASON")
+		for _, x := range ws {
+			fmt.Fprintf(w, "%s\t%s\t%v\t%v\t%d\t%s\n", x.Spec.ID, x.Spec.URL, x.Healthy, x.Drained, x.Bindings, x.Reason)
+		}
+	})
+}
+
+func (c *ctlClient) sessionGet(ctx context.Context, a []string) error {
+	b, err := c.do(ctx, http.MethodGet, "/admin/sessions/"+url.PathEscape(a[0]), nil)
+	if err != nil {
+		return err
+	}
+	var s sessionView
+	return c.show(b, &s, func(w *tabwriter.Writer) {
+		fmt.Fprintln(w, "SESSION\tWORKER\tDP_RANK\tREVISION\tTTL")
+		fmt.Fprintf(w, "%s\t%s\t%d\t%d\t%s\n", s.Session, s.Worker, s.DPRank, s.Revision, time.Duration(s.TTLMillis)*time.Millisecond)
+	})
+}
+
+func (c *ctlClient) clusterStatus(ctx context.Context, _ []string) error {
+	b, err := c.do(ctx, http.MethodGet, "/admin/cluster", nil)
+	if err != nil {
+		return err
+	}
+	var v clusterView
+	return c.show(b, &v, func(w *tabwriter.Writer) {
+		fmt.Fprintf(w, "replica:\t%s (%s)\n", v.Self.ID, v.Self.State)
+		fmt.Fprintf(w, "leader:\t%s\n", orNone(v.Self.LeaderID))
+		fmt.Fprintf(w, "cluster id:\t%s\n", orNone(v.Self.ClusterID))
+		fmt.Fprintf(w, "term / commit / applied:\t%d / %d / %d\n", v.Self.Term, v.Self.CommitIndex, v.Self.AppliedIndex)
+		fmt.Fprintf(w, "bindings:\t%d\n\n", v.Bindings)
+		fmt.Fprintln(w, "ID\tRAFT\tPEER\tSUFFRAGE\tLEADER")
+		for _, s := range v.Servers {
+			fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%v\n", s.ID, s.RaftAddr, s.PeerAddr, s.Suffrage, s.Leader)
+		}
+	})
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "(none)"
+	}
+	return s
+}

@@ -1,0 +1,321 @@
+// Package system_test runs the real kvrouter-ha binary as separate processes on loopback,
+// with simulated workers, and checks what the cluster promises (DESIGN.md sections 2 and 9).
+package system_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/sim"
+)
+
+// binary is the kvrouter-ha binary built once for the package.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "kvrouter-system-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binary = filepath.Join(dir, "kvrouter-ha")
+	build := exec.Command("go", "build", "-race", "-o", binary, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "build kvrouter-ha:", err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// freePort returns a loopback address with a port nobody listens on now.
+func freePort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return addr
+}
+
+// fleet is n simulated workers served in-process on loopback.
+type fleet struct {
+	urls []string
+	ids  []string
+}
+
+func startFleet(t *testing.T, n int) *fleet {
+	t.Helper()
+	f := &fleet{}
+	for i := range n {
+		w, err := sim.New(sim.Config{ID: fmt.Sprintf("w%d", i)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := &http.Server{Handler: w.Handler()}
+		go srv.Serve(l)
+		t.Cleanup(func() { srv.Close() })
+		f.urls = append(f.urls, "http://"+l.Addr().String())
+		f.ids = append(f.ids, fmt.Sprintf("w%d", i))
+	}
+	return f
+}
+
+// replica is one kvrouter-ha serve process.
+type replica struct {
+	id                     string
+	client, admin, raft, p string
+	dataDir                string
+	args                   []string
+	cmd                    *exec.Cmd
+	log                    *bytes.Buffer
+	mu                     sync.Mutex
+	done                   chan struct{}
+}
+
+// cluster is n replica processes that bootstrap together.
+type cluster struct {
+	t        *testing.T
+	replicas []*replica
+}
+
+// startCluster starts n replicas in front of the fleet, bootstrapped together.
+func startCluster(t *testing.T, n int, fl *fleet, extra ...string) *cluster {
+	t.Helper()
+	c := &cluster{t: t}
+	base := t.TempDir()
+	var peers []string
+	for i := range n {
+		r := &replica{
+			id: fmt.Sprintf("r%d", i), client: freePort(t), admin: freePort(t), raft: freePort(t), p: freePort(t),
+			dataDir: filepath.Join(base, fmt.Sprintf("r%d", i)),
+		}
+		peers = append(peers, r.p)
+		c.replicas = append(c.replicas, r)
+	}
+	var workers []string
+	for i, u := range fl.urls {
+		workers = append(workers, fl.ids[i]+"="+u)
+	}
+	for _, r := range c.replicas {
+		r.args = append([]string{"serve",
+			"--replica-id", r.id, "--listen", r.client, "--admin-listen", r.admin,
+			"--raft-listen", r.raft, "--peer-listen", r.p, "--data-dir", r.dataDir,
+			"--bootstrap-expect", strconv.Itoa(n), "--join", strings.Join(peers, ","),
+			"--worker", strings.Join(workers, ","), "--log-level", "info",
+			"--health-interval", "200ms",
+		}, extra...)
+	}
+	for _, r := range c.replicas {
+		c.start(r)
+	}
+	t.Cleanup(func() {
+		for _, r := range c.replicas {
+			c.kill(r)
+		}
+		if t.Failed() {
+			for _, r := range c.replicas {
+				r.mu.Lock()
+				t.Logf("---- %s log (tail) ----\n%s", r.id, tail(r.log.String(), 6000))
+				r.mu.Unlock()
+			}
+		}
+	})
+	for _, r := range c.replicas {
+		c.waitReady(r)
+	}
+	return c
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+// start runs the replica's process (again, after a kill, on the same data directory).
+func (c *cluster) start(r *replica) {
+	c.t.Helper()
+	cmd := exec.Command(binary, r.args...)
+	if r.log == nil {
+		r.log = &bytes.Buffer{}
+	}
+	w := lockedWriter{&r.mu, r.log}
+	cmd.Stdout, cmd.Stderr = w, w
+	if err := cmd.Start(); err != nil {
+		c.t.Fatalf("start %s: %v", r.id, err)
+	}
+	r.cmd = cmd
+	r.done = make(chan struct{})
+	go func(done chan struct{}) { _ = cmd.Wait(); close(done) }(r.done)
+}
+
+// kill sends SIGKILL and reaps the process.
+func (c *cluster) kill(r *replica) {
+	if r.cmd == nil {
+		return
+	}
+	_ = r.cmd.Process.Signal(syscall.SIGCONT) // a stopped process must be able to die
+	_ = r.cmd.Process.Kill()
+	<-r.done
+	r.cmd = nil
+}
+
+// signal sends sig to the replica's process.
+func (c *cluster) signal(r *replica, sig syscall.Signal) {
+	c.t.Helper()
+	if err := r.cmd.Process.Signal(sig); err != nil {
+		c.t.Fatalf("signal %s: %v", r.id, err)
+	}
+}
+
+var httpClient = &http.Client{Timeout: 30 * time.Second}
+
+// ready reports /readyz of the replica.
+func (r *replica) ready() error {
+	resp, err := httpClient.Get("http://" + r.client + "/readyz")
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s /readyz: %d %s", r.id, resp.StatusCode, b)
+	}
+	return nil
+}
+
+func (c *cluster) waitReady(r *replica) {
+	c.t.Helper()
+	eventually(c.t, 60*time.Second, r.ready)
+}
+
+// clusterStatus is the part of GET /admin/cluster the tests read.
+type clusterStatus struct {
+	Self struct {
+		ID       string `json:"id"`
+		State    string `json:"state"`
+		LeaderID string `json:"leader_id"`
+	} `json:"self"`
+	Bindings int `json:"bindings"`
+}
+
+func (r *replica) status() (clusterStatus, error) {
+	var st clusterStatus
+	resp, err := httpClient.Get("http://" + r.admin + "/admin/cluster")
+	if err != nil {
+		return st, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return st, fmt.Errorf("status %d", resp.StatusCode)
+	}
+	return st, json.NewDecoder(resp.Body).Decode(&st)
+}
+
+// leader waits until a replica reports itself leader and returns it.
+func (c *cluster) leader() *replica {
+	c.t.Helper()
+	var out *replica
+	eventually(c.t, 30*time.Second, func() error {
+		for _, r := range c.replicas {
+			if r.cmd == nil {
+				continue
+			}
+			st, err := r.status()
+			if err == nil && st.Self.State == "Leader" {
+				out = r
+				return nil
+			}
+		}
+		return errors.New("no leader")
+	})
+	return out
+}
+
+// answer is what one chat request got.
+type answer struct {
+	status   int
+	worker   string
+	revision uint64
+	body     string
+}
+
+// chat sends one non-streaming chat request with a session key to a replica.
+func chat(ctx context.Context, r *replica, session, prompt string) (answer, error) {
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":%q}],"max_tokens":4}`, sim.DefaultModel, prompt)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+r.client+"/v1/chat/completions", strings.NewReader(body))
+	if err != nil {
+		return answer{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if session != "" {
+		req.Header.Set("X-Session-ID", session)
+	}
+	resp, err := httpClient.Do(req)
+	if err != nil {
+		return answer{}, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return answer{}, err
+	}
+	a := answer{status: resp.StatusCode, worker: resp.Header.Get("X-Kvrouter-Worker"), body: string(b)}
+	if v := resp.Header.Get("X-Kvrouter-Binding-Revision"); v != "" {
+		a.revision, _ = strconv.ParseUint(v, 10, 64)
+	}
+	return a, nil
+}
+
+// eventually polls cond until it returns nil or the deadline passes.
+func eventually(t *testing.T, within time.Duration, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("condition not met within %s: %v", within, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
