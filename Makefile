@@ -10,7 +10,9 @@ FUZZ_TARGETS := \
 	./sim:FuzzDecodeRequest \
 	./sim/trace:FuzzRead \
 	./indexer:FuzzChain \
-	./transport/kvevents:FuzzDecode
+	./transport/kvevents:FuzzDecode \
+	./fsm:FuzzDecode \
+	./fsm:FuzzRestore
 
 .PHONY: all build test unit fuzz demo bench lint clean
 

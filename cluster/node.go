@@ -262,7 +262,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, fmt.Errorf("cluster: log cache: %w", err)
 		}
 		logs, stable = cached, bolt
-		snaps, err = raft.NewFileSnapshotStoreWithLogger(filepath.Join(cfg.DataDir, "snapshots"), cfg.SnapshotRetain, rc.Logger)
+		snaps, err = raft.NewFileSnapshotStoreWithLogger(cfg.DataDir, cfg.SnapshotRetain, rc.Logger) // in DataDir/snapshots
 		if err != nil {
 			_ = bolt.Close()
 			return nil, fmt.Errorf("cluster: snapshot store: %w", err)
@@ -322,7 +322,8 @@ func checkSnapshots(snaps raft.SnapshotStore) error {
 	}
 	meta, rc, err := snaps.Open(list[0].ID)
 	if err != nil {
-		return fmt.Errorf("cluster: snapshot %s cannot be opened: %w", list[0].ID, err)
+		return fmt.Errorf("cluster: snapshot %s in %s is corrupt or truncated; refusing to start rather than serve partial state (move it aside to fall back to an older one): %w",
+			list[0].ID, "snapshots/", err)
 	}
 	defer rc.Close()
 	if err := fsm.New(fsm.Options{}).Restore(io.NopCloser(rc)); err != nil {
