@@ -22,7 +22,7 @@ func TestGarbageOnRaftPortDoesNotHurtTheCluster(t *testing.T) {
 		[]byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
 		{0x00, 0xff, 0xfe, 0x01, 0x02, 0x03},
 		append([]byte{0x00}, make([]byte, 1<<16)...), // an AppendEntries type byte, then junk
-		{0x01, 0x85, 0xa3},                            // a truncated msgpack map
+		{0x01, 0x85, 0xa3},                           // a truncated msgpack map
 	}
 	for _, n := range nodes {
 		for _, p := range payloads {
