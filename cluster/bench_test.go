@@ -140,8 +140,13 @@ func bindOnce(ctx context.Context, a *Affinity, session string) (time.Duration, 
 // on: clients spread over all three (followers forward to the leader), many binds in flight
 // so that Raft batches them into one fsync. It reports binds/s and bind latency p50/p99.
 func BenchmarkBindThreeReplicas(b *testing.B) {
+	for _, clients := range []int{1, 16, 256} {
+		b.Run(fmt.Sprintf("clients=%d", clients), func(b *testing.B) { benchBind(b, clients) })
+	}
+}
+
+func benchBind(b *testing.B, clients int) {
 	nodes := startRealCluster(b, 3)
-	const clients = 256
 	var (
 		mu   sync.Mutex
 		lats []time.Duration
