@@ -30,13 +30,6 @@ const (
 	drainOnRetry = 4 << 10
 )
 
-// hopHeaders are the hop-by-hop headers (RFC 9110 section 7.6.1) a proxy must not forward,
-// plus ones that describe this hop's framing.
-var hopHeaders = [...]string{
-	"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
-	"Te", "Trailer", "Transfer-Encoding", "Upgrade",
-}
-
 // Causes that end an upstream read.
 var (
 	errIdle      = errors.New("worker sent nothing within the idle timeout")
@@ -181,7 +174,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return retry, failure{cause: cause, err: fmt.Errorf("worker %s: %w", d.Target.Worker, err)}
 	}
 	defer resp.Body.Close()
-	rd := &upstreamReader{body: ub, firstBy: firstBy, idle: s.cfg.IdleTimeout}
+	rd := newUpstreamReader(ub, firstBy, s.cfg.IdleTimeout)
 
 	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests {
 		_, _ = io.CopyN(io.Discard, resp.Body, drainOnRetry)
@@ -192,7 +185,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if resp.StatusCode < 200 || resp.StatusCode >= 300 {
 		// The worker refused the request itself: the client's fault, so it is theirs to see.
 		s.writeHeaders(c, resp, d, routing.Binding{}, -1)
-		return s.relay(c, rd, d, nil)
+		return s.relay(c, &rd, d, nil)
 	}
 
 	binding, err := c.att.Commit(ctx)
@@ -210,13 +203,13 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 
 	if c.p.Stream || isEventStream(resp.Header) {
-		return s.relay(c, rd, d, func() {
+		return s.relay(c, &rd, d, func() {
 			c.observeTTFT(s)
 			s.writeHeaders(c, resp, d, binding, -1)
 		})
 	}
 
-	body, err := s.readAll(c, rd, resp.ContentLength)
+	body, err := s.readAll(c, &rd, resp.ContentLength)
 	switch {
 	case err != nil && ctx.Err() != nil:
 		s.fail(c.w, c.r, nil)
@@ -370,8 +363,16 @@ func copyHeaders(dst, src http.Header) {
 	}
 }
 
+// isHop reports whether k names a hop-by-hop header (RFC 9110 section 7.6.1), which a proxy
+// must not forward, or one that describes this hop's framing.
 func isHop(k string) bool {
-	return containsFold(hopHeaders[:], k)
+	// Canonical names (net/http makes them so) pass through without a copy.
+	switch textproto.CanonicalMIMEHeaderKey(k) {
+	case "Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
+		"Te", "Trailer", "Transfer-Encoding", "Upgrade":
+		return true
+	}
+	return false
 }
 
 func containsFold(list []string, k string) bool {
@@ -394,13 +395,21 @@ func isEventStream(h http.Header) bool {
 func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, b routing.Binding, bodyLen int) {
 	h := c.w.Header()
 	copyHeaders(h, resp.Header)
-	h.Del("Content-Length")
-	if bodyLen >= 0 {
-		h.Set("Content-Length", strconv.Itoa(bodyLen))
+	// The names are canonical already, so the map is written directly; the values share
+	// one backing array.
+	vals := make([]string, 5)
+	set := func(k, v string) {
+		vals[0] = v
+		h[k] = vals[:1:1]
+		vals = vals[1:]
 	}
-	h.Set(HeaderWorker, d.Target.Worker.String())
+	delete(h, "Content-Length")
+	if bodyLen >= 0 {
+		set("Content-Length", strconv.Itoa(bodyLen))
+	}
+	set(HeaderWorker, d.Target.Worker.String())
 	if s.cfg.ReplicaID != "" {
-		h.Set(HeaderReplica, s.cfg.ReplicaID)
+		set(HeaderReplica, s.cfg.ReplicaID)
 	}
 	rev := b.Revision
 	if rev == 0 {
@@ -408,9 +417,9 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 	}
 	// A session that is not bound yet (a refused first request) has no revision to tell.
 	if c.session != "" && rev != 0 {
-		h.Set(HeaderRevision, strconv.FormatUint(rev, 10))
+		set(HeaderRevision, strconv.FormatUint(rev, 10))
 	}
-	h.Set(HeaderOverlap, strconv.Itoa(d.Overlap))
+	set(HeaderOverlap, strconv.Itoa(d.Overlap))
 	c.w.WriteHeader(resp.StatusCode)
 }
 
@@ -524,12 +533,19 @@ func (s *Server) readAll(c *call, rd *upstreamReader, size int64) ([]byte, error
 // upstreamReader reads a worker's answer body under the first-byte deadline (for a stream,
 // until its first bytes), then the idle timeout between reads.
 type upstreamReader struct {
-	body     *upBody
-	firstBy  time.Time
-	idle     time.Duration
+	body    *upBody
+	firstBy time.Time
+	idle    time.Duration
+	// deadline is the read deadline in force on the connection; roundTrip leaves firstBy.
+	deadline time.Time
+	idling   bool // deadline is an idle one
 	gotBytes bool
 	empty    int // reads in a row that returned nothing
 	timedOut error
+}
+
+func newUpstreamReader(body *upBody, firstBy time.Time, idle time.Duration) upstreamReader {
+	return upstreamReader{body: body, firstBy: firstBy, idle: idle, deadline: firstBy}
 }
 
 // read reads once within the current deadline.
@@ -537,11 +553,23 @@ func (u *upstreamReader) read(buf []byte) (int, error) {
 	if u.timedOut != nil {
 		return 0, u.timedOut
 	}
-	deadline, why := time.Now().Add(u.idle), errIdle
-	if !u.gotBytes {
-		deadline, why = u.firstBy, errFirstByte
+	why := errFirstByte
+	switch {
+	case !u.gotBytes:
+		if !u.deadline.Equal(u.firstBy) {
+			u.setDeadline(u.firstBy)
+		}
+	default:
+		why = errIdle
+		// Moving a deadline costs a timer update; reads of a fast stream come much closer
+		// together than that is worth. So the idle deadline is set a 64th of the timeout
+		// further out than needed, and moved only once it is no longer far enough: the gap
+		// allowed between two reads is then between IdleTimeout and 1/64 more.
+		if want := time.Now().Add(u.idle); !u.idling || want.After(u.deadline) {
+			u.idling = true
+			u.setDeadline(want.Add(u.idle / 64))
+		}
 	}
-	u.body.setReadDeadline(deadline)
 	n, err := u.body.Read(buf)
 	if n > 0 {
 		u.gotBytes = true
@@ -557,6 +585,11 @@ func (u *upstreamReader) read(buf []byte) (int, error) {
 		u.timedOut = why
 	}
 	return n, err
+}
+
+func (u *upstreamReader) setDeadline(t time.Time) {
+	u.deadline = t
+	u.body.setReadDeadline(t)
 }
 
 // cause reports the timeout that cut the upstream request, if one did.

@@ -63,7 +63,8 @@ type Config struct {
 	// FirstByteTimeout bounds the wait from dispatch until the worker's response headers, and
 	// for a stream until its first body bytes (5m: prefill of long prompts is slow).
 	FirstByteTimeout time.Duration
-	// IdleTimeout is the longest gap allowed between two reads of a worker's body (2m).
+	// IdleTimeout is the longest gap allowed between two reads of a worker's body (2m; the
+	// cut may come up to a 64th of it later).
 	IdleTimeout time.Duration
 	// Models is served at /v1/models; empty asks a routable worker and caches its answer.
 	Models []string

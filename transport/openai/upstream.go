@@ -61,8 +61,11 @@ type upstream struct {
 	maxIdle     int
 	idleTimeout time.Duration
 	heads       sync.Pool // of *[]byte, request heads being built
-	hosts       sync.Map  // worker URL -> *hostPool
-	closed      atomic.Bool
+	// postProbe tells http.ReadResponse the request was a POST, as nearly all are; it only
+	// reads it.
+	postProbe *http.Request
+	hosts     sync.Map // worker URL -> *hostPool
+	closed    atomic.Bool
 }
 
 func newUpstream(connectTimeout time.Duration, tlsConfig *tls.Config) *upstream {
@@ -71,6 +74,7 @@ func newUpstream(connectTimeout time.Duration, tlsConfig *tls.Config) *upstream 
 		tlsConfig:   tlsConfig,
 		maxIdle:     maxIdlePerWorker,
 		idleTimeout: idleConnTimeout,
+		postProbe:   &http.Request{Method: http.MethodPost},
 	}
 }
 
@@ -267,6 +271,7 @@ func (p *hostPool) dial(ctx context.Context, deadline time.Time) (*upConn, error
 		conn = tc
 	}
 	c := &upConn{pool: p, conn: conn, budget: -1}
+	c.cancelFunc = c.cancel
 	c.br = bufio.NewReaderSize(c, readBufferSize)
 	return c, nil
 }
@@ -352,6 +357,11 @@ type upConn struct {
 	br        *bufio.Reader
 	budget    int // bytes the head may still take; < 0: unlimited
 	idleSince time.Time
+	// cancelFunc is cancel, made into a func value once rather than on every exchange.
+	cancelFunc func()
+
+	out      net.Buffers // the request being written, over outArray
+	outArray [2][]byte
 
 	mu        sync.Mutex
 	cancelled bool
@@ -398,15 +408,19 @@ func (c *upConn) close() { _ = c.conn.Close() }
 
 // exchange writes the request and reads the answer's head before the deadline.
 func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadline time.Time) (*http.Response, *upBody, error) {
-	stop := context.AfterFunc(ctx, c.cancel)
+	stop := context.AfterFunc(ctx, c.cancelFunc)
 	fail := func(err error) (*http.Response, *upBody, error) {
 		stop()
 		c.close()
 		return nil, nil, err
 	}
 	c.setDeadline(deadline, true)
-	bufs := net.Buffers{head, req.body}
-	if _, werr := bufs.WriteTo(c.conn); werr != nil {
+	// One writev for head and body; the slices live in the connection so that they need no
+	// allocation, and are dropped once written.
+	c.out = append(c.outArray[:0], head, req.body)
+	_, werr := c.out.WriteTo(c.conn)
+	c.outArray = [2][]byte{}
+	if werr != nil {
 		// A worker may answer (say, 413) and close before taking the whole body; its answer
 		// is then already here and better than the write error.
 		resp, err := c.readHead(req.method)
@@ -431,7 +445,10 @@ func (c *upConn) readHead(method string) (*http.Response, error) {
 	// The budget covers what the buffered reader takes ahead of the head, too.
 	c.budget = maxResponseHead + readBufferSize
 	defer func() { c.budget = -1 }()
-	probe := &http.Request{Method: method}
+	probe := c.pool.u.postProbe
+	if method != http.MethodPost {
+		probe = &http.Request{Method: method}
+	}
 	for range maxInformational {
 		resp, err := http.ReadResponse(c.br, probe)
 		if err != nil {
@@ -492,9 +509,10 @@ func (b *upBody) release() {
 		return
 	}
 	b.done = true
-	// stop fails once cancellation has poisoned the connection's deadline.
+	// stop fails once cancellation has poisoned the connection's deadline. A pooled
+	// connection keeps its last deadline (clearing it costs timer updates): nothing waits on
+	// it before the next exchange sets its own.
 	if b.stop() && b.eof && b.reuse {
-		b.conn.setDeadline(time.Time{}, true)
 		b.conn.pool.put(b.conn)
 		return
 	}

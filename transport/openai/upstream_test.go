@@ -416,3 +416,28 @@ func TestUpstreamGivesUpAtTheDeadlines(t *testing.T) {
 		t.Fatalf("read error %v (cancelled %v), want a deadline", err, body.conn.isCancelled())
 	}
 }
+
+func TestUpstreamReusesAConnectionWhoseLastDeadlinePassed(t *testing.T) {
+	srv, cc := countedServer(t, func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok") })
+	u := testUpstream(t)
+	send(t, u, srv.URL, post("{}"))
+	// Pooled connections keep their last deadline; here it has passed while the connection
+	// was idle, as it does after a long enough pause.
+	p, err := u.host(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.mu.Lock()
+	if len(p.idle) != 1 {
+		p.mu.Unlock()
+		t.Fatalf("%d idle connections, want 1", len(p.idle))
+	}
+	_ = p.idle[0].conn.SetDeadline(aLongTimeAgo)
+	p.mu.Unlock()
+	if _, body := send(t, u, srv.URL, post("{}")); body != "ok" {
+		t.Fatalf("body %q, want ok", body)
+	}
+	if n := cc.opened.Load(); n != 1 {
+		t.Fatalf("%d connections, want the pooled one reused", n)
+	}
+}
