@@ -47,7 +47,7 @@ func TestMain(m *testing.M) {
 }
 
 // freePort returns a loopback address with a port nobody listens on now.
-func freePort(t *testing.T) string {
+func freePort(t testing.TB) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

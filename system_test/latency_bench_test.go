@@ -1,0 +1,151 @@
+package system_test
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// releaseBinary is kvrouter-ha built without the race detector, for benchmarks.
+var (
+	releaseOnce sync.Once
+	releasePath string
+	releaseErr  error
+)
+
+func releaseBinary(b *testing.B) string {
+	b.Helper()
+	releaseOnce.Do(func() {
+		releasePath = filepath.Join(filepath.Dir(binary), "kvrouter-ha-release")
+		out, err := exec.Command("go", "build", "-o", releasePath, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha").CombinedOutput()
+		if err != nil {
+			releaseErr = fmt.Errorf("build: %v\n%s", err, out)
+		}
+	})
+	if releaseErr != nil {
+		b.Fatal(releaseErr)
+	}
+	return releasePath
+}
+
+// process runs a command until the benchmark ends.
+func process(b *testing.B, bin string, args ...string) {
+	b.Helper()
+	cmd := exec.Command(bin, args...)
+	var log bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &log, &log
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if b.Failed() {
+			b.Logf("%s log:\n%s", filepath.Base(bin), tail(log.String(), 4000))
+		}
+	})
+}
+
+func waitHTTP(b *testing.B, url string) {
+	b.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		resp, err := http.Get(url)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	b.Fatalf("%s never answered 200", url)
+}
+
+// BenchmarkAddedLatencyProcesses is the proxy's added latency as a deployment sees it: the
+// simulated worker and the router each run as their own process (their own scheduler and
+// threads), and the benchmark is the client. The same request goes straight to the worker
+// and through the router, in alternating blocks, one at a time at a fixed rate (a request
+// every 2 ms, each from idle), and the percentiles of the two paths are compared. The worker
+// is told to answer at once, so the difference is the router's parse, selection and
+// proxying, plus one more loopback hop.
+func BenchmarkAddedLatencyProcesses(b *testing.B) {
+	bin := releaseBinary(b)
+	worker := freePort(b)
+	process(b, bin, "sim-worker", "--listen", worker, "--id", "w0", "--speedup", "1000000",
+		"--log-level", "error")
+	waitHTTP(b, "http://"+worker+"/health")
+	for _, stream := range []bool{false, true} {
+		name := map[bool]string{false: "json", true: "sse"}[stream]
+		b.Run(name, func(b *testing.B) {
+			router := freePort(b)
+			process(b, bin, "serve", "--listen", router, "--admin-listen", freePort(b),
+				"--raft-listen", freePort(b), "--peer-listen", freePort(b), "--data-dir", b.TempDir(),
+				"--worker", "w0=http://"+worker, "--log-level", "error")
+			waitHTTP(b, "http://"+router+"/readyz")
+			body := fmt.Sprintf(`{"model":"sim-model","stream":%v,"max_tokens":4,"prompt":"%s"}`, stream, strings.Repeat("word ", 200))
+			client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}}
+			one := func(base string) time.Duration {
+				start := time.Now()
+				resp, err := client.Post(base+"/v1/completions", "application/json", strings.NewReader(body))
+				if err != nil {
+					b.Fatal(err)
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusOK {
+					b.Fatalf("%s: %s", base, resp.Status)
+				}
+				return time.Since(start)
+			}
+			// Warm both paths (connections, the router's first routing state).
+			for range 200 {
+				one("http://" + worker)
+				one("http://" + router)
+			}
+			const block = 4
+			var direct, proxied []time.Duration
+			next := time.Now()
+			i := 0
+			for b.Loop() {
+				viaRouter := (i/block)%2 == 1
+				first := i%block == 0
+				i++
+				if d := time.Until(next); d > 0 {
+					time.Sleep(d)
+				}
+				next = time.Now().Add(2 * time.Millisecond)
+				base := "http://" + worker
+				if viaRouter {
+					base = "http://" + router
+				}
+				d := one(base)
+				if first {
+					continue // what ran just before a block's first request colours it
+				}
+				if viaRouter {
+					proxied = append(proxied, d)
+				} else {
+					direct = append(direct, d)
+				}
+			}
+			if len(direct) < 10 || len(proxied) < 10 {
+				return
+			}
+			slices.Sort(direct)
+			slices.Sort(proxied)
+			pct := func(s []time.Duration, p int) time.Duration { return s[len(s)*p/100] }
+			b.ReportMetric(float64((pct(proxied, 50) - pct(direct, 50)).Microseconds()), "added-p50-us")
+			b.ReportMetric(float64((pct(proxied, 99) - pct(direct, 99)).Microseconds()), "added-p99-us")
+			b.ReportMetric(float64(pct(direct, 50).Microseconds()), "direct-p50-us")
+		})
+	}
+}
