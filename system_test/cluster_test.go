@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -214,5 +215,32 @@ func TestReplicaCutOffFromQuorumTurnsUnready(t *testing.T) {
 	a, err = chat(context.Background(), lone, "kept", "back again")
 	if err != nil || a.status != http.StatusOK || a.worker != bound["kept"].worker {
 		t.Fatalf("after the quorum returned: %+v %v", a, err)
+	}
+}
+
+func TestSigtermOnTheLeaderTransfersLeadershipBeforeExit(t *testing.T) {
+	fl := startFleet(t, 2)
+	c := startCluster(t, 3, fl)
+	bound := bindSessions(t, c, sessionNames("graceful", 6))
+	leader := c.leader()
+	c.signal(leader, syscall.SIGTERM)
+	select {
+	case <-leader.done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the leader did not exit within 30 s of SIGTERM")
+	}
+	leader.cmd = nil
+	leader.mu.Lock()
+	logged := strings.Contains(leader.log.String(), "leadership transferred")
+	leader.mu.Unlock()
+	if !logged {
+		t.Fatal("the leader exited without transferring leadership")
+	}
+	next := c.leader()
+	for s, a := range bound {
+		got, err := chat(context.Background(), next, s, "after the handover")
+		if err != nil || got.status != http.StatusOK || got.worker != a.worker || got.revision != a.revision {
+			t.Fatalf("%s after the handover: %+v %v, want %s rev %d", s, got, err, a.worker, a.revision)
+		}
 	}
 }
