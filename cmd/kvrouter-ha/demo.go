@@ -10,6 +10,8 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -30,6 +32,7 @@ type demoConfig struct {
 	CapacityBlocks int
 	Policies       []string
 	Modes          []string // approximate and/or precise (KV events)
+	Topologies     []topology
 	TracePath      string
 	Start, Limit   int
 	Speedup        float64
@@ -45,6 +48,7 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs := flag.NewFlagSet("kvrouter-ha demo", flag.ContinueOnError)
 	var cfg demoConfig
 	policies := fs.String("policies", "kv,round-robin", "comma-separated policies to compare ("+strings.Join(routing.Policies(), ", ")+")")
+	topologies := fs.String("replicas", "1", "router topologies to compare: N replicas behind a round-robin client, N-nogossip for N replicas that share nothing but bindings (e.g. 1,3,3-nogossip)")
 	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
 	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers")
 	fs.IntVar(&cfg.CapacityBlocks, "capacity-blocks", 32768, "each worker's KV cache in 16-token blocks (too small to hold the whole trace)")
@@ -67,6 +71,13 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 		Exec: func(ctx context.Context, _ []string) error {
 			cfg.Policies = splitList(*policies)
 			cfg.Modes = splitList(*modes)
+			for _, t := range splitList(*topologies) {
+				tp, err := parseTopology(t)
+				if err != nil {
+					return err
+				}
+				cfg.Topologies = append(cfg.Topologies, tp)
+			}
 			for _, m := range cfg.Modes {
 				if m != "approximate" && m != "precise" {
 					return fmt.Errorf("--modes: %q is neither approximate nor precise", m)
@@ -132,16 +143,21 @@ func runDemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) er
 		len(reqs), cfg.Workers, cfg.CapacityBlocks, cfg.Speedup)
 	fmt.Fprintf(stdout, "unlimited single-cache ceiling for this slice: %.1f%% of blocks, %.1f%% of tokens\n\n", 100*blocks, 100*tokens)
 	var sums []*replay.Summary
-	for _, mode := range cfg.Modes {
-		for _, policy := range cfg.Policies {
-			if err := ctx.Err(); err != nil {
-				break
+	if len(cfg.Topologies) == 0 {
+		cfg.Topologies = []topology{{Replicas: 1}}
+	}
+	for _, tp := range cfg.Topologies {
+		for _, mode := range cfg.Modes {
+			for _, policy := range cfg.Policies {
+				if err := ctx.Err(); err != nil {
+					break
+				}
+				s, err := demoRun(ctx, cfg, tp, policy, mode == "precise", reqs, progress)
+				if err != nil {
+					return fmt.Errorf("policy %s, %s mode, %s: %w", policy, mode, tp, err)
+				}
+				sums = append(sums, s)
 			}
-			s, err := demoRun(ctx, cfg, policy, mode == "precise", reqs, progress)
-			if err != nil {
-				return fmt.Errorf("policy %s, %s mode: %w", policy, mode, err)
-			}
-			sums = append(sums, s)
 		}
 	}
 	fmt.Fprintln(stdout)
@@ -156,6 +172,67 @@ func runDemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) er
 		}
 	}
 	return nil
+}
+
+// startDemoReplicas starts tp.Replicas router replicas in this process that form one Raft
+// cluster on loopback (a lone replica is a one-node cluster).
+func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataDir string) ([]*replica, error) {
+	type addrs struct{ raft, peer string }
+	var all []addrs
+	var seeds []string
+	for range tp.Replicas {
+		a := addrs{raft: freeLoopback(), peer: freeLoopback()}
+		if a.raft == "" || a.peer == "" {
+			return nil, errors.New("no free loopback port")
+		}
+		all = append(all, a)
+		seeds = append(seeds, a.peer)
+	}
+	var reps []*replica
+	for i, a := range all {
+		cfg := base
+		cfg.ReplicaID = fmt.Sprintf("demo-%d", i)
+		cfg.NoGossip = tp.NoGossip
+		cfg.Cluster = clusterConfig{
+			DataDir: filepath.Join(dataDir, cfg.ReplicaID), RaftListen: a.raft, PeerListen: a.peer,
+			BootstrapExpect: tp.Replicas, BindWait: 10 * time.Second,
+		}
+		if tp.Replicas > 1 {
+			cfg.Cluster.Join = strings.Join(seeds, ",")
+		}
+		r, err := startReplica(ctx, cfg)
+		if err != nil {
+			for _, r := range reps {
+				r.Close()
+			}
+			return nil, err
+		}
+		reps = append(reps, r)
+	}
+	// Wait until every replica is ready (a leader is elected and known).
+	deadline := time.Now().Add(30 * time.Second)
+	for _, r := range reps {
+		for r.cluster.node.Ready() != nil {
+			if time.Now().After(deadline) || ctx.Err() != nil {
+				for _, r := range reps {
+					r.Close()
+				}
+				return nil, fmt.Errorf("replicas not ready: %w", r.cluster.node.Ready())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	return reps, nil
+}
+
+// freeLoopback returns a loopback address with a port free now.
+func freeLoopback() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return ""
+	}
+	defer l.Close()
+	return l.Addr().String()
 }
 
 // simFleet is a set of simulated workers serving on loopback.
@@ -215,8 +292,31 @@ func (f *simFleet) Close() {
 	}
 }
 
-// demoRun replays reqs through a fresh fleet and a fresh router using policy.
-func demoRun(ctx context.Context, cfg demoConfig, policy string, precise bool, reqs []trace.Request, progress io.Writer) (*replay.Summary, error) {
+// topology is how many router replicas a demo run uses and whether they gossip.
+type topology struct {
+	Replicas int
+	NoGossip bool
+}
+
+func (t topology) String() string {
+	if t.NoGossip {
+		return fmt.Sprintf("%d-nogossip", t.Replicas)
+	}
+	return fmt.Sprint(t.Replicas)
+}
+
+func parseTopology(s string) (topology, error) {
+	var t topology
+	n, rest, _ := strings.Cut(s, "-")
+	v, err := strconv.Atoi(n)
+	if err != nil || v < 1 || v > 7 || (rest != "" && rest != "nogossip") {
+		return t, fmt.Errorf("--replicas item %q: want N or N-nogossip with N from 1 to 7", s)
+	}
+	return topology{Replicas: v, NoGossip: rest == "nogossip"}, nil
+}
+
+// demoRun replays reqs through a fresh fleet and fresh router replicas using policy.
+func demoRun(ctx context.Context, cfg demoConfig, tp topology, policy string, precise bool, reqs []trace.Request, progress io.Writer) (*replay.Summary, error) {
 	quiet := cfg.Logger
 	sc := cfg.Sim
 	sc.CapacityBlocks = cfg.CapacityBlocks
@@ -233,8 +333,8 @@ func demoRun(ctx context.Context, cfg demoConfig, policy string, precise bool, r
 		return nil, err
 	}
 	defer os.RemoveAll(dataDir)
-	rep, err := startReplica(ctx, serveConfig{
-		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ReplicaID: "demo",
+	base := serveConfig{
+		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
 		Workers: fleet.specs,
 		Router:  routing.Config{Policy: policy},
 		// The decision index forgets on the workers' scale: a decision stays for the
@@ -242,16 +342,21 @@ func demoRun(ctx context.Context, cfg demoConfig, policy string, precise bool, r
 		ApproxTTL: time.Duration(float64(120*time.Second) / cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
 		SessionTTL: time.Duration(float64(10*time.Minute) / cfg.Speedup), MaxSessions: 1_000_000,
 		Health: openai.HealthConfig{Timeout: 2 * time.Second, FailThreshold: 3},
-		// A lone replica is a one-node Raft cluster, on a throwaway data directory here.
-		Cluster: clusterConfig{DataDir: dataDir, RaftListen: "127.0.0.1:0", PeerListen: "127.0.0.1:0", BootstrapExpect: 1},
-		Logger:  quiet,
-	})
+		Logger: quiet,
+	}
+	reps, err := startDemoReplicas(ctx, tp, base, dataDir)
 	if err != nil {
 		return nil, err
 	}
-	defer rep.Close()
+	defer func() {
+		for _, r := range reps {
+			r.Close()
+		}
+	}()
 	rc := replay.DefaultConfig()
-	rc.Target = "http://" + rep.Addr()
+	for _, r := range reps {
+		rc.Targets = append(rc.Targets, "http://"+r.Addr())
+	}
 	rc.Requests = reqs
 	rc.Speedup = cfg.Speedup
 	rc.Concurrency = cfg.Concurrency
@@ -260,6 +365,9 @@ func demoRun(ctx context.Context, cfg demoConfig, policy string, precise bool, r
 	rc.Label = policy
 	if len(cfg.Modes) > 1 || precise {
 		rc.Label = policy + map[bool]string{true: "/precise", false: "/approx"}[precise]
+	}
+	if len(cfg.Topologies) > 1 || tp.Replicas > 1 {
+		rc.Label += " x" + tp.String()
 	}
 	rc.Progress = progress
 	rc.Logger = quiet

@@ -48,6 +48,9 @@ type serveConfig struct {
 	OverlayTTL time.Duration
 	// Tokenizer is "none" (text prompts hash in byte chunks) or "worker" (ask a worker's /tokenize).
 	Tokenizer string
+	// NoGossip keeps this replica's decisions and load to itself (comparison runs); bindings
+	// are shared through Raft regardless.
+	NoGossip bool
 	// AdminToken guards /admin/* on the admin listener ("" leaves it open: loopback only).
 	AdminToken string
 	// Cluster configures the Raft node that keeps session bindings.

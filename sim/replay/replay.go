@@ -78,10 +78,13 @@ const (
 // unknownWorker labels responses from a router that named no worker.
 const unknownWorker = "unknown"
 
-// Config describes one replay run. Set exactly one of Target and Workers.
+// Config describes one replay run. Set exactly one of Target, Targets and Workers.
 type Config struct {
 	// Target is a router's base URL, e.g. http://127.0.0.1:8080.
 	Target string
+	// Targets are several routers' base URLs the client sends to round-robin, as a load
+	// balancer in front of router replicas would.
+	Targets []string
 	// Workers are worker base URLs the client itself sends to round-robin:
 	// the baseline with no router.
 	Workers []string
@@ -138,10 +141,12 @@ func DefaultConfig() Config {
 func normalize(cfg Config) (Config, []string, error) {
 	var bases []string
 	switch {
-	case cfg.Target != "" && len(cfg.Workers) > 0:
-		return cfg, nil, errors.New("replay: set either a target or workers, not both")
+	case (cfg.Target != "") && len(cfg.Workers) > 0, (cfg.Target != "") && len(cfg.Targets) > 0, len(cfg.Targets) > 0 && len(cfg.Workers) > 0:
+		return cfg, nil, errors.New("replay: set one of a target, targets or workers, not both")
 	case cfg.Target != "":
 		bases = []string{cfg.Target}
+	case len(cfg.Targets) > 0:
+		bases = cfg.Targets
 	case len(cfg.Workers) > 0:
 		bases = cfg.Workers
 	default:

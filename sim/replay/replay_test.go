@@ -165,6 +165,31 @@ func TestRunRoundRobinsOverWorkersAsBaseline(t *testing.T) {
 	}
 }
 
+func TestRunRoundRobinsOverRouterReplicas(t *testing.T) {
+	routers := []*fakeServer{
+		newFake(t, func(f *fakeServer) { f.workerID = "w1" }),
+		newFake(t, func(f *fakeServer) { f.workerID = "w1" }),
+		newFake(t, func(f *fakeServer) { f.workerID = "w2" }),
+	}
+	cfg := config(uniform(9))
+	for _, r := range routers {
+		cfg.Targets = append(cfg.Targets, r.URL)
+	}
+	sum, err := replay.Run(t.Context(), cfg)
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	for i, r := range routers {
+		if n := len(r.requests()); n != 3 {
+			t.Errorf("router %d got %d requests, want 3", i, n)
+		}
+	}
+	// Workers are counted by the worker the routers named, not by router.
+	if sum.Workers["w1"].Requests != 6 || sum.Workers["w2"].Requests != 3 {
+		t.Errorf("workers %+v", sum.Workers)
+	}
+}
+
 func TestRunReadsRouterOverlapHeader(t *testing.T) {
 	f := newFake(t, func(f *fakeServer) {
 		f.header = func(h http.Header, prompt []uint32) {
