@@ -32,6 +32,12 @@ func (w Worker) String() string {
 type Match struct {
 	Worker Worker
 	Blocks int
+	// Slot is a small number the index gives the worker, from 1 up (0: none given). It is the
+	// same in every match of the worker while the worker stays known, and may be reused for
+	// another worker after RemoveWorker, so a caller can keep its own per-worker data in a
+	// table indexed by Slot, instead of hashing the worker's name for every match, provided it
+	// checks Worker on each use.
+	Slot int
 }
 
 // EventKind says what an Event does to a worker's blocks.

@@ -34,9 +34,13 @@ type Index struct {
 
 	ttlTicks  uint32 // 0: entries never expire
 	maxBlocks int    // 0: no per-worker cap
-	now       func() time.Time
-	base      time.Time
-	total     atomic.Int64
+	// recency: workers keep recency queues, which only a TTL or a cap needs. Without either
+	// (precise mode, where the engines' events say what leaves) the queues would cost 12
+	// bytes per entry and a map update per removal, and Clear scans the tables instead.
+	recency bool
+	now     func() time.Time
+	base    time.Time
+	total   atomic.Int64
 
 	mu     sync.RWMutex // guards byName, free, nextID and writes of byID
 	byName map[Worker]*workerState
@@ -91,6 +95,7 @@ func New(opts Options) *Index {
 	if opts.MaxBlocksPerWorker > 0 {
 		x.maxBlocks = opts.MaxBlocksPerWorker
 	}
+	x.recency = x.ttlTicks > 0 || x.maxBlocks > 0
 	x.byID.Store(&[]*workerState{})
 	return x
 }
@@ -146,11 +151,14 @@ func (x *Index) Store(w Worker, seq []uint64) {
 			var had bool
 			had, next = sh.add(key, st.id, next)
 			sh.unlock()
-			st.queue.push(key, tick)
-			if had {
-				st.supersede(key)
-			} else {
+			if !had {
 				added++
+			}
+			if x.recency {
+				st.queue.push(key, tick)
+				if had {
+					st.supersede(key)
+				}
 			}
 		}
 		end = start
@@ -192,7 +200,9 @@ func (x *Index) Remove(w Worker, seq []uint64) {
 			sh.unlock()
 			if had {
 				removed++
-				st.supersede(key)
+				if x.recency {
+					st.supersede(key)
+				}
 			}
 		}
 	}
@@ -415,6 +425,10 @@ func (x *Index) popOldest(st *workerState, k int) int {
 // dropAll removes every entry of st from the block table and empties its queue. Caller holds
 // st.mu.
 func (x *Index) dropAll(st *workerState) {
+	if !x.recency {
+		x.dropAllByScan(st)
+		return
+	}
 	// Superseded records name blocks st may no longer hold; removing an absent bit is a no-op.
 	n := st.queue.len()
 	for start := 0; start < n; start += writeBatch {
@@ -434,6 +448,39 @@ func (x *Index) dropAll(st *workerState) {
 	x.total.Add(-int64(st.live))
 	st.queue.reset()
 	st.pending = nil
+	st.live, st.stale = 0, 0
+}
+
+// dropAllByScan is dropAll for an index without recency queues: it finds st's entries by
+// scanning every shard's table for its bit, a few milliseconds for a million entries. That is
+// only paid when an engine clears its cache or a worker goes, and it spares every Store and
+// Remove the queue. Caller holds st.mu, so st's bits do not change during the scan; other
+// workers' writes may move slots, so each shard is scanned under its mutex (readers go on
+// meanwhile: the scan writes nothing).
+func (x *Index) dropAllByScan(st *workerState) {
+	p, bit := st.id/pageBits, uint64(1)<<(st.id%pageBits)
+	var keys []uint64
+	for i := range x.shards {
+		sh := &x.shards[i]
+		keys = keys[:0]
+		sh.mu.Lock()
+		if t := sh.tab.Load(); t != nil && p < t.pages {
+			w := 1 + t.pages
+			for j := 0; j+w <= len(t.a); j += w {
+				if k := t.a[j]; k != 0 && t.a[j+1+p]&bit != 0 {
+					// The key bits of the word are all that probing and comparing use.
+					keys = append(keys, k&keyMask)
+				}
+			}
+		}
+		sh.mu.Unlock()
+		for _, key := range keys {
+			sh.lock()
+			sh.remove(key, st.id)
+			sh.unlock()
+		}
+	}
+	x.total.Add(-int64(st.live))
 	st.live, st.stale = 0, 0
 }
 

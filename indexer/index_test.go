@@ -552,8 +552,25 @@ func TestFindMatchesDoesNotAllocateWithCapacity(t *testing.T) {
 // TestConcurrentReadersAndWriters runs lookups against a stable worker while other workers
 // store, remove, clear, expire and leave, and checks every answer is well formed.
 func TestConcurrentReadersAndWriters(t *testing.T) {
-	clock := &fakeClock{t: time.Unix(0, 0)}
-	x := New(Options{TTL: time.Second, MaxBlocksPerWorker: 300, Now: clock.Now})
+	tests := []struct {
+		name string
+		opts func(now func() time.Time) Options
+	}{
+		{"ttl and cap", func(now func() time.Time) Options {
+			return Options{TTL: time.Second, MaxBlocksPerWorker: 300, Now: now}
+		}},
+		// Without recency queues Clear and RemoveWorker scan the tables while others write.
+		{"precise", func(now func() time.Time) Options { return Options{Now: now} }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := &fakeClock{t: time.Unix(0, 0)}
+			testConcurrentReadersAndWriters(t, clock, New(tt.opts(clock.Now)))
+		})
+	}
+}
+
+func testConcurrentReadersAndWriters(t *testing.T, clock *fakeClock, x *Index) {
 	seq := prompt(80, 256)
 	stable := wk("stable")
 	x.Store(stable, seq[:200])
@@ -621,5 +638,33 @@ func TestConcurrentReadersAndWriters(t *testing.T) {
 	}
 	if total != x.Len() {
 		t.Fatalf("Len %d, sum of Blocks %d", x.Len(), total)
+	}
+}
+
+func TestMatchSlotsNameWorkersStably(t *testing.T) {
+	x := New(Options{})
+	seq := prompt(90, 40)
+	for i := range 70 { // two pages of ids
+		x.Store(Worker{ID: fmt.Sprintf("s%02d", i)}, seq[:1+i%40])
+	}
+	first := map[Worker]int{}
+	for range 3 {
+		bySlot := map[int]Worker{}
+		for _, m := range x.FindMatches(seq, nil) {
+			if m.Slot < 1 {
+				t.Fatalf("%s has slot %d, want 1 or more", m.Worker, m.Slot)
+			}
+			if other, dup := bySlot[m.Slot]; dup {
+				t.Fatalf("%s and %s share slot %d", m.Worker, other, m.Slot)
+			}
+			bySlot[m.Slot] = m.Worker
+			if s, seen := first[m.Worker]; seen && s != m.Slot {
+				t.Fatalf("%s moved from slot %d to %d", m.Worker, s, m.Slot)
+			}
+			first[m.Worker] = m.Slot
+		}
+	}
+	if len(first) != 70 {
+		t.Fatalf("%d workers matched, want 70", len(first))
 	}
 }

@@ -329,7 +329,11 @@ func (s *search) emit(set uint64, blocks int) {
 		id := s.page*pageBits + bits.TrailingZeros64(set)
 		set &= set - 1
 		if id < len(s.ids) && s.ids[id] != nil && !s.ids[id].removed.Load() {
-			s.dst = append(s.dst, Match{Worker: s.ids[id].w, Blocks: blocks})
+			// Filled in place rather than appended as a literal, whose copy from the stack
+			// stalls on store forwarding (see routing's selectWorker).
+			s.dst = append(s.dst, Match{})
+			m := &s.dst[len(s.dst)-1]
+			m.Worker, m.Blocks, m.Slot = s.ids[id].w, blocks, id+1
 		}
 	}
 }

@@ -2,8 +2,7 @@ package indexer
 
 import "math/bits"
 
-// XXH64 over tokens, specialised for the router's two shapes: a block of uint32 tokens (their
-// little-endian bytes) and a pair of uint64s (the chain step). The results are exactly
+// XXH64 over a block of uint32 tokens (their little-endian bytes). The results are exactly
 // xxhash64's (hash_test.go checks them against github.com/cespare/xxhash), but reading the
 // tokens as lanes directly skips the byte encoding, the digest's bookkeeping and the call into
 // the general function, which on 16-token blocks cost more than the hashing itself.
@@ -22,11 +21,6 @@ func xxRound(acc, input uint64) uint64 {
 	return acc * xxPrime1
 }
 
-func xxMerge(acc, val uint64) uint64 {
-	acc ^= xxRound(0, val)
-	return acc*xxPrime1 + xxPrime4
-}
-
 func xxAvalanche(h uint64) uint64 {
 	h ^= h >> 33
 	h *= xxPrime2
@@ -41,6 +35,9 @@ func lane(a, b uint32) uint64 { return uint64(a) | uint64(b)<<32 }
 
 // xxh64Tokens is xxhash64 with seed over the little-endian bytes of tokens.
 func xxh64Tokens(tokens []uint32, seed uint64) uint64 {
+	if len(tokens) == DefaultBlockSize {
+		return xxh64Block16(tokens, seed)
+	}
 	n := len(tokens)
 	var h uint64
 	if n >= 8 { // at least one 32-byte stripe
@@ -53,11 +50,7 @@ func xxh64Tokens(tokens []uint32, seed uint64) uint64 {
 			v4 = xxRound(v4, lane(t[6], t[7]))
 			tokens = tokens[8:]
 		}
-		h = bits.RotateLeft64(v1, 1) + bits.RotateLeft64(v2, 7) + bits.RotateLeft64(v3, 12) + bits.RotateLeft64(v4, 18)
-		h = xxMerge(h, v1)
-		h = xxMerge(h, v2)
-		h = xxMerge(h, v3)
-		h = xxMerge(h, v4)
+		h = xxConverge(v1, v2, v3, v4)
 	} else {
 		h = seed + xxPrime5
 	}
@@ -74,12 +67,30 @@ func xxh64Tokens(tokens []uint32, seed uint64) uint64 {
 	return xxAvalanche(h)
 }
 
-// xxh64Pair is xxhash64 (seed 0) of the 16 little-endian bytes of a then b.
-func xxh64Pair(a, b uint64) uint64 {
-	h := xxPrime5 + 16
-	h ^= xxRound(0, a)
-	h = bits.RotateLeft64(h, 27)*xxPrime1 + xxPrime4
-	h ^= xxRound(0, b)
-	h = bits.RotateLeft64(h, 27)*xxPrime1 + xxPrime4
-	return xxAvalanche(h)
+// xxConverge folds the four lanes into one, as xxMerge four times does; the four lanes' rounds
+// are written out first because they do not depend on one another, and only the merges chain.
+func xxConverge(v1, v2, v3, v4 uint64) uint64 {
+	h := bits.RotateLeft64(v1, 1) + bits.RotateLeft64(v2, 7) + bits.RotateLeft64(v3, 12) + bits.RotateLeft64(v4, 18)
+	r1, r2, r3, r4 := xxRound(0, v1), xxRound(0, v2), xxRound(0, v3), xxRound(0, v4)
+	h = (h^r1)*xxPrime1 + xxPrime4
+	h = (h^r2)*xxPrime1 + xxPrime4
+	h = (h^r3)*xxPrime1 + xxPrime4
+	return (h^r4)*xxPrime1 + xxPrime4
+}
+
+// xxh64Block16 is xxh64Tokens for a block of vLLM's default 16 tokens (64 bytes, two stripes),
+// written out straight: it is the whole of hashing a prompt, and 30 of its 32 multiplications
+// per block are here, so the loop and tail bookkeeping of the general shape show.
+func xxh64Block16(t []uint32, seed uint64) uint64 {
+	t = t[:16:16]
+	v1, v2, v3, v4 := seed+xxPrime1+xxPrime2, seed+xxPrime2, seed, seed-xxPrime1
+	v1 = xxRound(v1, lane(t[0], t[1]))
+	v2 = xxRound(v2, lane(t[2], t[3]))
+	v3 = xxRound(v3, lane(t[4], t[5]))
+	v4 = xxRound(v4, lane(t[6], t[7]))
+	v1 = xxRound(v1, lane(t[8], t[9]))
+	v2 = xxRound(v2, lane(t[10], t[11]))
+	v3 = xxRound(v3, lane(t[12], t[13]))
+	v4 = xxRound(v4, lane(t[14], t[15]))
+	return xxAvalanche(xxConverge(v1, v2, v3, v4) + 64)
 }

@@ -59,7 +59,11 @@ func (t *Tracker) counters(w indexer.Worker) *counters {
 
 // Load implements LoadView.
 func (t *Tracker) Load(w indexer.Worker) Load {
-	c := (*t.workers.Load())[w]
+	return (*t.workers.Load())[w].load()
+}
+
+// load reads the counters; nil counters (a worker never seen) are no load.
+func (c *counters) load() Load {
 	if c == nil {
 		return Load{}
 	}
@@ -71,7 +75,7 @@ func (t *Tracker) Snapshot() map[indexer.Worker]Load {
 	m := *t.workers.Load()
 	out := make(map[indexer.Worker]Load, len(m))
 	for w, c := range m {
-		out[w] = Load{Requests: c.requests.Load(), PrefillTokens: c.prefill.Load(), DecodeBlocks: c.decode.Load()}
+		out[w] = c.load()
 	}
 	return out
 }

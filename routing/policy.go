@@ -11,9 +11,10 @@ import (
 
 // candidate is a target with what the policies weigh.
 type candidate struct {
-	target  Target
+	target  *Target // in the routable slice, which is never modified
 	overlap int
 	load    Load
+	pos     int // position in the routable slice
 }
 
 // policy picks one of cands (never empty) for req and returns its index.
@@ -63,7 +64,8 @@ func (kvPolicy) choose(req *Request, promptBlocks int, cands []candidate, r *Rou
 	if len(cands) > len(costs) {
 		cost = make([]float64, 0, len(cands))
 	}
-	for _, c := range cands {
+	for i := range cands {
+		c := &cands[i]
 		prefill := float64(c.load.PrefillTokens)/bs + float64(promptBlocks-c.overlap)
 		cost = append(cost, pw*prefill+float64(c.load.DecodeBlocks)+float64(promptBlocks))
 	}

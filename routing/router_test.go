@@ -208,7 +208,7 @@ func TestFiltersRoleLoRAAndRank(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			got := map[string]bool{}
 			for _, tg := range reg.Routable() {
-				if r.eligible(&tc.req, tg, nil) {
+				if m := metaOf(&tg); eligible(&tc.req, &tg, &m, nil) {
 					got[tg.Worker.String()] = true
 				}
 			}
