@@ -14,7 +14,7 @@ FUZZ_TARGETS := \
 	./fsm:FuzzDecode \
 	./fsm:FuzzRestore
 
-.PHONY: all build test unit fuzz demo bench lint clean
+.PHONY: all build test unit fuzz demo bench lint clean jepsen jepsen-ci
 
 all: build
 
@@ -41,6 +41,18 @@ demo: build
 ## bench: the microbenchmarks behind the performance targets (figures, not assertions).
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./indexer ./routing ./transport/openai
+
+## jepsen: the fault harness on a long seeded schedule (partitions need root, ip and iptables).
+JEPSEN_DURATION ?= 10m
+JEPSEN_SEED ?= 1
+JEPSEN_FAULTS ?= all
+JEPSEN_OUT ?= jepsen-out
+jepsen: build
+	./$(BIN) jepsen --duration $(JEPSEN_DURATION) --seed $(JEPSEN_SEED) --faults $(JEPSEN_FAULTS) --out $(JEPSEN_OUT) $$(command -v haproxy >/dev/null && echo --haproxy)
+
+## jepsen-ci: the short schedule CI runs.
+jepsen-ci:
+	$(MAKE) jepsen JEPSEN_DURATION=2m JEPSEN_FAULTS=kill,stop,restart,partition,worker JEPSEN_OUT=jepsen-ci-out
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \

@@ -5,6 +5,7 @@
 //	kvrouter-ha replay      replay a request trace against a router or workers
 //	kvrouter-ha demo        simulated workers + a router, kv routing against round-robin
 //	kvrouter-ha ctl         operate a running cluster (workers, sessions, raft)
+//	kvrouter-ha jepsen      run a cluster under faults and check what clients saw
 //
 // Every flag can also be set from the environment: --foo-bar is KVROUTER_FOO_BAR.
 package main
@@ -41,7 +42,7 @@ func main() {
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	root := &ffcli.Command{
 		Name:       "kvrouter-ha",
-		ShortUsage: "kvrouter-ha <serve|sim-worker|replay|demo|ctl> [flags]",
+		ShortUsage: "kvrouter-ha <serve|sim-worker|replay|demo|ctl|jepsen> [flags]",
 		ShortHelp:  "a highly available, KV-cache-aware router for LLM serving fleets",
 		LongHelp: strings.TrimSpace(`
 kvrouter-ha routes OpenAI-compatible requests to the inference worker that already holds
@@ -55,6 +56,7 @@ Every flag can also come from the environment: --foo-bar is KVROUTER_FOO_BAR.`),
 			replayCommand(stdout, stderr),
 			demoCommand(stdout, stderr),
 			ctlCommand(stdout, stderr),
+			jepsenCommand(stdout, stderr),
 		},
 		Exec: func(context.Context, []string) error { return flag.ErrHelp },
 	}

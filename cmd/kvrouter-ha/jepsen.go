@@ -1,0 +1,116 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/peterbourgon/ff/v3/ffcli"
+
+	"github.com/kvrouter-ha/kvrouter-ha/jepsen"
+)
+
+// jepsenServeArgs collects repeated --serve-arg flags.
+type jepsenServeArgs []string
+
+func (a *jepsenServeArgs) String() string { return strings.Join(*a, " ") }
+
+func (a *jepsenServeArgs) Set(v string) error {
+	*a = append(*a, v)
+	return nil
+}
+
+func jepsenCommand(stdout, stderr io.Writer) *ffcli.Command {
+	fs := flag.NewFlagSet("kvrouter-ha jepsen", flag.ContinueOnError)
+	var cfg jepsen.Config
+	fs.StringVar(&cfg.Binary, "binary", "", "kvrouter-ha binary to test (default: this one)")
+	fs.IntVar(&cfg.Replicas, "replicas", 3, "replica processes")
+	fs.IntVar(&cfg.Workers, "workers", 3, "simulated worker processes")
+	fs.IntVar(&cfg.Clients, "clients", 8, "concurrent clients, each owning a few sessions")
+	fs.DurationVar(&cfg.Duration, "duration", 2*time.Minute, "how long the workload runs (faults stop 8s before the end)")
+	fs.Int64Var(&cfg.Seed, "seed", 1, "seed of the fault schedule and the clients' choices")
+	faults := fs.String("faults", "kill,stop,restart,partition,worker", "fault kinds: kill, stop, restart, partition, worker, or all")
+	fs.StringVar(&cfg.OutDir, "out", "jepsen-out", "directory for summary.txt, report.json, history.json, logs and porcupine pages")
+	fs.BoolVar(&cfg.HAProxy, "haproxy", false, "put HAProxy (from PATH) in front of the replicas; half the requests go through it")
+	fs.StringVar(&cfg.Netns, "netns", "auto", "network namespaces (needed for partitions; root on Linux): auto, on or off")
+	fs.StringVar(&cfg.Consistency, "consistency", "bounded", "replicas' --consistency, and what the checker holds them to")
+	fs.DurationVar(&cfg.StaleBound, "stale-bound", time.Second, "replicas' --stale-bound")
+	fs.DurationVar(&cfg.BindWait, "bind-wait", 3*time.Second, "replicas' --bind-wait")
+	fs.DurationVar(&cfg.SessionTTL, "session-ttl", 30*time.Second, "replicas' --session-ttl (short enough that some sessions idle out)")
+	fs.DurationVar(&cfg.HealthInterval, "health-interval", 500*time.Millisecond, "replicas' --health-interval")
+	fs.DurationVar(&cfg.RequestTimeout, "request-timeout", 10*time.Second, "a client request past this is recorded as unknown")
+	var serveArgs jepsenServeArgs
+	fs.Var(&serveArgs, "serve-arg", "extra flag for every replica (repeatable), e.g. --serve-arg=--log-level=debug")
+	fs.BoolVar(&cfg.KeepData, "keep-data", false, "keep the replicas' data directories")
+	recheck := fs.String("recheck", "", "check a saved history.json again instead of running (uses --consistency, --stale-bound, --session-ttl)")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	return &ffcli.Command{
+		Name:       "jepsen",
+		ShortUsage: "kvrouter-ha jepsen [--replicas 3] [--duration 2m] [--seed 1] [--faults ...] [--out DIR] [--haproxy]",
+		ShortHelp:  "run a cluster of this binary under faults and check what clients saw",
+		LongHelp: strings.TrimSpace(`
+Starts --replicas replica processes of this binary (each with its own data directory) and
+--workers simulated workers, drives --clients clients with sessions, some streaming, and has a
+seeded nemesis kill -9, SIGSTOP, restart the whole cluster, crash or hang workers and, as root on
+Linux with ip and iptables, partition replicas in network namespaces. It then checks the history:
+porcupine on each session's binding, binding changes nothing explains, bindings lost across a full
+restart, and availability under each kind of fault. It exits non-zero on any violation.`),
+		FlagSet: fs,
+		Exec: func(ctx context.Context, _ []string) error {
+			log, err := newLogger(stderr, *logLevel)
+			if err != nil {
+				return err
+			}
+			cfg.Logger = log
+			cfg.ServeArgs = serveArgs
+			if *recheck != "" {
+				return jepsenRecheck(stdout, *recheck, &cfg)
+			}
+			if cfg.Faults, err = jepsen.ParseFaults(*faults); err != nil {
+				return err
+			}
+			if cfg.Binary == "" {
+				if cfg.Binary, err = os.Executable(); err != nil {
+					return fmt.Errorf("find this binary: %w", err)
+				}
+			}
+			rep, err := jepsen.Run(ctx, cfg)
+			if rep != nil {
+				if werr := rep.WriteText(stdout); werr != nil && err == nil {
+					err = werr
+				}
+			}
+			if err != nil {
+				return err
+			}
+			if !rep.Valid() {
+				return fmt.Errorf("jepsen: %d violations (see %s)", len(rep.Analysis.Violations), cfg.OutDir)
+			}
+			return nil
+		},
+	}
+}
+
+func jepsenRecheck(stdout io.Writer, path string, cfg *jepsen.Config) error {
+	h, err := jepsen.ReadHistoryFile(path)
+	if err != nil {
+		return err
+	}
+	if cfg.Consistency != "bounded" && cfg.Consistency != "linearizable" && cfg.Consistency != "local" {
+		return fmt.Errorf("consistency %q: want bounded, linearizable or local", cfg.Consistency)
+	}
+	cc := cfg.CheckConfig()
+	rep := jepsen.Recheck(h, cc)
+	if err := rep.WriteText(stdout); err != nil {
+		return err
+	}
+	if !rep.Valid() {
+		return errors.New("jepsen: violations in the history")
+	}
+	return nil
+}
