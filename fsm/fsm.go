@@ -183,7 +183,7 @@ func (c *Bind) apply(f *FSM, index uint64) *Result {
 	s := f.st.Load().shards[si]
 	_, i := s.find(c.Session, h)
 	if c.ExpectRevision == 0 {
-		if i >= 0 {
+		if i >= 0 && !brokenSkipCAS {
 			return &Result{Status: Exists, Binding: s.binding(i, c.Session), Found: true}
 		}
 	} else {

@@ -13,13 +13,17 @@ import (
 )
 
 // buildBinary builds kvrouter-ha for the end-to-end test.
-func buildBinary(t *testing.T) string {
+func buildBinary(t *testing.T, tags ...string) string {
 	t.Helper()
 	if _, err := exec.LookPath("go"); err != nil {
 		t.Skip("no go tool to build kvrouter-ha with")
 	}
 	bin := filepath.Join(t.TempDir(), "kvrouter-ha")
-	cmd := exec.Command("go", "build", "-o", bin, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha")
+	args := []string{"build", "-o", bin}
+	if len(tags) > 0 {
+		args = append(args, "-tags", strings.Join(tags, ","))
+	}
+	cmd := exec.Command("go", append(args, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha")...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {
@@ -135,5 +139,32 @@ func TestConfigRejectsBadInput(t *testing.T) {
 				t.Fatalf("Run: %v, want an error about %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestCheckerCatchesABuildThatOverwritesBindings runs the harness against a deliberately
+// broken build (the jepsen_broken tag, never in a release): its Bind overwrites a live binding
+// instead of answering with it, so racing first requests on different replicas move sessions.
+// The checker must report it; a checker that cannot fail proves nothing.
+func TestCheckerCatchesABuildThatOverwritesBindings(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a cluster for about 40 seconds")
+	}
+	bin := buildBinary(t, "jepsen_broken")
+	cfg := Config{
+		Binary: bin, Replicas: 3, Workers: 3, Clients: 6, Duration: 35 * time.Second, Seed: 3,
+		Faults: []FaultKind{FaultKill, FaultStop}, OutDir: t.TempDir(), Netns: "off", SessionTTL: 30 * time.Second,
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var summary bytes.Buffer
+	_ = rep.WriteText(&summary)
+	t.Logf("\n%s", summary.String())
+	if rep.Valid() || len(rep.Analysis.Violations) == 0 {
+		t.Fatal("the checker found nothing wrong with a build that overwrites live bindings")
 	}
 }
