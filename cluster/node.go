@@ -422,6 +422,11 @@ func (n *Node) Ready() error {
 func (n *Node) fresh() error {
 	switch n.raft.State() {
 	case raft.Leader:
+		// A new leader serves only once its Barrier has applied everything committed:
+		// before that its FSM may lack bindings acknowledged under the previous leader.
+		if !n.lead.isEstablished() {
+			return fmt.Errorf("%w: new leader still applying the log", ErrStale)
+		}
 		return nil
 	case raft.Follower:
 		if _, lid := n.raft.LeaderWithID(); lid == "" {
@@ -516,7 +521,7 @@ func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) 
 	if n.cfg.Remote == nil {
 		return nil, n.waitLocalLeader(ctx, b)
 	}
-	out, _, err := n.cfg.Remote.Apply(ctx, b)
+	out, err := n.forward(ctx, b)
 	if err != nil {
 		return nil, err
 	}
@@ -525,6 +530,26 @@ func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) 
 		return nil, err
 	}
 	return res, res.Err
+}
+
+// forward sends an encoded command to the leader in attempts of bounded length: a leader
+// that stopped answering (SIGSTOP, a partition) must not hold the command until ctx ends
+// while the others elect a new one. Retrying is safe: no command takes effect twice
+// (absent-only and compare-and-set binds, revision-guarded invalidations).
+func (n *Node) forward(ctx context.Context, b []byte) ([]byte, error) {
+	attempt := max(4*n.cfg.ElectionTimeout, time.Second)
+	for {
+		actx, cancel := context.WithTimeout(ctx, attempt)
+		out, _, err := n.cfg.Remote.Apply(actx, b)
+		cancel()
+		if err == nil {
+			return out, nil
+		}
+		if ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+			return nil, err
+		}
+		n.log.Debug("forward to the leader timed out; asking again", "attempt", attempt)
+	}
 }
 
 // waitLocalLeader is a lone node's path while it elects itself.

@@ -244,3 +244,32 @@ func TestSigtermOnTheLeaderTransfersLeadershipBeforeExit(t *testing.T) {
 		}
 	}
 }
+
+func TestNewSessionWhileTheLeaderIsStoppedIsServedByTheNextLeader(t *testing.T) {
+	fl := startFleet(t, 2)
+	c := startCluster(t, 3, fl)
+	leader := c.leader()
+	var follower *replica
+	for _, r := range c.replicas {
+		if r != leader {
+			follower = r
+			break
+		}
+	}
+	c.signal(leader, syscall.SIGSTOP)
+	defer func() {
+		if leader.cmd != nil {
+			_ = leader.cmd.Process.Signal(syscall.SIGCONT)
+		}
+	}()
+	a, err := chat(context.Background(), follower, "born-while-stopped", "hello")
+	if err != nil || a.status != http.StatusOK || a.revision == 0 {
+		t.Fatalf("a new session while the leader is stopped: %+v %v", a, err)
+	}
+	c.signal(leader, syscall.SIGCONT)
+	c.waitReady(leader)
+	again, err := chat(context.Background(), leader, "born-while-stopped", "and on the old leader")
+	if err != nil || again.worker != a.worker || again.revision != a.revision {
+		t.Fatalf("the resumed old leader: %+v %v, want %s rev %d", again, err, a.worker, a.revision)
+	}
+}
