@@ -12,9 +12,9 @@ import (
 )
 
 // CallError is a failed peer call other than a redirect (a redirect is *NotLeaderError).
-// It unwraps to ErrInvalid, ErrUnavailable, context.Canceled or context.DeadlineExceeded
-// when its code means one of those, so callers test it with errors.Is and need not know
-// gRPC codes.
+// It unwraps to ErrInvalid, ErrUnavailable, ErrNotWarm (IndexSnapshot only),
+// context.Canceled or context.DeadlineExceeded when its code means one of those, so callers
+// test it with errors.Is and need not know gRPC codes.
 type CallError struct {
 	Addr    string // the peer address called
 	Method  string // Apply, ReadIndex, ...
@@ -38,6 +38,11 @@ func (e *CallError) Unwrap() error {
 		return context.Canceled
 	case codes.DeadlineExceeded:
 		return context.DeadlineExceeded
+	case codes.FailedPrecondition:
+		// Only IndexSnapshot answers FailedPrecondition without a redirect detail.
+		if e.Method == "IndexSnapshot" {
+			return ErrNotWarm
+		}
 	}
 	return nil
 }
@@ -61,6 +66,8 @@ func toStatus(err error) error {
 		return st.Err()
 	case errors.Is(err, ErrInvalid):
 		return status.Error(codes.InvalidArgument, err.Error())
+	case errors.Is(err, ErrNotWarm):
+		return status.Error(codes.FailedPrecondition, err.Error())
 	case errors.Is(err, ErrUnavailable):
 		return status.Error(codes.Unavailable, err.Error())
 	case errors.Is(err, context.Canceled):

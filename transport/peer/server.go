@@ -39,6 +39,8 @@ type ServerOptions struct {
 	// a peer that connects and stalls or sends garbage cannot hold a slot; 0 means
 	// DefaultHandshakeTimeout.
 	HandshakeTimeout time.Duration
+	// Snapshots, when set, serves IndexSnapshot; nil answers it Unimplemented.
+	Snapshots SnapshotSource
 }
 
 // Server serves a Handler on the peer port.
@@ -72,7 +74,7 @@ func NewServer(h Handler, opts ServerOptions) *Server {
 		gopts = append(gopts, grpc.Creds(credentials.NewTLS(opts.TLS)))
 	}
 	gs := grpc.NewServer(gopts...)
-	peerpb.RegisterPeerServer(gs, &service{h: h, log: log})
+	peerpb.RegisterPeerServer(gs, &service{h: h, log: log, snap: opts.Snapshots, limit: limit})
 	stop := opts.StopTimeout
 	if stop <= 0 {
 		stop = DefaultStopTimeout
@@ -127,8 +129,10 @@ func recoverInterceptor(log *slog.Logger) grpc.UnaryServerInterceptor {
 // service adapts a Handler to the generated gRPC interface.
 type service struct {
 	peerpb.UnimplementedPeerServer
-	h   Handler
-	log *slog.Logger
+	h     Handler
+	log   *slog.Logger
+	snap  SnapshotSource // nil: IndexSnapshot is Unimplemented
+	limit int            // message bound, which snapshot chunks stay well under
 }
 
 func (s *service) Apply(ctx context.Context, req *peerpb.ApplyRequest) (*peerpb.ApplyResponse, error) {

@@ -768,6 +768,178 @@ func (*LeaveResponse) Descriptor() ([]byte, []int) {
 	return file_peer_proto_rawDescGZIP(), []int{13}
 }
 
+type IndexSnapshotRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The asking replica's id, for the answering replica's logs.
+	ReplicaId     string `protobuf:"bytes,1,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IndexSnapshotRequest) Reset() {
+	*x = IndexSnapshotRequest{}
+	mi := &file_peer_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IndexSnapshotRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IndexSnapshotRequest) ProtoMessage() {}
+
+func (x *IndexSnapshotRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IndexSnapshotRequest.ProtoReflect.Descriptor instead.
+func (*IndexSnapshotRequest) Descriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *IndexSnapshotRequest) GetReplicaId() string {
+	if x != nil {
+		return x.ReplicaId
+	}
+	return ""
+}
+
+type IndexSnapshotChunk struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// seq numbers the messages of one stream from 0, the trailer's included.
+	Seq  uint64 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	Data []byte `protobuf:"bytes,2,opt,name=data,proto3" json:"data,omitempty"`
+	// trailer is set on the last message only, which carries no data.
+	Trailer       *IndexSnapshotTrailer `protobuf:"bytes,3,opt,name=trailer,proto3" json:"trailer,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IndexSnapshotChunk) Reset() {
+	*x = IndexSnapshotChunk{}
+	mi := &file_peer_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IndexSnapshotChunk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IndexSnapshotChunk) ProtoMessage() {}
+
+func (x *IndexSnapshotChunk) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IndexSnapshotChunk.ProtoReflect.Descriptor instead.
+func (*IndexSnapshotChunk) Descriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *IndexSnapshotChunk) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *IndexSnapshotChunk) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *IndexSnapshotChunk) GetTrailer() *IndexSnapshotTrailer {
+	if x != nil {
+		return x.Trailer
+	}
+	return nil
+}
+
+// IndexSnapshotTrailer closes a snapshot stream: a stream that ends without it, or whose
+// data does not match it, is broken and must be discarded whole.
+type IndexSnapshotTrailer struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// chunks is the number of data messages before the trailer.
+	Chunks uint64 `protobuf:"varint,1,opt,name=chunks,proto3" json:"chunks,omitempty"`
+	// bytes is the length of the concatenated data.
+	Bytes uint64 `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// crc32c is the CRC-32 (Castagnoli polynomial) of the concatenated data.
+	Crc32C        uint32 `protobuf:"varint,3,opt,name=crc32c,proto3" json:"crc32c,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IndexSnapshotTrailer) Reset() {
+	*x = IndexSnapshotTrailer{}
+	mi := &file_peer_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IndexSnapshotTrailer) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IndexSnapshotTrailer) ProtoMessage() {}
+
+func (x *IndexSnapshotTrailer) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IndexSnapshotTrailer.ProtoReflect.Descriptor instead.
+func (*IndexSnapshotTrailer) Descriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *IndexSnapshotTrailer) GetChunks() uint64 {
+	if x != nil {
+		return x.Chunks
+	}
+	return 0
+}
+
+func (x *IndexSnapshotTrailer) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *IndexSnapshotTrailer) GetCrc32C() uint32 {
+	if x != nil {
+		return x.Crc32C
+	}
+	return 0
+}
+
 var File_peer_proto protoreflect.FileDescriptor
 
 const file_peer_proto_rawDesc = "" +
@@ -818,14 +990,26 @@ const file_peer_proto_rawDesc = "" +
 	"\fJoinResponse\"\x1e\n" +
 	"\fLeaveRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x0f\n" +
-	"\rLeaveResponse2\xd6\x02\n" +
+	"\rLeaveResponse\"5\n" +
+	"\x14IndexSnapshotRequest\x12\x1d\n" +
+	"\n" +
+	"replica_id\x18\x01 \x01(\tR\treplicaId\"r\n" +
+	"\x12IndexSnapshotChunk\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x12\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\x126\n" +
+	"\atrailer\x18\x03 \x01(\v2\x1c.peerpb.IndexSnapshotTrailerR\atrailer\"\\\n" +
+	"\x14IndexSnapshotTrailer\x12\x16\n" +
+	"\x06chunks\x18\x01 \x01(\x04R\x06chunks\x12\x14\n" +
+	"\x05bytes\x18\x02 \x01(\x04R\x05bytes\x12\x16\n" +
+	"\x06crc32c\x18\x03 \x01(\rR\x06crc32c2\xa3\x03\n" +
 	"\x04Peer\x124\n" +
 	"\x05Apply\x12\x14.peerpb.ApplyRequest\x1a\x15.peerpb.ApplyResponse\x12@\n" +
 	"\tReadIndex\x12\x18.peerpb.ReadIndexRequest\x1a\x19.peerpb.ReadIndexResponse\x124\n" +
 	"\x05Touch\x12\x14.peerpb.TouchRequest\x1a\x15.peerpb.TouchResponse\x127\n" +
 	"\x06Status\x12\x15.peerpb.StatusRequest\x1a\x16.peerpb.StatusResponse\x121\n" +
 	"\x04Join\x12\x13.peerpb.JoinRequest\x1a\x14.peerpb.JoinResponse\x124\n" +
-	"\x05Leave\x12\x14.peerpb.LeaveRequest\x1a\x15.peerpb.LeaveResponseB:Z8github.com/kvrouter-ha/kvrouter-ha/transport/peer/peerpbb\x06proto3"
+	"\x05Leave\x12\x14.peerpb.LeaveRequest\x1a\x15.peerpb.LeaveResponse\x12K\n" +
+	"\rIndexSnapshot\x12\x1c.peerpb.IndexSnapshotRequest\x1a\x1a.peerpb.IndexSnapshotChunk0\x01B:Z8github.com/kvrouter-ha/kvrouter-ha/transport/peer/peerpbb\x06proto3"
 
 var (
 	file_peer_proto_rawDescOnce sync.Once
@@ -839,42 +1023,48 @@ func file_peer_proto_rawDescGZIP() []byte {
 	return file_peer_proto_rawDescData
 }
 
-var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_peer_proto_goTypes = []any{
-	(*NotLeader)(nil),         // 0: peerpb.NotLeader
-	(*ApplyRequest)(nil),      // 1: peerpb.ApplyRequest
-	(*ApplyResponse)(nil),     // 2: peerpb.ApplyResponse
-	(*ReadIndexRequest)(nil),  // 3: peerpb.ReadIndexRequest
-	(*ReadIndexResponse)(nil), // 4: peerpb.ReadIndexResponse
-	(*Touch)(nil),             // 5: peerpb.Touch
-	(*TouchRequest)(nil),      // 6: peerpb.TouchRequest
-	(*TouchResponse)(nil),     // 7: peerpb.TouchResponse
-	(*StatusRequest)(nil),     // 8: peerpb.StatusRequest
-	(*StatusResponse)(nil),    // 9: peerpb.StatusResponse
-	(*JoinRequest)(nil),       // 10: peerpb.JoinRequest
-	(*JoinResponse)(nil),      // 11: peerpb.JoinResponse
-	(*LeaveRequest)(nil),      // 12: peerpb.LeaveRequest
-	(*LeaveResponse)(nil),     // 13: peerpb.LeaveResponse
+	(*NotLeader)(nil),            // 0: peerpb.NotLeader
+	(*ApplyRequest)(nil),         // 1: peerpb.ApplyRequest
+	(*ApplyResponse)(nil),        // 2: peerpb.ApplyResponse
+	(*ReadIndexRequest)(nil),     // 3: peerpb.ReadIndexRequest
+	(*ReadIndexResponse)(nil),    // 4: peerpb.ReadIndexResponse
+	(*Touch)(nil),                // 5: peerpb.Touch
+	(*TouchRequest)(nil),         // 6: peerpb.TouchRequest
+	(*TouchResponse)(nil),        // 7: peerpb.TouchResponse
+	(*StatusRequest)(nil),        // 8: peerpb.StatusRequest
+	(*StatusResponse)(nil),       // 9: peerpb.StatusResponse
+	(*JoinRequest)(nil),          // 10: peerpb.JoinRequest
+	(*JoinResponse)(nil),         // 11: peerpb.JoinResponse
+	(*LeaveRequest)(nil),         // 12: peerpb.LeaveRequest
+	(*LeaveResponse)(nil),        // 13: peerpb.LeaveResponse
+	(*IndexSnapshotRequest)(nil), // 14: peerpb.IndexSnapshotRequest
+	(*IndexSnapshotChunk)(nil),   // 15: peerpb.IndexSnapshotChunk
+	(*IndexSnapshotTrailer)(nil), // 16: peerpb.IndexSnapshotTrailer
 }
 var file_peer_proto_depIdxs = []int32{
 	5,  // 0: peerpb.TouchRequest.touches:type_name -> peerpb.Touch
-	1,  // 1: peerpb.Peer.Apply:input_type -> peerpb.ApplyRequest
-	3,  // 2: peerpb.Peer.ReadIndex:input_type -> peerpb.ReadIndexRequest
-	6,  // 3: peerpb.Peer.Touch:input_type -> peerpb.TouchRequest
-	8,  // 4: peerpb.Peer.Status:input_type -> peerpb.StatusRequest
-	10, // 5: peerpb.Peer.Join:input_type -> peerpb.JoinRequest
-	12, // 6: peerpb.Peer.Leave:input_type -> peerpb.LeaveRequest
-	2,  // 7: peerpb.Peer.Apply:output_type -> peerpb.ApplyResponse
-	4,  // 8: peerpb.Peer.ReadIndex:output_type -> peerpb.ReadIndexResponse
-	7,  // 9: peerpb.Peer.Touch:output_type -> peerpb.TouchResponse
-	9,  // 10: peerpb.Peer.Status:output_type -> peerpb.StatusResponse
-	11, // 11: peerpb.Peer.Join:output_type -> peerpb.JoinResponse
-	13, // 12: peerpb.Peer.Leave:output_type -> peerpb.LeaveResponse
-	7,  // [7:13] is the sub-list for method output_type
-	1,  // [1:7] is the sub-list for method input_type
-	1,  // [1:1] is the sub-list for extension type_name
-	1,  // [1:1] is the sub-list for extension extendee
-	0,  // [0:1] is the sub-list for field type_name
+	16, // 1: peerpb.IndexSnapshotChunk.trailer:type_name -> peerpb.IndexSnapshotTrailer
+	1,  // 2: peerpb.Peer.Apply:input_type -> peerpb.ApplyRequest
+	3,  // 3: peerpb.Peer.ReadIndex:input_type -> peerpb.ReadIndexRequest
+	6,  // 4: peerpb.Peer.Touch:input_type -> peerpb.TouchRequest
+	8,  // 5: peerpb.Peer.Status:input_type -> peerpb.StatusRequest
+	10, // 6: peerpb.Peer.Join:input_type -> peerpb.JoinRequest
+	12, // 7: peerpb.Peer.Leave:input_type -> peerpb.LeaveRequest
+	14, // 8: peerpb.Peer.IndexSnapshot:input_type -> peerpb.IndexSnapshotRequest
+	2,  // 9: peerpb.Peer.Apply:output_type -> peerpb.ApplyResponse
+	4,  // 10: peerpb.Peer.ReadIndex:output_type -> peerpb.ReadIndexResponse
+	7,  // 11: peerpb.Peer.Touch:output_type -> peerpb.TouchResponse
+	9,  // 12: peerpb.Peer.Status:output_type -> peerpb.StatusResponse
+	11, // 13: peerpb.Peer.Join:output_type -> peerpb.JoinResponse
+	13, // 14: peerpb.Peer.Leave:output_type -> peerpb.LeaveResponse
+	15, // 15: peerpb.Peer.IndexSnapshot:output_type -> peerpb.IndexSnapshotChunk
+	9,  // [9:16] is the sub-list for method output_type
+	2,  // [2:9] is the sub-list for method input_type
+	2,  // [2:2] is the sub-list for extension type_name
+	2,  // [2:2] is the sub-list for extension extendee
+	0,  // [0:2] is the sub-list for field type_name
 }
 
 func init() { file_peer_proto_init() }
@@ -888,7 +1078,7 @@ func file_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_peer_proto_rawDesc), len(file_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -33,12 +33,13 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Peer_Apply_FullMethodName     = "/peerpb.Peer/Apply"
-	Peer_ReadIndex_FullMethodName = "/peerpb.Peer/ReadIndex"
-	Peer_Touch_FullMethodName     = "/peerpb.Peer/Touch"
-	Peer_Status_FullMethodName    = "/peerpb.Peer/Status"
-	Peer_Join_FullMethodName      = "/peerpb.Peer/Join"
-	Peer_Leave_FullMethodName     = "/peerpb.Peer/Leave"
+	Peer_Apply_FullMethodName         = "/peerpb.Peer/Apply"
+	Peer_ReadIndex_FullMethodName     = "/peerpb.Peer/ReadIndex"
+	Peer_Touch_FullMethodName         = "/peerpb.Peer/Touch"
+	Peer_Status_FullMethodName        = "/peerpb.Peer/Status"
+	Peer_Join_FullMethodName          = "/peerpb.Peer/Join"
+	Peer_Leave_FullMethodName         = "/peerpb.Peer/Leave"
+	Peer_IndexSnapshot_FullMethodName = "/peerpb.Peer/IndexSnapshot"
 )
 
 // PeerClient is the client API for Peer service.
@@ -58,6 +59,13 @@ type PeerClient interface {
 	Join(ctx context.Context, in *JoinRequest, opts ...grpc.CallOption) (*JoinResponse, error)
 	// Leave removes a replica from the Raft configuration (leader only).
 	Leave(ctx context.Context, in *LeaveRequest, opts ...grpc.CallOption) (*LeaveResponse, error)
+	// IndexSnapshot streams the answering replica's prefix index, so that a joining or
+	// restarting replica can load it before it reports ready. The bytes are opaque here
+	// (package cluster encodes them); they come in chunks numbered from 0, then one message
+	// with only the trailer. A replica whose own index is not warm yet answers
+	// FAILED_PRECONDITION without a NotLeader detail; one that serves no snapshots answers
+	// UNIMPLEMENTED.
+	IndexSnapshot(ctx context.Context, in *IndexSnapshotRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[IndexSnapshotChunk], error)
 }
 
 type peerClient struct {
@@ -128,6 +136,25 @@ func (c *peerClient) Leave(ctx context.Context, in *LeaveRequest, opts ...grpc.C
 	return out, nil
 }
 
+func (c *peerClient) IndexSnapshot(ctx context.Context, in *IndexSnapshotRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[IndexSnapshotChunk], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[0], Peer_IndexSnapshot_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[IndexSnapshotRequest, IndexSnapshotChunk]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_IndexSnapshotClient = grpc.ServerStreamingClient[IndexSnapshotChunk]
+
 // PeerServer is the server API for Peer service.
 // All implementations must embed UnimplementedPeerServer
 // for forward compatibility.
@@ -145,6 +172,13 @@ type PeerServer interface {
 	Join(context.Context, *JoinRequest) (*JoinResponse, error)
 	// Leave removes a replica from the Raft configuration (leader only).
 	Leave(context.Context, *LeaveRequest) (*LeaveResponse, error)
+	// IndexSnapshot streams the answering replica's prefix index, so that a joining or
+	// restarting replica can load it before it reports ready. The bytes are opaque here
+	// (package cluster encodes them); they come in chunks numbered from 0, then one message
+	// with only the trailer. A replica whose own index is not warm yet answers
+	// FAILED_PRECONDITION without a NotLeader detail; one that serves no snapshots answers
+	// UNIMPLEMENTED.
+	IndexSnapshot(*IndexSnapshotRequest, grpc.ServerStreamingServer[IndexSnapshotChunk]) error
 	mustEmbedUnimplementedPeerServer()
 }
 
@@ -172,6 +206,9 @@ func (UnimplementedPeerServer) Join(context.Context, *JoinRequest) (*JoinRespons
 }
 func (UnimplementedPeerServer) Leave(context.Context, *LeaveRequest) (*LeaveResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Leave not implemented")
+}
+func (UnimplementedPeerServer) IndexSnapshot(*IndexSnapshotRequest, grpc.ServerStreamingServer[IndexSnapshotChunk]) error {
+	return status.Error(codes.Unimplemented, "method IndexSnapshot not implemented")
 }
 func (UnimplementedPeerServer) mustEmbedUnimplementedPeerServer() {}
 func (UnimplementedPeerServer) testEmbeddedByValue()              {}
@@ -302,6 +339,17 @@ func _Peer_Leave_Handler(srv interface{}, ctx context.Context, dec func(interfac
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Peer_IndexSnapshot_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(IndexSnapshotRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(PeerServer).IndexSnapshot(m, &grpc.GenericServerStream[IndexSnapshotRequest, IndexSnapshotChunk]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_IndexSnapshotServer = grpc.ServerStreamingServer[IndexSnapshotChunk]
+
 // Peer_ServiceDesc is the grpc.ServiceDesc for Peer service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -334,6 +382,12 @@ var Peer_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _Peer_Leave_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "IndexSnapshot",
+			Handler:       _Peer_IndexSnapshot_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "peer.proto",
 }

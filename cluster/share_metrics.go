@@ -1,0 +1,275 @@
+package cluster
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// shareKind is what a share counter is about.
+type shareKind int
+
+const (
+	shareDecisions shareKind = iota
+	shareLoad
+	shareSnapshot
+	numShareKinds
+)
+
+var shareKindNames = [numShareKinds]string{"decisions", "load", "snapshot"}
+
+// Reasons a shared message or entry is dropped (kvrouter_share_dropped_total{reason}).
+const (
+	// DropShareDecode: the payload does not parse.
+	DropShareDecode = "decode"
+	// DropShareSize: the payload claims a size it cannot have, or is over the bound.
+	DropShareSize = "size"
+	// DropShareVersion: a payload version this build does not read.
+	DropShareVersion = "version"
+	// DropShareNonMember: the sender is not an alive member (or is this replica).
+	DropShareNonMember = "non_member"
+	// DropShareSender: the payload names another replica than the one that sent it.
+	DropShareSender = "sender_mismatch"
+	// DropShareUnknownWorker: an entry about a worker this replica does not route to.
+	DropShareUnknownWorker = "unknown_worker"
+	// DropShareStale: a load report older than one already applied.
+	DropShareStale = "stale"
+	// DropShareQueue: an outbound decision dropped because the queue was full.
+	DropShareQueue = "queue_full"
+	// DropShareBudget: an outbound message over this replica's byte budget.
+	DropShareBudget = "budget"
+	// DropShareSend: an outbound message the gossip layer refused or failed to send.
+	DropShareSend = "send"
+)
+
+var shareDropReasons = [...]string{
+	DropShareDecode, DropShareSize, DropShareVersion, DropShareNonMember, DropShareSender,
+	DropShareUnknownWorker, DropShareStale, DropShareQueue, DropShareBudget, DropShareSend,
+}
+
+// Results of one attempt to pull an index snapshot (kvrouter_share_snapshot_attempts_total).
+const (
+	SnapshotOK     = "ok"     // loaded
+	SnapshotCold   = "cold"   // the peer is loading its own index, or serves none
+	SnapshotBroken = "broken" // the stream broke or failed its checks
+	SnapshotBad    = "bad"    // whole, but it does not decode
+	SnapshotError  = "error"  // anything else (unreachable, refused)
+)
+
+var snapshotResults = [...]string{SnapshotOK, SnapshotCold, SnapshotBroken, SnapshotBad, SnapshotError}
+
+// ShareMetrics counts what the sharing of decisions, load and index snapshots sends,
+// receives and drops. One value serves all three; its methods are safe for concurrent use.
+type ShareMetrics struct {
+	now     func() time.Time
+	bytes   [numShareKinds][2]atomic.Uint64 // [kind][0 in, 1 out]
+	msgs    [numShareKinds][2]atomic.Uint64
+	rates   [numShareKinds][2]rateMeter
+	dropped [numShareKinds][len(shareDropReasons)]atomic.Uint64
+
+	blocksIn, blocksOut atomic.Uint64
+	gaps                atomic.Uint64
+	snapshots           [len(snapshotResults)]atomic.Uint64
+	snapshotBytes       atomic.Int64
+	warm                atomic.Bool
+	remoteReplicas      atomic.Int64
+}
+
+// ShareStats is a snapshot of ShareMetrics (tests, benchmarks, the admin API).
+type ShareStats struct {
+	// BytesIn, BytesOut, MessagesIn and MessagesOut are by kind: "decisions", "load",
+	// "snapshot". Payload bytes only (the gossip layer's framing is its own metric).
+	BytesIn, BytesOut       map[string]uint64
+	MessagesIn, MessagesOut map[string]uint64
+	// BytesPerSecondIn and BytesPerSecondOut are over the last whole second, by kind.
+	BytesPerSecondIn, BytesPerSecondOut map[string]uint64
+	// Dropped is by kind, then reason.
+	Dropped map[string]map[string]uint64
+	// DecisionBlocksIn and DecisionBlocksOut count block hashes applied from and sent to
+	// peers; DecisionGaps counts decision messages a peer sent that never arrived here.
+	DecisionBlocksIn, DecisionBlocksOut, DecisionGaps uint64
+	// Snapshots counts snapshot pulls by result.
+	Snapshots map[string]uint64
+	// SnapshotBytes is the size of the last snapshot loaded.
+	SnapshotBytes int64
+	Warm          bool
+	// RemoteLoadReplicas is how many other replicas' load shares are live.
+	RemoteLoadReplicas int64
+}
+
+// NewShareMetrics returns the counters, registered with reg unless it is nil.
+func NewShareMetrics(reg prometheus.Registerer) (*ShareMetrics, error) {
+	m := &ShareMetrics{now: time.Now}
+	if reg != nil {
+		if err := reg.Register(newShareCollector(m)); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// orNewMetrics is m, or an unregistered set when m is nil.
+func orNewMetrics(m *ShareMetrics) *ShareMetrics {
+	if m != nil {
+		return m
+	}
+	return &ShareMetrics{now: time.Now}
+}
+
+func (m *ShareMetrics) in(k shareKind, n int) {
+	m.bytes[k][0].Add(uint64(n))
+	m.msgs[k][0].Add(1)
+	m.rates[k][0].add(m.now(), n)
+}
+
+func (m *ShareMetrics) out(k shareKind, n int) {
+	m.bytes[k][1].Add(uint64(n))
+	m.msgs[k][1].Add(1)
+	m.rates[k][1].add(m.now(), n)
+}
+
+func (m *ShareMetrics) drop(k shareKind, reason string) { m.dropN(k, reason, 1) }
+
+func (m *ShareMetrics) dropN(k shareKind, reason string, n int) {
+	for i, r := range shareDropReasons {
+		if r == reason {
+			m.dropped[k][i].Add(uint64(n))
+			return
+		}
+	}
+	m.dropped[k][0].Add(uint64(n))
+}
+
+func (m *ShareMetrics) snapshot(result string) {
+	for i, r := range snapshotResults {
+		if r == result {
+			m.snapshots[i].Add(1)
+			return
+		}
+	}
+}
+
+// Stats returns the current values.
+func (m *ShareMetrics) Stats() ShareStats {
+	now := m.now()
+	s := ShareStats{
+		BytesIn: map[string]uint64{}, BytesOut: map[string]uint64{},
+		MessagesIn: map[string]uint64{}, MessagesOut: map[string]uint64{},
+		BytesPerSecondIn: map[string]uint64{}, BytesPerSecondOut: map[string]uint64{},
+		Dropped:          map[string]map[string]uint64{},
+		DecisionBlocksIn: m.blocksIn.Load(), DecisionBlocksOut: m.blocksOut.Load(), DecisionGaps: m.gaps.Load(),
+		Snapshots:     map[string]uint64{},
+		SnapshotBytes: m.snapshotBytes.Load(), Warm: m.warm.Load(),
+		RemoteLoadReplicas: m.remoteReplicas.Load(),
+	}
+	for k, name := range shareKindNames {
+		s.BytesIn[name], s.BytesOut[name] = m.bytes[k][0].Load(), m.bytes[k][1].Load()
+		s.MessagesIn[name], s.MessagesOut[name] = m.msgs[k][0].Load(), m.msgs[k][1].Load()
+		s.BytesPerSecondIn[name], s.BytesPerSecondOut[name] = m.rates[k][0].perSecond(now), m.rates[k][1].perSecond(now)
+		s.Dropped[name] = map[string]uint64{}
+		for i, r := range shareDropReasons {
+			if v := m.dropped[k][i].Load(); v > 0 {
+				s.Dropped[name][r] = v
+			}
+		}
+	}
+	for i, r := range snapshotResults {
+		s.Snapshots[r] = m.snapshots[i].Load()
+	}
+	return s
+}
+
+// rateMeter counts bytes per whole second: the current second's and the last one's.
+type rateMeter struct {
+	mu        sync.Mutex
+	sec       int64
+	cur, prev uint64
+}
+
+func (r *rateMeter) rollLocked(now time.Time) {
+	s := now.Unix()
+	switch {
+	case s == r.sec:
+	case s == r.sec+1:
+		r.prev, r.cur, r.sec = r.cur, 0, s
+	default:
+		r.prev, r.cur, r.sec = 0, 0, s
+	}
+}
+
+func (r *rateMeter) add(now time.Time, n int) {
+	r.mu.Lock()
+	r.rollLocked(now)
+	r.cur += uint64(n)
+	r.mu.Unlock()
+}
+
+// perSecond is the count of the last whole second.
+func (r *rateMeter) perSecond(now time.Time) uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.rollLocked(now)
+	return r.prev
+}
+
+// shareCollector exposes ShareMetrics to Prometheus.
+type shareCollector struct {
+	m                                                   *ShareMetrics
+	bytes, msgs, rate, dropped, blocks, gaps, snapshots *prometheus.Desc
+	snapshotBytes, warm, replicas                       *prometheus.Desc
+}
+
+func newShareCollector(m *ShareMetrics) *shareCollector {
+	kd := []string{"kind", "direction"}
+	return &shareCollector{
+		m:             m,
+		bytes:         prometheus.NewDesc("kvrouter_share_bytes_total", "Payload bytes of shared decisions, load reports and index snapshots, by kind and direction.", kd, nil),
+		msgs:          prometheus.NewDesc("kvrouter_share_messages_total", "Shared messages (snapshot: whole snapshots), by kind and direction.", kd, nil),
+		rate:          prometheus.NewDesc("kvrouter_share_bytes_per_second", "Payload bytes shared over the last whole second, by kind and direction.", kd, nil),
+		dropped:       prometheus.NewDesc("kvrouter_share_dropped_total", "Shared messages or entries dropped, by kind and reason.", []string{"kind", "reason"}, nil),
+		blocks:        prometheus.NewDesc("kvrouter_share_decision_blocks_total", "Block hashes of routing decisions sent to peers (out) and applied from them (in).", []string{"direction"}, nil),
+		gaps:          prometheus.NewDesc("kvrouter_share_decision_gaps_total", "Decision messages of peers that never arrived (sequence gaps).", nil, nil),
+		snapshots:     prometheus.NewDesc("kvrouter_share_snapshot_attempts_total", "Attempts to pull an index snapshot from a peer, by result.", []string{"result"}, nil),
+		snapshotBytes: prometheus.NewDesc("kvrouter_share_snapshot_bytes", "Size of the last index snapshot loaded.", nil, nil),
+		warm:          prometheus.NewDesc("kvrouter_share_index_warm", "1 once the index holds a peer's snapshot (or there was none to pull).", nil, nil),
+		replicas:      prometheus.NewDesc("kvrouter_share_remote_load_replicas", "Other replicas whose load shares are live here.", nil, nil),
+	}
+}
+
+func (c *shareCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.bytes, c.msgs, c.rate, c.dropped, c.blocks, c.gaps, c.snapshots, c.snapshotBytes, c.warm, c.replicas} {
+		ch <- d
+	}
+}
+
+func (c *shareCollector) Collect(ch chan<- prometheus.Metric) {
+	s := c.m.Stats()
+	for _, k := range shareKindNames {
+		for _, d := range []struct {
+			dir                string
+			bytes, msgs, rates map[string]uint64
+		}{{"in", s.BytesIn, s.MessagesIn, s.BytesPerSecondIn}, {"out", s.BytesOut, s.MessagesOut, s.BytesPerSecondOut}} {
+			ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(d.bytes[k]), k, d.dir)
+			ch <- prometheus.MustNewConstMetric(c.msgs, prometheus.CounterValue, float64(d.msgs[k]), k, d.dir)
+			ch <- prometheus.MustNewConstMetric(c.rate, prometheus.GaugeValue, float64(d.rates[k]), k, d.dir)
+		}
+		for _, r := range shareDropReasons {
+			ch <- prometheus.MustNewConstMetric(c.dropped, prometheus.CounterValue, float64(s.Dropped[k][r]), k, r)
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.CounterValue, float64(s.DecisionBlocksIn), "in")
+	ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.CounterValue, float64(s.DecisionBlocksOut), "out")
+	ch <- prometheus.MustNewConstMetric(c.gaps, prometheus.CounterValue, float64(s.DecisionGaps))
+	for _, r := range snapshotResults {
+		ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, float64(s.Snapshots[r]), r)
+	}
+	ch <- prometheus.MustNewConstMetric(c.snapshotBytes, prometheus.GaugeValue, float64(s.SnapshotBytes))
+	warm := 0.0
+	if s.Warm {
+		warm = 1
+	}
+	ch <- prometheus.MustNewConstMetric(c.warm, prometheus.GaugeValue, warm)
+	ch <- prometheus.MustNewConstMetric(c.replicas, prometheus.GaugeValue, float64(s.RemoteLoadReplicas))
+}
