@@ -355,8 +355,9 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, 
 	case fsm.Created, fsm.Exists:
 		b := toRouting(res.Binding)
 		l.ls.bound = b
+		// No touch here: the leader arms the new binding's timer when it applies the Bind,
+		// and Release touches it when the request ends.
 		l.bound, l.binding = true, b
-		go a.touch(l.session, b.Revision)
 		if res.Status == fsm.Exists && b.Worker != w {
 			return b, fmt.Errorf("session %q: %w", l.session, routing.ErrBoundElsewhere)
 		}

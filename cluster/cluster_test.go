@@ -311,6 +311,11 @@ func TestOneNodeBindingsSurviveRestart(t *testing.T) {
 	n := open()
 	a := NewAffinity(n)
 	b := bindVia(t, a, "durable", indexer.Worker{ID: "w3", DPRank: 1})
+	// Half the bindings come back from a snapshot, half from the log after it.
+	if err := n.Raft().Snapshot().Error(); err != nil {
+		t.Fatal(err)
+	}
+	b2 := bindVia(t, a, "after-snapshot", indexer.Worker{ID: "w1"})
 	if err := n.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -320,6 +325,9 @@ func TestOneNodeBindingsSurviveRestart(t *testing.T) {
 		got, ok := n.FSM().Get("durable")
 		if !ok || got.Revision != b.Revision || got.Worker != "w3" || got.DPRank != 1 {
 			return fmt.Errorf("after restart: %+v %v", got, ok)
+		}
+		if got, ok := n.FSM().Get("after-snapshot"); !ok || got.Revision != b2.Revision {
+			return fmt.Errorf("after restart, the bind after the snapshot: %+v %v", got, ok)
 		}
 		return nil
 	})

@@ -236,7 +236,7 @@ func (c *testCluster) leader() (int, *Node) {
 }
 
 // eventually polls cond until it returns nil or the deadline passes.
-func eventually(t *testing.T, within time.Duration, cond func() error) {
+func eventually(t testing.TB, within time.Duration, cond func() error) {
 	t.Helper()
 	deadline := time.Now().Add(within)
 	for {

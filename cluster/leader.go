@@ -94,13 +94,7 @@ func (l *leader) observe(c fsm.Change) {
 			delete(l.timers, c.Binding.Session)
 		}
 	case fsm.Reset:
-		l.timers = make(map[string]*idleTimer)
-		l.queue = nil
-		now := time.Now()
-		l.n.fsm.Range(func(b fsm.Binding) bool {
-			l.armLocked(b, now.Add(l.restartTTL(b)))
-			return true
-		})
+		l.rearmAllLocked()
 	}
 }
 
@@ -112,6 +106,18 @@ func (l *leader) restartTTL(b fsm.Binding) time.Duration {
 		rem = l.ttlOf(b)
 	}
 	return rem + l.n.cfg.ElectionTimeout
+}
+
+// rearmAllLocked replaces every timer with one per binding the FSM holds, each due after
+// its restart TTL.
+func (l *leader) rearmAllLocked() {
+	l.timers = make(map[string]*idleTimer)
+	l.queue = nil
+	now := time.Now()
+	l.n.fsm.Range(func(b fsm.Binding) bool {
+		l.armLocked(b, now.Add(l.restartTTL(b)))
+		return true
+	})
 }
 
 func (l *leader) armLocked(b fsm.Binding, at time.Time) {
@@ -184,13 +190,7 @@ func (l *leader) establish(ctx context.Context) error {
 	}
 	l.mu.Lock()
 	l.active = true
-	l.timers = make(map[string]*idleTimer)
-	l.queue = nil
-	now := time.Now()
-	l.n.fsm.Range(func(b fsm.Binding) bool {
-		l.armLocked(b, now.Add(l.restartTTL(b)))
-		return true
-	})
+	l.rearmAllLocked()
 	l.established = true
 	l.mu.Unlock()
 	if err := l.n.recordMembers(ctx); err != nil {

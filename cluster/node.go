@@ -120,53 +120,29 @@ type Config struct {
 }
 
 func (c *Config) defaults() {
-	if c.BootstrapExpect == 0 {
-		c.BootstrapExpect = 1
-	}
-	if c.HeartbeatTimeout == 0 {
-		c.HeartbeatTimeout = 500 * time.Millisecond
-	}
-	if c.ElectionTimeout == 0 {
-		c.ElectionTimeout = 500 * time.Millisecond
-	}
-	if c.LeaderLeaseTimeout == 0 {
-		c.LeaderLeaseTimeout = 250 * time.Millisecond
-	}
-	if c.CommitTimeout == 0 {
-		c.CommitTimeout = 5 * time.Millisecond
-	}
-	if c.MaxAppendEntries == 0 {
-		c.MaxAppendEntries = 1024
-	}
-	if c.SnapshotRetain == 0 {
-		c.SnapshotRetain = 3
-	}
-	if c.SnapshotThreshold == 0 {
-		c.SnapshotThreshold = 65536
-	}
-	if c.SnapshotInterval == 0 {
-		c.SnapshotInterval = 2 * time.Minute
-	}
-	if c.StaleBound == 0 {
-		c.StaleBound = time.Second
-	}
-	if c.SessionTTL == 0 {
-		c.SessionTTL = 10 * time.Minute
-	}
-	if c.BindWait == 0 {
-		c.BindWait = 3 * time.Second
-	}
-	if c.CheckpointInterval == 0 {
-		c.CheckpointInterval = 30 * time.Second
-	}
-	if c.TouchFlush == 0 {
-		c.TouchFlush = 20 * time.Millisecond
-	}
-	if c.RaftAdvertise == "" {
-		c.RaftAdvertise = c.RaftBind
-	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+	setDefault(&c.BootstrapExpect, 1)
+	setDefault(&c.HeartbeatTimeout, 500*time.Millisecond)
+	setDefault(&c.ElectionTimeout, 500*time.Millisecond)
+	setDefault(&c.LeaderLeaseTimeout, 250*time.Millisecond)
+	setDefault(&c.CommitTimeout, 5*time.Millisecond)
+	setDefault(&c.MaxAppendEntries, 1024)
+	setDefault(&c.SnapshotRetain, 3)
+	setDefault(&c.SnapshotThreshold, 65536)
+	setDefault(&c.SnapshotInterval, 2*time.Minute)
+	setDefault(&c.StaleBound, time.Second)
+	setDefault(&c.SessionTTL, 10*time.Minute)
+	setDefault(&c.BindWait, 3*time.Second)
+	setDefault(&c.CheckpointInterval, 30*time.Second)
+	setDefault(&c.TouchFlush, 20*time.Millisecond)
+	setDefault(&c.RaftAdvertise, c.RaftBind)
+	setDefault(&c.Logger, slog.New(slog.DiscardHandler))
+}
+
+// setDefault sets *p to v when *p is the zero value.
+func setDefault[T comparable](p *T, v T) {
+	var zero T
+	if *p == zero {
+		*p = v
 	}
 }
 
@@ -181,7 +157,6 @@ type Node struct {
 	lead  *leader
 
 	clusterID atomic.Pointer[string]
-	leaderID  atomic.Pointer[string]
 	ctx       context.Context
 	cancel    context.CancelFunc
 	wg        sync.WaitGroup
@@ -225,6 +200,8 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	rc.TrailingLogs = 10240
 	// A node removed from the configuration keeps running (unready) so an operator can see it.
 	rc.ShutdownOnRemove = false
+	// restoreSnapshot has loaded (and checked) the newest snapshot already.
+	rc.NoSnapshotRestoreOnStart = true
 	rc.Logger = newHCLogger(n.log)
 
 	var (
@@ -274,7 +251,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		}
 		return nil, err
 	}
-	if err := checkSnapshots(snaps); err != nil {
+	if err := restoreSnapshot(snaps, n.fsm); err != nil {
 		return fail(err)
 	}
 	n.trans = cfg.Transport
@@ -310,9 +287,11 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	return n, nil
 }
 
-// checkSnapshots opens the newest snapshot so a corrupt one stops the start with a clear
-// message (the file store verifies its checksum while reading it through).
-func checkSnapshots(snaps raft.SnapshotStore) error {
+// restoreSnapshot loads the newest snapshot into f before Raft starts (Raft is told not to
+// restore it again). A corrupt or truncated one stops the start with a clear message: the file
+// store checks its CRC on Open, the FSM its own trailer; Raft would instead fall back to an
+// older snapshot, which after log compaction means serving partial state.
+func restoreSnapshot(snaps raft.SnapshotStore, f *fsm.FSM) error {
 	list, err := snaps.List()
 	if err != nil {
 		return fmt.Errorf("cluster: list snapshots: %w", err)
@@ -320,15 +299,13 @@ func checkSnapshots(snaps raft.SnapshotStore) error {
 	if len(list) == 0 {
 		return nil
 	}
+	const refuse = "is corrupt or truncated; refusing to start rather than serve partial state (move it aside to fall back to an older one)"
 	meta, rc, err := snaps.Open(list[0].ID)
 	if err != nil {
-		return fmt.Errorf("cluster: snapshot %s in %s is corrupt or truncated; refusing to start rather than serve partial state (move it aside to fall back to an older one): %w",
-			list[0].ID, "snapshots/", err)
+		return fmt.Errorf("cluster: snapshot %s in snapshots/ %s: %w", list[0].ID, refuse, err)
 	}
-	defer rc.Close()
-	if err := fsm.New(fsm.Options{}).Restore(io.NopCloser(rc)); err != nil {
-		return fmt.Errorf("cluster: snapshot %s (index %d) is corrupt or truncated; refusing to start rather than serve partial state: %w",
-			meta.ID, meta.Index, err)
+	if err := f.Restore(rc); err != nil {
+		return fmt.Errorf("cluster: snapshot %s (index %d) %s: %w", meta.ID, meta.Index, refuse, err)
 	}
 	return nil
 }
@@ -665,10 +642,8 @@ func (n *Node) watchLeadership() {
 		select {
 		case <-n.ctx.Done():
 			return
-		case ob := <-obs:
-			lo := ob.Data.(raft.LeaderObservation)
-			id := string(lo.LeaderID)
-			n.leaderID.Store(&id)
+		case <-obs:
+			// A new leader (or none) may unblock readers waiting for freshness.
 			n.notifyApplied()
 		case <-time.After(50 * time.Millisecond):
 		}

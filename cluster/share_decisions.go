@@ -576,19 +576,9 @@ func decodeDecisions(b []byte) (decisionMessage, error) {
 // receive applies a peer's decisions to the local index. It runs on the gossip layer's
 // receive path; storing a message's blocks takes microseconds per hundred.
 func (d *Decisions) receive(from string, payload []byte) {
-	d.m.in(shareDecisions, len(payload))
-	if from == d.self || !d.cfg.Messenger.IsAlive(from) {
-		d.m.drop(shareDecisions, DropShareNonMember)
-		return
-	}
-	msg, err := decodeDecisions(payload)
-	if err != nil {
-		d.m.drop(shareDecisions, dropReason(err))
-		d.log.Debug("dropping a decision message", "from", from, "err", err)
-		return
-	}
-	if msg.replica != from {
-		d.m.drop(shareDecisions, DropShareSender)
+	msg, ok := admitShare(d.m, d.log, shareDecisions, d.self, from, d.cfg.Messenger.IsAlive, payload,
+		decodeDecisions, func(m decisionMessage) string { return m.replica })
+	if !ok {
 		return
 	}
 	d.noteSeq(from, msg.epoch, msg.seq)

@@ -271,22 +271,6 @@ func (r *shareReplica) overlap(seq []uint64, w indexer.Worker) int {
 	return 0
 }
 
-// shareEventually polls cond until it returns nil or within passes.
-func shareEventually(t testing.TB, within time.Duration, cond func() error) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		err := cond()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %s: %v", within, err)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // sharePrompt returns n pseudo-random sequence hashes; prompts with the same tag share
 // their blocks.
 func sharePrompt(tag uint64, n int) []uint64 {

@@ -266,19 +266,9 @@ func decodeLoad(b []byte) (loadMessage, error) {
 
 // receive applies a peer's load report.
 func (s *LoadShare) receive(from string, payload []byte) {
-	s.m.in(shareLoad, len(payload))
-	if from == s.self || !s.cfg.Messenger.IsAlive(from) {
-		s.m.drop(shareLoad, DropShareNonMember)
-		return
-	}
-	msg, err := decodeLoad(payload)
-	if err != nil {
-		s.m.drop(shareLoad, dropReason(err))
-		s.log.Debug("dropping a load report", "from", from, "err", err)
-		return
-	}
-	if msg.replica != from {
-		s.m.drop(shareLoad, DropShareSender)
+	msg, ok := admitShare(s.m, s.log, shareLoad, s.self, from, s.cfg.Messenger.IsAlive, payload,
+		decodeLoad, func(m loadMessage) string { return m.replica })
+	if !ok {
 		return
 	}
 	loads := make(map[indexer.Worker]routing.Load, len(msg.loads))

@@ -96,7 +96,7 @@ func TestSnapshotCutMidwayIsRetriedElsewhere(t *testing.T) {
 	done := make(chan struct{})
 	go func() { defer close(done); s.Run(ctx) }()
 
-	shareEventually(t, 10*time.Second, func() error {
+	eventually(t, 10*time.Second, func() error {
 		if b, g := broken.calls.Load(), gated.calls.Load(); b < 2 || g < 1 {
 			return fmt.Errorf("broken peer tried %d times, good peer %d", b, g)
 		}

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/gossip"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
@@ -196,4 +197,28 @@ func appendWorker(b []byte, w indexer.Worker) []byte {
 // appendHeader starts a payload: version byte and the sender's id.
 func appendHeader(b []byte, self string) []byte {
 	return appendID(append(b, shareWireVersion), self)
+}
+
+// admitShare counts a received message of kind k and lets it through only when it comes from
+// another live member, decodes, and names the replica that sent it; each refusal is counted
+// under its reason, so no receive path applies what it should not.
+func admitShare[M any](m *ShareMetrics, log *slog.Logger, k shareKind, self, from string, alive func(string) bool,
+	payload []byte, decode func([]byte) (M, error), sender func(M) string) (M, bool) {
+	var zero M
+	m.in(k, len(payload))
+	if from == self || !alive(from) {
+		m.drop(k, DropShareNonMember)
+		return zero, false
+	}
+	msg, err := decode(payload)
+	if err != nil {
+		m.drop(k, dropReason(err))
+		log.Debug("dropping a shared message", "kind", shareKindNames[k], "from", from, "err", err)
+		return zero, false
+	}
+	if sender(msg) != from {
+		m.drop(k, DropShareSender)
+		return zero, false
+	}
+	return msg, true
 }

@@ -1,7 +1,6 @@
 package fsm
 
 import (
-	"bytes"
 	"slices"
 	"sync"
 	"time"
@@ -68,7 +67,10 @@ func (s *shard) key(i int) []byte {
 
 // find returns the table position of key (or of the empty entry where it would go) and
 // its slot, -1 when absent. The table must be non-empty for the position to mean anything.
-func (s *shard) find(key string, h uint64) (pos, idx int) {
+func (s *shard) find(key string, h uint64) (pos, idx int) { return findKey(s, key, h) }
+
+// findKey is find over either spelling of a key; comparing string(key) allocates nothing.
+func findKey[K string | []byte](s *shard, key K, h uint64) (pos, idx int) {
 	if len(s.table) == 0 {
 		return -1, -1
 	}
@@ -82,7 +84,7 @@ func (s *shard) find(key string, h uint64) (pos, idx int) {
 		if uint32(e>>32) == tag {
 			i := int(uint32(e)) - 1
 			sl := &s.slots[i]
-			if int(sl.keyLen) == len(key) && string(s.arena[sl.keyOff:sl.keyOff+uint32(sl.keyLen)]) == key {
+			if int(sl.keyLen) == len(key) && string(s.arena[sl.keyOff:sl.keyOff+uint32(sl.keyLen)]) == string(key) {
 				return p, i
 			}
 		}
@@ -90,25 +92,7 @@ func (s *shard) find(key string, h uint64) (pos, idx int) {
 }
 
 // findBytes is find for a key held as bytes (Restore).
-func (s *shard) findBytes(key []byte, h uint64) (pos, idx int) {
-	if len(s.table) == 0 {
-		return -1, -1
-	}
-	mask := len(s.table) - 1
-	tag := uint32(h)
-	for p := int(tag) & mask; ; p = (p + 1) & mask {
-		e := s.table[p]
-		if e == 0 {
-			return p, -1
-		}
-		if uint32(e>>32) == tag {
-			i := int(uint32(e)) - 1
-			if bytes.Equal(s.key(i), key) {
-				return p, i
-			}
-		}
-	}
-}
+func (s *shard) findBytes(key []byte, h uint64) (pos, idx int) { return findKey(s, key, h) }
 
 // needGrow reports whether one more binding would push the load factor past 3/4.
 func (s *shard) needGrow() bool {

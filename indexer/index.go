@@ -145,31 +145,15 @@ func (x *Index) Store(w Worker, seq []uint64) {
 			st.sink ^= x.touch(normKey(h))
 		}
 		for i := end - 1; i >= start; i-- {
-			key := normKey(seq[i])
-			sh := &x.shards[shardOf(key)]
-			sh.lock()
 			var had bool
-			had, next = sh.add(key, st.id, next)
-			sh.unlock()
+			had, next = x.addBlock(st, normKey(seq[i]), tick, next)
 			if !had {
 				added++
-			}
-			if x.recency {
-				st.queue.push(key, tick)
-				if had {
-					st.supersede(key)
-				}
 			}
 		}
 		end = start
 	}
-	st.live += added
-	x.total.Add(int64(added))
-	if x.maxBlocks > 0 {
-		for st.live > x.maxBlocks && st.queue.len() > 0 {
-			x.popOldest(st, min(st.live-x.maxBlocks, writeBatch, st.queue.len()))
-		}
-	}
+	x.settleAdded(st, added)
 	if x.ttlTicks > 0 {
 		x.expireWorker(st, tick)
 	}
@@ -301,6 +285,35 @@ func (x *Index) Blocks(w Worker) int {
 // touch loads key's home slot ahead of a write; see shard.touch.
 func (x *Index) touch(key uint64) uint64 {
 	return x.shards[shardOf(key)].touch(key)
+}
+
+// addBlock adds one block to st's worker (st locked): its shard entry with the hint next,
+// and, when the index keeps recency, its queue entry stamped tick. It reports whether the
+// worker held the block already, and the link for the block before it.
+func (x *Index) addBlock(st *workerState, key uint64, tick uint32, next link) (bool, link) {
+	sh := &x.shards[shardOf(key)]
+	sh.lock()
+	had, next := sh.add(key, st.id, next)
+	sh.unlock()
+	if x.recency {
+		st.queue.push(key, tick)
+		if had {
+			st.supersede(key)
+		}
+	}
+	return had, next
+}
+
+// settleAdded counts added new entries of st's worker (st locked) and evicts its oldest
+// down to the per-worker cap.
+func (x *Index) settleAdded(st *workerState, added int) {
+	st.live += added
+	x.total.Add(int64(added))
+	if x.maxBlocks > 0 {
+		for st.live > x.maxBlocks && st.queue.len() > 0 {
+			x.popOldest(st, min(st.live-x.maxBlocks, writeBatch, st.queue.len()))
+		}
+	}
 }
 
 // lockWorker returns w's state locked, registering w first if create is set; nil if w is

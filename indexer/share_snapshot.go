@@ -320,29 +320,13 @@ func (x *Index) restoreWorker(sw snapshotWorker) {
 		} else {
 			next = link{} // table order: neighbours are unrelated blocks
 		}
-		key := normKey(h)
-		sh := &x.shards[shardOf(key)]
-		sh.lock()
 		var had bool
-		had, next = sh.add(key, st.id, next)
-		sh.unlock()
+		had, next = x.addBlock(st, normKey(h), tick, next)
 		if !had {
 			added++
 		}
-		if x.recency {
-			st.queue.push(key, tick)
-			if had {
-				st.supersede(key)
-			}
-		}
 	}
-	st.live += added
-	x.total.Add(int64(added))
-	if x.maxBlocks > 0 {
-		for st.live > x.maxBlocks && st.queue.len() > 0 {
-			x.popOldest(st, min(st.live-x.maxBlocks, writeBatch, st.queue.len()))
-		}
-	}
+	x.settleAdded(st, added)
 	if x.ttlTicks > 0 {
 		x.expireWorker(st, now)
 	}

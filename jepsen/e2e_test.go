@@ -32,6 +32,21 @@ func buildBinary(t *testing.T, tags ...string) string {
 	return bin
 }
 
+// runLogged runs the harness with cfg (bounded to three minutes) and logs its summary.
+func runLogged(t *testing.T, cfg Config) *Report {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var summary bytes.Buffer
+	_ = rep.WriteText(&summary)
+	t.Logf("\n%s", summary.String())
+	return rep
+}
+
 // TestRealClusterUnderKillStopRestartAndWorkerFaultsKeepsItsPromises runs the real binary: three
 // replica processes and three simulated workers on loopback, eight clients, and a seeded
 // schedule of kill -9, SIGSTOP, a full-cluster restart and a worker crash or hang. The checker
@@ -47,15 +62,7 @@ func TestRealClusterUnderKillStopRestartAndWorkerFaultsKeepsItsPromises(t *testi
 		Binary: bin, Replicas: 3, Workers: 3, Clients: 6, Duration: 55 * time.Second, Seed: 8,
 		Faults: kinds, OutDir: out, Netns: "off", SessionTTL: 30 * time.Second,
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	rep, err := Run(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var summary bytes.Buffer
-	_ = rep.WriteText(&summary)
-	t.Logf("\n%s", summary.String())
+	rep := runLogged(t, cfg)
 	if !rep.Valid() {
 		for _, r := range []string{"r0", "r1", "r2"} {
 			b, _ := os.ReadFile(filepath.Join(out, "logs", r+".log"))
@@ -155,15 +162,7 @@ func TestCheckerCatchesABuildThatOverwritesBindings(t *testing.T) {
 		Binary: bin, Replicas: 3, Workers: 3, Clients: 6, Duration: 35 * time.Second, Seed: 3,
 		Faults: []FaultKind{FaultKill, FaultStop}, OutDir: t.TempDir(), Netns: "off", SessionTTL: 30 * time.Second,
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	rep, err := Run(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var summary bytes.Buffer
-	_ = rep.WriteText(&summary)
-	t.Logf("\n%s", summary.String())
+	rep := runLogged(t, cfg)
 	if rep.Valid() || len(rep.Analysis.Violations) == 0 {
 		t.Fatal("the checker found nothing wrong with a build that overwrites live bindings")
 	}

@@ -481,10 +481,16 @@ func (a *Attempt) selectAndStart(ctx context.Context) error {
 		d.Binding = Binding{Session: a.req.Session}
 	}
 	a.decision = d
-	bs := int64(a.router.cfg.BlockSize)
-	prefill := int64(a.req.PromptTokens) - int64(d.Overlap)*bs
-	a.ticket = a.router.deps.Tracker.Start(d.Target.Worker, max(prefill, 0), int64(d.PromptBlocks))
+	a.startTicket()
 	return nil
+}
+
+// startTicket starts the load accounting of the decision's target: the prompt's uncached
+// tokens to prefill, its blocks to decode.
+func (a *Attempt) startTicket() {
+	d := a.decision
+	prefill := int64(a.req.PromptTokens) - int64(d.Overlap)*int64(a.router.cfg.BlockSize)
+	a.ticket = a.router.deps.Tracker.Start(d.Target.Worker, max(prefill, 0), int64(d.PromptBlocks))
 }
 
 // Retry handles a dispatch that failed before the first byte: it invalidates a bound binding
@@ -569,12 +575,10 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 		if !ok || int(b.Worker.DPRank) >= max(spec.DPSize, 1) {
 			return Binding{}, fmt.Errorf("bind session: bound to unknown worker %s: %w", b.Worker, ErrNoWorker)
 		}
-		bs := int64(a.router.cfg.BlockSize)
-		prefill := max(int64(a.req.PromptTokens)-int64(a.decision.Overlap)*bs, 0)
 		a.ticket.Finish()
 		a.decision.Target = Target{Worker: b.Worker, Spec: &spec}
 		a.decision.Binding, a.decision.Bound = b, true
-		a.ticket = a.router.deps.Tracker.Start(b.Worker, prefill, int64(a.decision.PromptBlocks))
+		a.startTicket()
 		return b, err
 	}
 	if err != nil {

@@ -67,12 +67,7 @@ func TestLeaderKill9KeepsBoundSessionsOnTheirWorkers(t *testing.T) {
 	sessions := sessionNames("bound", 12)
 	bound := bindSessions(t, c, sessions)
 	leader := c.leader()
-	var survivors []*replica
-	for _, r := range c.replicas {
-		if r != leader {
-			survivors = append(survivors, r)
-		}
-	}
+	survivors := c.others(leader)
 	// Sessions keep talking to the surviving replicas while the leader dies.
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -131,13 +126,7 @@ func TestNewSessionDuringElectionIsServedOnceALeaderExists(t *testing.T) {
 	fl := startFleet(t, 3)
 	c := startCluster(t, 3, fl)
 	leader := c.leader()
-	var follower *replica
-	for _, r := range c.replicas {
-		if r != leader {
-			follower = r
-			break
-		}
-	}
+	follower := c.others(leader)[0]
 	c.kill(leader)
 	// Straight after the kill there is no leader yet: the new session waits for one.
 	a, err := chat(context.Background(), follower, "born-in-election", "hello")
@@ -186,7 +175,7 @@ func TestReplicaCutOffFromQuorumTurnsUnready(t *testing.T) {
 	c := startCluster(t, 3, fl, "--stale-bound", "1s", "--bind-wait", "500ms")
 	bound := bindSessions(t, c, []string{"kept"})
 	lone := c.replicas[2]
-	others := []*replica{c.replicas[0], c.replicas[1]}
+	others := c.others(lone)
 	for _, r := range others {
 		c.signal(r, syscall.SIGSTOP)
 	}
@@ -249,13 +238,7 @@ func TestNewSessionWhileTheLeaderIsStoppedIsServedByTheNextLeader(t *testing.T) 
 	fl := startFleet(t, 2)
 	c := startCluster(t, 3, fl)
 	leader := c.leader()
-	var follower *replica
-	for _, r := range c.replicas {
-		if r != leader {
-			follower = r
-			break
-		}
-	}
+	follower := c.others(leader)[0]
 	c.signal(leader, syscall.SIGSTOP)
 	defer func() {
 		if leader.cmd != nil {

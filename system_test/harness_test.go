@@ -269,6 +269,17 @@ func (c *cluster) leader() *replica {
 	return out
 }
 
+// others returns the replicas other than r.
+func (c *cluster) others(r *replica) []*replica {
+	var out []*replica
+	for _, x := range c.replicas {
+		if x != r {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
 // answer is what one chat request got.
 type answer struct {
 	status   int

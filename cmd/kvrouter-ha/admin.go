@@ -183,16 +183,12 @@ func (a *adminAPI) removeWorker(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	removed := res.Count
 	if !inFSM {
-		// A worker from flags: the cluster registry never had it, so drop its bindings here.
-		if res, ok = a.apply(w, r, &fsm.InvalidateWorker{Worker: id}); !ok {
-			return
-		}
-		removed += res.Count
+		// A worker from flags: RemoveWorker dropped its bindings all the same, but the cluster
+		// registry never had it, so syncWorkers will not take it out of this replica's routing.
 		_ = a.rep.registry.Remove(id)
 	}
-	writeAdminJSON(w, http.StatusOK, map[string]any{"worker": id, "removed": true, "bindings_removed": removed})
+	writeAdminJSON(w, http.StatusOK, map[string]any{"worker": id, "removed": true, "bindings_removed": res.Count})
 }
 
 // sessionView is a binding as the admin API shows it.

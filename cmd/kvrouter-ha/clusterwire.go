@@ -14,29 +14,27 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster"
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
-	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
 // clusterConfig is a replica's cluster settings (flags).
 type clusterConfig struct {
-	DataDir                 string
-	RaftListen, RaftAdvert  string
-	PeerListen, PeerAdvert  string
-	BootstrapExpect         int
-	Join                    string
-	Consistency             string
-	StaleBound, BindWait    time.Duration
-	Heartbeat, Election     time.Duration
-	LeaderLease, Commit     time.Duration
-	CheckpointInterval      time.Duration
-	SnapshotInterval        time.Duration
-	SnapshotThreshold       uint64
-	SnapshotRetain          int
-	WorkerGrace             time.Duration
-	TouchFlush              time.Duration
-	DisableLeadershipOnExit bool
+	DataDir                string
+	RaftListen, RaftAdvert string
+	PeerListen, PeerAdvert string
+	BootstrapExpect        int
+	Join                   string
+	Consistency            string
+	StaleBound, BindWait   time.Duration
+	Heartbeat, Election    time.Duration
+	LeaderLease, Commit    time.Duration
+	CheckpointInterval     time.Duration
+	SnapshotInterval       time.Duration
+	SnapshotThreshold      uint64
+	SnapshotRetain         int
+	WorkerGrace            time.Duration
+	TouchFlush             time.Duration
 }
 
 // registerClusterFlags declares the cluster flags on fs.
@@ -187,7 +185,9 @@ func (r *replica) syncWorkers(ctx context.Context) {
 					continue
 				}
 			} else if cur.URL != spec.URL {
+				// Another endpoint is another cache: the worker's sessions start afresh.
 				_ = r.registry.Remove(id)
+				r.invalidateWorker(ctx, id)
 				if err := r.registry.Add(spec); err != nil {
 					r.log.Warn("replacing worker from the cluster", "worker", id, "err", err)
 					continue
@@ -241,31 +241,29 @@ func (r *replica) watchWorkerHealth(ctx context.Context) {
 			if _, ok := since[id]; !ok {
 				since[id] = now
 			}
-			if done[id] || now.Sub(since[id]) < grace || !r.cluster.node.IsLeader() {
+			if done[id] || now.Sub(since[id]) < grace {
 				continue
 			}
-			cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			res, err := r.cluster.node.Apply(cctx, &fsm.InvalidateWorker{Worker: id})
-			cancel()
-			if err != nil {
-				r.log.Warn("invalidating an unhealthy worker's bindings", "worker", id, "err", err)
-				continue
+			if n, ok := r.invalidateWorker(ctx, id); ok {
+				done[id] = true
+				r.log.Info("unhealthy worker's bindings invalidated", "worker", id, "bindings", n, "unhealthy_for", now.Sub(since[id]).Round(time.Millisecond))
 			}
-			done[id] = true
-			r.log.Info("unhealthy worker's bindings invalidated", "worker", id, "bindings", res.Count, "unhealthy_for", now.Sub(since[id]).Round(time.Millisecond))
 		}
 	}
 }
 
-// invalidateRemoved drops a removed worker's bindings (leader only; the FSM's own
-// RemoveWorker does it for workers removed through the cluster).
-func (r *replica) invalidateRemoved(ctx context.Context, w indexer.Worker) {
-	if r.cluster == nil || !r.cluster.node.IsLeader() {
-		return
+// invalidateWorker (leader only: one proposal, not one per replica) drops every binding of
+// worker id and reports how many, and whether it could.
+func (r *replica) invalidateWorker(ctx context.Context, id string) (int, bool) {
+	if !r.cluster.node.IsLeader() {
+		return 0, false
 	}
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	if _, err := r.cluster.node.Apply(cctx, &fsm.InvalidateWorker{Worker: w.ID}); err != nil {
-		r.log.Warn("invalidating a removed worker's bindings", "worker", w.ID, "err", err)
+	res, err := r.cluster.node.Apply(cctx, &fsm.InvalidateWorker{Worker: id})
+	if err != nil {
+		r.log.Warn("invalidating a worker's bindings", "worker", id, "err", err)
+		return 0, false
 	}
+	return res.Count, true
 }

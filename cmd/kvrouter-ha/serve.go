@@ -252,7 +252,6 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 			}
 			r.tracker.Forget(w)
 		}
-		go r.invalidateRemoved(context.WithoutCancel(ctx), indexer.Worker{ID: st.Spec.ID})
 	})
 	pcfg := cfg.Proxy
 	pcfg.ReplicaID = cfg.ReplicaID
