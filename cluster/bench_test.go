@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
@@ -38,12 +39,11 @@ func (r *realNode) stop(kill bool) {
 
 func loopbackAddr(tb testing.TB) string {
 	tb.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	a, err := loopback.Addr()
 	if err != nil {
 		tb.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return a
 }
 
 // startRealNode opens a node with cfg on real sockets.

@@ -101,7 +101,8 @@ type HealthView struct {
 type ownHealth struct {
 	fails, oks int
 	down       bool
-	dirty      bool // changed since last gossiped
+	cause      string // why MarkDown took it down ("" after probes)
+	dirty      bool   // changed since last gossiped
 	sent       time.Time
 }
 
@@ -181,6 +182,7 @@ func (v *HealthView) Observe(worker string, healthy bool) {
 		if healthy {
 			o.oks++
 			o.fails = 0
+			o.cause = ""
 			if o.oks >= v.opts.RiseThreshold {
 				o.down = false
 			}
@@ -196,6 +198,25 @@ func (v *HealthView) Observe(worker string, healthy bool) {
 		if after := v.wireOf(o); after.fails != before.fails || after.down != before.down {
 			o.dirty = true
 		}
+		return v.evaluateLocked(worker, nil)
+	})
+}
+
+// MarkDown takes worker down on this replica at once, as if its probes had failed
+// FailThreshold times: the proxy saw it answer garbage. It is back after RiseThreshold good
+// probes, like any worker this replica holds down.
+func (v *HealthView) MarkDown(worker, reason string) {
+	v.apply(func() []healthChange {
+		o := v.own[worker]
+		if o == nil {
+			o = &ownHealth{}
+			v.own[worker] = o
+		}
+		o.fails = max(o.fails, v.opts.FailThreshold)
+		o.oks = 0
+		o.dirty = o.dirty || !o.down
+		o.down = true
+		o.cause = reason
 		return v.evaluateLocked(worker, nil)
 	})
 }
@@ -354,6 +375,8 @@ func (v *HealthView) evaluateLocked(w string, acc []healthChange) []healthChange
 	if !isOut {
 		var reason string
 		switch {
+		case own != nil && own.down && own.cause != "":
+			reason = own.cause + " (on " + v.self + ")"
 		case own != nil && own.down:
 			reason = fmt.Sprintf("health check failed %d times in a row on %s", own.fails, v.self)
 		case own != nil && own.fails > 0 && len(failing) > 0:

@@ -45,6 +45,7 @@ func newHealthHarness(t *testing.T) *healthHarness {
 // hstep is one event in a rule scenario.
 type hstep struct {
 	own     string // "ok" or "fail": one probe by r1
+	mark    bool   // the proxy saw w answer garbage (MarkDown)
 	from    string // a report from this replica about w...
 	fails   uint32
 	oks     uint32
@@ -61,6 +62,8 @@ func (h *healthHarness) run(steps []hstep) {
 	h.t.Helper()
 	for i, s := range steps {
 		switch {
+		case s.mark:
+			h.v.MarkDown("w", "bad response: garbage")
 		case s.own != "":
 			h.v.Observe("w", s.own == "ok")
 		case s.from != "":
@@ -159,6 +162,12 @@ func TestHealthRule(t *testing.T) {
 		{"a report from a previous run is ignored", []hstep{
 			{own: "fail", want: in}, {from: "r2", oks: 2, seq: 1, epoch: 3, want: in}, {from: "r2", fails: 1, seq: 9, epoch: 2, want: in},
 		}, 0},
+		{"a bad response takes it out at once, and probes bring it back", []hstep{
+			{own: "ok", want: in}, {mark: true, want: out}, {own: "ok", want: out}, {own: "ok", want: in},
+		}, 2},
+		{"a bad response while already out changes nothing", []hstep{
+			{own: "fail", want: in}, {own: "fail", want: in}, {own: "fail", want: out}, {mark: true, want: out}, {own: "ok", want: out}, {own: "ok", want: in},
+		}, 2},
 		{"a full report clears what it no longer lists", []hstep{
 			{own: "ok", want: in}, {own: "ok", want: in},
 			{from: "r2", fails: 3, down: true, want: in}, {from: "r3", fails: 3, down: true, want: out},

@@ -143,6 +143,10 @@ func TestReconcileAddsAliveMembersAsVotersOnlyOnTheLeader(t *testing.T) {
 		if s := servers(t, fresh); len(s) != 4 {
 			return fmt.Errorf("the new voter has configuration %v", s)
 		}
+		// The member record is a log entry of its own, committed after the voter.
+		if m, ok := ln.FSM().Member("r3"); !ok || m.PeerAddr != peerAddr(3) {
+			return fmt.Errorf("r3's peer address not recorded: %+v", m)
+		}
 		return nil
 	})
 	s := servers(t, ln)
@@ -153,9 +157,6 @@ func TestReconcileAddsAliveMembersAsVotersOnlyOnTheLeader(t *testing.T) {
 	}
 	if len(s) != 4 {
 		t.Errorf("configuration %v, want r0..r3", s)
-	}
-	if m, ok := ln.FSM().Member("r3"); !ok || m.PeerAddr != peerAddr(3) {
-		t.Errorf("r3's peer address not recorded: %+v", m)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	loaddr "github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"io"
 	"log/slog"
 	"net"
@@ -150,14 +151,10 @@ func (l loopback) canPartition() (bool, string)           { return false, l.why 
 func (loopback) close() error                             { return nil }
 func (loopback) heal(context.Context, *fleet) error       { return nil }
 
-func (loopback) addr(host string, _ int) (string, error) {
-	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
-	if err != nil {
-		return "", fmt.Errorf("free port: %w", err)
-	}
-	a := l.Addr().String()
-	l.Close()
-	return a, nil
+func (loopback) addr(string, int) (string, error) {
+	// A random 127.x.y.z host: a port picked on 127.0.0.1 and bound later races with the
+	// clients' ephemeral ports there.
+	return loaddr.Addr()
 }
 
 func (loopback) dial(ctx context.Context, network, addr string) (net.Conn, error) {
@@ -174,6 +171,7 @@ type replica struct {
 	index                     int
 	id                        string
 	client, admin, raft, peer string
+	gossip                    string
 	dataDir                   string
 	proc                      *proc
 }
@@ -206,6 +204,7 @@ const (
 	portAdmin  = 9090
 	portRaft   = 7000
 	portPeer   = 7001
+	portGossip = 7002
 	portWorker = 8100
 	portLB     = 8000
 )
@@ -241,14 +240,14 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 		f.workers = append(f.workers, w)
 		specs = append(specs, w.id+"=http://"+addr)
 	}
-	var peers []string
+	var peers, gossipSeeds []string
 	for i := range cfg.Replicas {
 		host := nw.replicaHost(i)
 		r := &replica{index: i, id: fmt.Sprintf("r%d", i), dataDir: filepath.Join(dir, "data", fmt.Sprintf("r%d", i))}
 		for _, a := range []struct {
 			to   *string
 			port int
-		}{{&r.client, portClient}, {&r.admin, portAdmin}, {&r.raft, portRaft}, {&r.peer, portPeer}} {
+		}{{&r.client, portClient}, {&r.admin, portAdmin}, {&r.raft, portRaft}, {&r.peer, portPeer}, {&r.gossip, portGossip}} {
 			addr, err := nw.addr(host, a.port)
 			if err != nil {
 				return nil, err
@@ -256,6 +255,7 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 			*a.to = addr
 		}
 		peers = append(peers, r.peer)
+		gossipSeeds = append(gossipSeeds, r.gossip)
 		f.replicas = append(f.replicas, r)
 	}
 	for _, r := range f.replicas {
@@ -263,6 +263,7 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 			"--replica-id", r.id, "--listen", r.client, "--admin-listen", r.admin,
 			"--raft-listen", r.raft, "--peer-listen", r.peer, "--data-dir", r.dataDir,
 			"--bootstrap-expect", strconv.Itoa(cfg.Replicas), "--join", strings.Join(peers, ","),
+			"--gossip-listen", r.gossip, "--gossip-join", strings.Join(gossipSeeds, ","),
 			"--worker", strings.Join(specs, ","),
 			"--consistency", cfg.Consistency, "--stale-bound", cfg.StaleBound.String(),
 			"--bind-wait", cfg.BindWait.String(), "--session-ttl", cfg.SessionTTL.String(),

@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
@@ -49,12 +50,10 @@ func TestMain(m *testing.M) {
 // freePort returns a loopback address with a port nobody listens on now.
 func freePort(t testing.TB) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	addr, err := loopback.Addr()
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := l.Addr().String()
-	l.Close()
 	return addr
 }
 
@@ -89,6 +88,7 @@ func startFleet(t *testing.T, n int) *fleet {
 type replica struct {
 	id                     string
 	client, admin, raft, p string
+	gossip                 string
 	dataDir                string
 	args                   []string
 	cmd                    *exec.Cmd
@@ -108,13 +108,14 @@ func startCluster(t *testing.T, n int, fl *fleet, extra ...string) *cluster {
 	t.Helper()
 	c := &cluster{t: t}
 	base := t.TempDir()
-	var peers []string
+	var peers, gossipSeeds []string
 	for i := range n {
 		r := &replica{
-			id: fmt.Sprintf("r%d", i), client: freePort(t), admin: freePort(t), raft: freePort(t), p: freePort(t),
+			id: fmt.Sprintf("r%d", i), client: freePort(t), admin: freePort(t), raft: freePort(t), p: freePort(t), gossip: freePort(t),
 			dataDir: filepath.Join(base, fmt.Sprintf("r%d", i)),
 		}
 		peers = append(peers, r.p)
+		gossipSeeds = append(gossipSeeds, r.gossip)
 		c.replicas = append(c.replicas, r)
 	}
 	var workers []string
@@ -126,6 +127,7 @@ func startCluster(t *testing.T, n int, fl *fleet, extra ...string) *cluster {
 			"--replica-id", r.id, "--listen", r.client, "--admin-listen", r.admin,
 			"--raft-listen", r.raft, "--peer-listen", r.p, "--data-dir", r.dataDir,
 			"--bootstrap-expect", strconv.Itoa(n), "--join", strings.Join(peers, ","),
+			"--gossip-listen", r.gossip, "--gossip-join", strings.Join(gossipSeeds, ","),
 			"--worker", strings.Join(workers, ","), "--log-level", "info",
 			"--health-interval", "200ms",
 		}, extra...)

@@ -88,7 +88,7 @@ func BenchmarkAddedLatencyProcesses(b *testing.B) {
 		b.Run(name, func(b *testing.B) {
 			router := freePort(b)
 			process(b, bin, "serve", "--listen", router, "--admin-listen", freePort(b),
-				"--raft-listen", freePort(b), "--peer-listen", freePort(b), "--data-dir", b.TempDir(),
+				"--raft-listen", freePort(b), "--peer-listen", freePort(b), "--gossip-listen", freePort(b), "--data-dir", b.TempDir(),
 				"--worker", "w0=http://"+worker, "--log-level", "error")
 			waitHTTP(b, "http://"+router+"/readyz")
 			body := fmt.Sprintf(`{"model":"sim-model","stream":%v,"max_tokens":4,"prompt":"%s"}`, stream, strings.Repeat("word ", 200))

@@ -35,6 +35,7 @@ type clusterConfig struct {
 	SnapshotRetain         int
 	WorkerGrace            time.Duration
 	TouchFlush             time.Duration
+	Gossip                 gossipConfig
 }
 
 // registerClusterFlags declares the cluster flags on fs.
@@ -63,11 +64,15 @@ func registerClusterFlags(fs *flag.FlagSet, c *clusterConfig) {
 
 // clusterParts is a replica's running cluster membership.
 type clusterParts struct {
-	node     *cluster.Node
-	affinity *cluster.Affinity
-	peerSrv  *peer.Server
-	peerLn   net.Listener
-	pool     *peer.Pool
+	node *cluster.Node
+	// peerAdvert and raftAdvert are the addresses other replicas dial.
+	peerAdvert, raftAdvert string
+	// snapshots serves this replica's index to peers once sharing has started.
+	snapshots *lazySnapshots
+	affinity  *cluster.Affinity
+	peerSrv   *peer.Server
+	peerLn    net.Listener
+	pool      *peer.Pool
 }
 
 // startCluster opens the Raft node, serves the peer port and returns the Raft-backed
@@ -108,7 +113,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 		}
 	}
 	pool := peer.NewPool(peer.ClientOptions{})
-	p := &clusterParts{pool: pool, peerLn: peerLn}
+	p := &clusterParts{pool: pool, peerLn: peerLn, peerAdvert: peerAdvert, raftAdvert: raftAdvert, snapshots: &lazySnapshots{}}
 	remote := cluster.NewPeerRemote(pool, func() (string, bool) {
 		if p.node == nil {
 			return "", false
@@ -138,7 +143,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 		return nil, err
 	}
 	p.node = n
-	p.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: log})
+	p.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: log, Snapshots: p.snapshots})
 	go func() {
 		if err := p.peerSrv.Serve(peerLn); err != nil && !errors.Is(err, net.ErrClosed) {
 			log.Error("peer listener stopped", "err", err)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/peterbourgon/ff/v3/ffcli"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
@@ -177,16 +178,17 @@ func runDemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) er
 // startDemoReplicas starts tp.Replicas router replicas in this process that form one Raft
 // cluster on loopback (a lone replica is a one-node cluster).
 func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataDir string) ([]*replica, error) {
-	type addrs struct{ raft, peer string }
+	type addrs struct{ raft, peer, gossip string }
 	var all []addrs
-	var seeds []string
+	var seeds, gossipSeeds []string
 	for range tp.Replicas {
-		a := addrs{raft: freeLoopback(), peer: freeLoopback()}
-		if a.raft == "" || a.peer == "" {
+		a := addrs{raft: freeLoopback(), peer: freeLoopback(), gossip: freeLoopback()}
+		if a.raft == "" || a.peer == "" || a.gossip == "" {
 			return nil, errors.New("no free loopback port")
 		}
 		all = append(all, a)
 		seeds = append(seeds, a.peer)
+		gossipSeeds = append(gossipSeeds, a.gossip)
 	}
 	var reps []*replica
 	for i, a := range all {
@@ -196,9 +198,14 @@ func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataD
 		cfg.Cluster = clusterConfig{
 			DataDir: filepath.Join(dataDir, cfg.ReplicaID), RaftListen: a.raft, PeerListen: a.peer,
 			BootstrapExpect: tp.Replicas, BindWait: 10 * time.Second,
+			// The replicas start one after another here, so the first finds no seed up yet:
+			// it goes on at once and keeps trying in the background.
+			Gossip: gossipConfig{Listen: a.gossip, JoinWait: 100 * time.Millisecond, HealthInterval: 200 * time.Millisecond,
+				LoadInterval: 150 * time.Millisecond, SnapshotDiscovery: time.Second, MinQuorum: 3, CleanupInterval: 5 * time.Minute},
 		}
 		if tp.Replicas > 1 {
 			cfg.Cluster.Join = strings.Join(seeds, ",")
+			cfg.Cluster.Gossip.Join = strings.Join(gossipSeeds, ",")
 		}
 		r, err := startReplica(ctx, cfg)
 		if err != nil {
@@ -227,12 +234,11 @@ func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataD
 
 // freeLoopback returns a loopback address with a port free now.
 func freeLoopback() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	a, err := loopback.Addr()
 	if err != nil {
 		return ""
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return a
 }
 
 // simFleet is a set of simulated workers serving on loopback.
@@ -371,5 +377,22 @@ func demoRun(ctx context.Context, cfg demoConfig, tp topology, policy string, pr
 	}
 	rc.Progress = progress
 	rc.Logger = quiet
-	return replay.Run(ctx, rc)
+	sent := func() (total uint64, n int) {
+		for _, r := range reps {
+			if r.share != nil {
+				total += r.share.g.Stats().BytesOut
+				n++
+			}
+		}
+		return total, n
+	}
+	before, _ := sent()
+	sum, err := replay.Run(ctx, rc)
+	if err != nil {
+		return nil, err
+	}
+	if after, n := sent(); n > 1 && sum.DurationSeconds > 0 {
+		sum.GossipBytesPerSecond = float64(after-before) / float64(n) / sum.DurationSeconds
+	}
+	return sum, nil
 }

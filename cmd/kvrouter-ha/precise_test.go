@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
@@ -33,12 +34,11 @@ type eventWorker struct {
 
 func freePort(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	a, err := loopback.Addr()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return a
 }
 
 // startEventWorker starts worker id publishing KV events (with a replay socket).

@@ -137,6 +137,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.OverlayTTL, "overlay-ttl", 10*time.Second, "precise mode: how long the replica's own decisions count on top of the KV events")
 	fs.StringVar(&cfg.Tokenizer, "tokenizer", "none", "text prompts: none (hash text in byte chunks) or worker (ask a worker's POST /tokenize, so text routes on exact token blocks)")
 	registerClusterFlags(fs, &cfg.Cluster)
+	registerGossipFlags(fs, &cfg.Cluster.Gossip, &cfg.NoGossip)
 	fs.StringVar(&cfg.AdminToken, "admin-token", "", "bearer token for the admin API (prefer --admin-token-file or KVROUTER_ADMIN_TOKEN: flags show in ps)")
 	adminTokenFile := fs.String("admin-token-file", "", "file holding the admin API bearer token")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
@@ -188,6 +189,8 @@ type replica struct {
 	tracker  *routing.Tracker
 	approx   *indexer.Index
 	precise  *indexer.Index // fed by KV events; nil without them
+	subs     []*kvevents.Subscriber
+	share    *sharing // nil with --no-gossip
 	affinity *cluster.Affinity
 	cluster  *clusterParts
 	log      *slog.Logger
@@ -233,11 +236,26 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		return nil, err
 	}
 	r.affinity = r.cluster.affinity
-	r.router, err = routing.New(cfg.Router, routing.Deps{
-		Index: index, Recorder: r.approx, Workers: reg, Tracker: r.tracker, Affinity: r.affinity,
-	})
-	if err != nil {
+	r.subs = subs
+	deps := routing.Deps{Index: index, Recorder: r.approx, Workers: reg, Tracker: r.tracker, Affinity: r.affinity}
+	if !cfg.NoGossip {
+		if r.share, err = r.startSharing(ctx, promReg, approxTTL, log); err != nil {
+			r.cluster.Close()
+			return nil, err
+		}
+		deps.Recorder = r.share.decisions
+		deps.Load = r.share.remote
+	}
+	// closeCluster undoes the above when a later step fails.
+	closeCluster := func() {
+		if r.share != nil {
+			r.share.close()
+		}
 		r.cluster.Close()
+	}
+	r.router, err = routing.New(cfg.Router, deps)
+	if err != nil {
+		closeCluster()
 		return nil, err
 	}
 	reg.OnChange(func(st routing.WorkerStatus, removed bool) {
@@ -252,6 +270,9 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 			}
 			r.tracker.Forget(w)
 		}
+		if r.share != nil {
+			r.share.health.ForgetWorker(st.Spec.ID)
+		}
 	})
 	pcfg := cfg.Proxy
 	pcfg.ReplicaID = cfg.ReplicaID
@@ -264,24 +285,38 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 	default:
 		return nil, fmt.Errorf("--tokenizer %q: want none or worker", cfg.Tokenizer)
 	}
+	hcfg := cfg.Health
+	if r.share != nil {
+		// Routability is the merged view's call: this replica's probes and bad responses
+		// feed it, the other replicas' reports arrive over gossip.
+		pcfg.MarkUnhealthy = r.share.health.MarkDown
+		hcfg.Observe = r.share.health.Observe
+	}
 	r.server, err = openai.NewServer(pcfg, r.router, reg, r.tracker)
 	if err != nil {
-		r.cluster.Close()
+		closeCluster()
 		return nil, err
 	}
-	r.server.SetReady(r.cluster.node.Ready)
+	r.server.SetReady(func() error {
+		if err := r.cluster.node.Ready(); err != nil {
+			return err
+		}
+		if r.share != nil {
+			return r.share.ready()
+		}
+		return nil
+	})
 	if r.ln, err = net.Listen("tcp", cfg.Listen); err != nil {
-		r.cluster.Close()
+		closeCluster()
 		return nil, fmt.Errorf("client listener: %w", err)
 	}
 	if r.aln, err = net.Listen("tcp", cfg.AdminListen); err != nil {
 		r.ln.Close()
-		r.cluster.Close()
+		closeCluster()
 		return nil, fmt.Errorf("admin listener: %w", err)
 	}
 	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	r.cancel = cancel
-	hcfg := cfg.Health
 	hcfg.Logger = log
 	hcfg.Registerer = promReg
 	checker, err := openai.NewHealthChecker(reg, hcfg)
@@ -289,7 +324,7 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		cancel()
 		r.ln.Close()
 		r.aln.Close()
-		r.cluster.Close()
+		closeCluster()
 		return nil, err
 	}
 	r.http = &http.Server{Handler: r.server.Handler(), ReadHeaderTimeout: 10 * time.Second}
@@ -302,6 +337,9 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 				log.Error("KV event subscriber stopped", "err", err)
 			}
 		})
+	}
+	if r.share != nil {
+		r.share.run(r, bg, log)
 	}
 	r.goRun(func() { r.housekeeping(bg) })
 	r.goRun(func() { r.syncWorkers(bg) })
@@ -352,6 +390,9 @@ func (r *replica) Close() error {
 	r.admin.Shutdown(ctx)
 	r.cancel()
 	r.wg.Wait()
+	if r.share != nil {
+		r.share.close()
+	}
 	if cerr := r.cluster.Close(); cerr != nil && err == nil {
 		err = cerr
 	}

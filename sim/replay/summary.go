@@ -62,6 +62,11 @@ type Summary struct {
 	OverlapMAETokens float64 `json:"overlap_mae_tokens"`
 	// RouterBlockSize is the block size the prediction was scaled by.
 	RouterBlockSize int `json:"router_block_size"`
+
+	// GossipBytesPerSecond is what each router replica sent to the others, all gossip
+	// traffic counted, per second of the run, averaged over replicas. The replayer cannot
+	// see it: whoever runs the routers fills it in (0: none, or not measured).
+	GossipBytesPerSecond float64 `json:"gossip_bytes_per_s_per_replica,omitempty"`
 }
 
 // WorkerStats is one worker's share of a run.
@@ -254,5 +259,13 @@ func Table(w io.Writer, sums []*Summary) {
 		}
 		return fmt.Sprintf("%.0f", s.OverlapMAETokens)
 	})
+	if slices.ContainsFunc(sums, func(s *Summary) bool { return s.GossipBytesPerSecond > 0 }) {
+		row("gossip B/s/replica", func(s *Summary) string {
+			if s.GossipBytesPerSecond == 0 {
+				return "-"
+			}
+			return fmt.Sprintf("%.0f", s.GossipBytesPerSecond)
+		})
+	}
 	_ = tw.Flush()
 }

@@ -154,3 +154,40 @@ func BenchmarkSocketPublishApply(b *testing.B) {
 	b.ReportMetric(float64(b.N*perBatch)/b.Elapsed().Seconds(), "blocks/s")
 	b.ReportMetric(value(b, m.missed), "missed")
 }
+
+// BenchmarkSnapshotEngineMaps copies one worker's map of a quarter of a million engine blocks,
+// a full GPU cache, as an index snapshot does: "whole" is SnapshotEngineMaps, "held" the part
+// of it that holds the run loop's turn (copying the slot array); the rest builds the map after
+// letting go, while events flow.
+func BenchmarkSnapshotEngineMaps(b *testing.B) {
+	const blocks = 1 << 18
+	m := make(map[uint64]uint64, blocks)
+	for i := range uint64(blocks) {
+		m[i*0x9e3779b97f4a7c15+1] = i / 4
+	}
+	sub, err := NewSubscriber(Config{Endpoint: "tcp://127.0.0.1:1", Worker: w0, BlockSize: bs, Sink: discard{}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := sub.RestoreEngineMaps(map[indexer.Worker]map[uint64]uint64{w0: m}); err != nil {
+		b.Fatal(err)
+	}
+	b.Run("whole", func(b *testing.B) {
+		for b.Loop() {
+			got, err := sub.SnapshotEngineMaps(context.Background())
+			if err != nil || len(got[w0]) != blocks {
+				b.Fatalf("%d blocks, %v", len(got[w0]), err)
+			}
+		}
+	})
+	b.Run("held", func(b *testing.B) {
+		for b.Loop() {
+			sub.acquire()
+			c := sub.streams[w0].tr.keys.clone()
+			sub.release()
+			if c.Len() != blocks {
+				b.Fatalf("%d blocks", c.Len())
+			}
+		}
+	})
+}

@@ -51,7 +51,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		blockSizeMismatch: counter("block_size_mismatch_total",
 			"BlockStored events dropped because their block size is not the router's.", "worker"),
 		overCapacity: counter("over_capacity_blocks_total",
-			"Stored blocks dropped because the worker's engine-hash map was full.", "worker"),
+			"Stored (or restored from a peer's snapshot) blocks dropped because the worker's engine-hash map was full.", "worker"),
 		unknownPublisher: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvrouter_kvevents_unknown_publisher_total",
 			Help: "Messages on a shared socket whose topic names no configured worker.",

@@ -105,11 +105,19 @@ type Subscriber struct {
 	m       *Metrics
 	pattern *topicPattern
 	hosts   map[string]string // host:port -> worker ID, for the pattern
+	ids     map[string]bool   // Bind mode: the worker IDs a topic can name
 
 	mu   sync.Mutex
 	addr net.Addr
 
-	// Owned by Run's goroutine.
+	// turn is a lock (a one-slot channel, so that a snapshot can wait for it under a context)
+	// on the fields below. Run takes it for each message, reconnect resync and silence check,
+	// and lets go in between, so SnapshotEngineMaps and RestoreEngineMaps can work on the
+	// translators whether Run is running, not started or stopped. A message that needs a
+	// replay holds it for up to ReplayTimeout.
+	turn chan struct{}
+
+	// Held with turn.
 	dec, replayDec *Decoder
 	streams        map[indexer.Worker]*stream
 	topicCache     map[string]topicResult
@@ -154,6 +162,7 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 		cfg:        cfg,
 		log:        cfg.Logger,
 		m:          cfg.Metrics,
+		turn:       make(chan struct{}, 1),
 		dec:        NewDecoder(),
 		replayDec:  NewDecoder(),
 		streams:    make(map[indexer.Worker]*stream),
@@ -169,6 +178,10 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 		if len(cfg.Topics) == 0 && cfg.TopicPattern == "" {
 			return nil, errors.New("kvevents: bind mode needs Topics or a TopicPattern")
 		}
+		s.ids = make(map[string]bool, len(cfg.Topics)+len(cfg.URLs))
+		for _, w := range cfg.Topics {
+			s.ids[w.ID] = true
+		}
 		if cfg.TopicPattern != "" {
 			p, err := parseTopicPattern(cfg.TopicPattern)
 			if err != nil {
@@ -182,6 +195,7 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 					return nil, fmt.Errorf("kvevents: worker %s: %w", id, err)
 				}
 				s.hosts[hp] = id
+				s.ids[id] = true
 			}
 		}
 	default:
@@ -200,6 +214,11 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 	s.cfg.ReplayTimeout = orDefault(cfg.ReplayTimeout, DefaultReplayTimeout)
 	return s, nil
 }
+
+// acquire takes turn (see Subscriber.turn); release gives it back.
+func (s *Subscriber) acquire() { s.turn <- struct{}{} }
+
+func (s *Subscriber) release() { <-s.turn }
 
 func orDefault(d, def time.Duration) time.Duration {
 	if d <= 0 {
@@ -235,7 +254,9 @@ func (s *Subscriber) Run(ctx context.Context) error {
 			s.m.connects.WithLabelValues(s.cfg.Endpoint, "ok").Inc()
 			s.log.Info("kv events: connected", "endpoint", s.cfg.Endpoint, "mode", s.cfg.Mode)
 			bo.reset()
+			s.acquire()
 			s.resync(ctx)
+			s.release()
 			err = s.serve(ctx, sock, tick.C)
 			if ctx.Err() != nil {
 				return nil
@@ -343,9 +364,13 @@ func (s *Subscriber) serve(ctx context.Context, sock zmq4.Socket, tick <-chan ti
 		case err := <-lost:
 			return err
 		case m := <-msgs:
+			s.acquire()
 			s.handle(ctx, m)
+			s.release()
 		case now := <-tick:
+			s.acquire()
 			s.checkSilence(now)
+			s.release()
 		}
 	}
 }
@@ -618,6 +643,7 @@ func (s *Subscriber) stream(w indexer.Worker) *stream {
 		w:       w,
 		label:   label,
 		tr:      tr,
+		lastMsg: time.Now(), // silence counts from when we began to expect messages
 		lastSeq: s.m.lastSeq.WithLabelValues(label),
 		silence: s.m.silence.WithLabelValues(label),
 	}

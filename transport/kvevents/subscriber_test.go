@@ -96,6 +96,14 @@ func (w testWriter) Write(p []byte) (int, error) {
 // startSub runs a subscriber until the test ends.
 func startSub(t *testing.T, cfg Config) *Subscriber {
 	t.Helper()
+	s := newTestSub(t, cfg)
+	runSub(t, s)
+	return s
+}
+
+// newTestSub makes a subscriber with the tests' defaults, not running.
+func newTestSub(t *testing.T, cfg Config) *Subscriber {
+	t.Helper()
 	if cfg.BlockSize == 0 {
 		cfg.BlockSize = bs
 	}
@@ -114,16 +122,26 @@ func startSub(t *testing.T, cfg Config) *Subscriber {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return s
+}
+
+// runSub runs s until the returned stop is called or the test ends; stop waits for Run.
+func runSub(t *testing.T, s *Subscriber) (stop func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	})
-	return s
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
 }
 
 func startPub(t *testing.T, cfg PublisherConfig) *Publisher {

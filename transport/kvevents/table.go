@@ -3,6 +3,7 @@ package kvevents
 import (
 	"math/bits"
 	"math/rand/v2"
+	"slices"
 )
 
 // table is an open-addressing hash table from uint64 to uint64 (linear probing, backward-shift
@@ -199,6 +200,15 @@ func (t *table) each(fn func(k, v uint64)) {
 			fn(k, t.slots[i+1])
 		}
 	}
+}
+
+// clone returns an independent copy. It is one copy of the slot array, a memcpy, where
+// walking the table into a map costs a hash and an insert per key: the subscriber clones under
+// its lock and builds the map after letting go, so a snapshot stalls the events only briefly.
+func (t *table) clone() *table {
+	c := *t
+	c.slots = slices.Clone(t.slots)
+	return &c
 }
 
 // reset empties the table and returns its memory.

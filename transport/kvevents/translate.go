@@ -219,6 +219,29 @@ func (t *Translator) Snapshot() map[EngineHash]uint64 {
 	return out
 }
 
+// merge adds the entries of m, keyed as the translator keys them (engine hash XOR the medium's
+// salt), that it does not have yet, for a map snapshotted by another replica. An entry it
+// already has wins whatever its key: it came from a live event, newer than the snapshot. Past
+// maxBlocks the rest are dropped, as stores past the cap are; which ones depends on m's
+// iteration order, and any choice is as good, since the cap only bounds memory. refs gains one
+// holder per added entry, so a restored block leaves the index with its last copy like any.
+func (t *Translator) merge(m map[uint64]uint64) (added, kept, dropped int) {
+	for k, v := range m {
+		if _, ok := t.keys.get(k); ok {
+			kept++
+			continue
+		}
+		if t.keys.Len() >= t.maxBlocks {
+			dropped++
+			continue
+		}
+		t.keys.put(k, v)
+		t.refs.incr(v)
+		added++
+	}
+	return added, kept, dropped
+}
+
 // Restore replaces the translator's map with m, as Snapshot returned it.
 func (t *Translator) Restore(m map[EngineHash]uint64) error {
 	if len(m) > t.maxBlocks {

@@ -36,6 +36,10 @@ type HealthConfig struct {
 	Logger *slog.Logger
 	// Registerer receives the probe gauge (nil: not registered).
 	Registerer prometheus.Registerer
+	// Observe, when set, receives every probe result and the checker leaves the registry
+	// alone: something else (the cluster's merged health view) decides routability from
+	// this replica's probes and the other replicas'. The thresholds are then that view's.
+	Observe func(worker string, healthy bool)
 }
 
 // HealthChecker probes every configured worker and records the verdicts in the registry.
@@ -171,6 +175,11 @@ func (h *HealthChecker) Check(ctx context.Context) {
 
 // apply folds one probe result into a worker's runs and flips the registry at a threshold.
 func (h *HealthChecker) apply(id string, healthy bool, result error) {
+	if h.cfg.Observe != nil {
+		h.up.WithLabelValues(id).Set(boolGauge(result == nil))
+		h.cfg.Observe(id, result == nil)
+		return
+	}
 	st := h.states[id]
 	if st == nil || st.healthy != healthy {
 		st = &probeState{healthy: healthy}
@@ -219,4 +228,11 @@ func (h *HealthChecker) probe(ctx context.Context, base string) error {
 		return fmt.Errorf("probe answered %s", resp.Status)
 	}
 	return nil
+}
+
+func boolGauge(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }

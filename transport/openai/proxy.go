@@ -255,7 +255,9 @@ func commitError(err error) *Error {
 func (s *Server) badResponse(d routing.Decision, cause string, err error) failure {
 	id := d.Target.Worker.ID
 	reason := "bad response: " + err.Error()
-	if s.workers.SetHealthy(id, false, reason) {
+	if s.cfg.MarkUnhealthy != nil {
+		s.cfg.MarkUnhealthy(id, reason)
+	} else if s.workers.SetHealthy(id, false, reason) {
 		s.log.Warn("worker marked unhealthy", "worker", id, "reason", reason)
 	}
 	return failure{cause: cause, err: fmt.Errorf("worker %s: %s", d.Target.Worker, reason)}

@@ -78,6 +78,9 @@ type Config struct {
 	// Tokenizer, when set, turns text prompts into the worker's token ids before hashing
 	// (--tokenizer=worker); nil hashes text in byte chunks (approximate).
 	Tokenizer Tokenizer
+	// MarkUnhealthy, when set, is told of a worker that answered garbage instead of the
+	// registry being flipped directly (the cluster's health view decides; nil: the registry).
+	MarkUnhealthy func(worker, reason string)
 }
 
 func (c *Config) setDefaults() error {
