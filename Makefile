@@ -12,7 +12,15 @@ FUZZ_TARGETS := \
 	./indexer:FuzzChain \
 	./transport/kvevents:FuzzDecode \
 	./fsm:FuzzDecode \
-	./fsm:FuzzRestore
+	./fsm:FuzzRestore \
+	./transport/openai:FuzzParseMatchesEncodingJSON \
+	./indexer:FuzzSnapshotDecode \
+	./cluster:FuzzHealthDecode \
+	./cluster:FuzzSnapshotContainer \
+	./cluster:FuzzLoadDecode \
+	./cluster:FuzzDecisionDecode \
+	./cluster/gossip:FuzzParseFrame \
+	./cluster/gossip:FuzzDecodeMeta
 
 .PHONY: all build test unit fuzz demo bench lint clean jepsen jepsen-ci
 

@@ -18,6 +18,7 @@ import (
 
 	"github.com/peterbourgon/ff/v3/ffcli"
 
+	"github.com/kvrouter-ha/kvrouter-ha/cluster"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
@@ -175,9 +176,17 @@ func runDemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) er
 	return nil
 }
 
+// scaled is d in a simulation running speedup times faster than real time (at least 5 ms).
+func scaled(d time.Duration, speedup float64) time.Duration {
+	if speedup <= 1 {
+		return d
+	}
+	return max(time.Duration(float64(d)/speedup), 5*time.Millisecond)
+}
+
 // startDemoReplicas starts tp.Replicas router replicas in this process that form one Raft
 // cluster on loopback (a lone replica is a one-node cluster).
-func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataDir string) ([]*replica, error) {
+func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataDir string, speedup float64) ([]*replica, error) {
 	type addrs struct{ raft, peer, gossip string }
 	var all []addrs
 	var seeds, gossipSeeds []string
@@ -200,8 +209,12 @@ func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataD
 			BootstrapExpect: tp.Replicas, BindWait: 10 * time.Second,
 			// The replicas start one after another here, so the first finds no seed up yet:
 			// it goes on at once and keeps trying in the background.
-			Gossip: gossipConfig{Listen: a.gossip, JoinWait: 100 * time.Millisecond, HealthInterval: 200 * time.Millisecond,
-				LoadInterval: 150 * time.Millisecond, SnapshotDiscovery: time.Second, MinQuorum: 3, CleanupInterval: 5 * time.Minute},
+			// Time runs speedup times faster here, so the hints' intervals shrink with it,
+			// as the TTLs do: a load report every 150 ms of simulated time.
+			Gossip: gossipConfig{Listen: a.gossip, MaxBytesPerSecond: defaultGossipBudget, JoinWait: 100 * time.Millisecond,
+				HealthInterval: 200 * time.Millisecond, SnapshotDiscovery: time.Second, MinQuorum: 3, CleanupInterval: 5 * time.Minute,
+				LoadInterval:  scaled(cluster.DefaultLoadInterval, speedup),
+				DecisionFlush: scaled(cluster.DefaultDecisionFlush, speedup)},
 		}
 		if tp.Replicas > 1 {
 			cfg.Cluster.Join = strings.Join(seeds, ",")
@@ -350,7 +363,7 @@ func demoRun(ctx context.Context, cfg demoConfig, tp topology, policy string, pr
 		Health: openai.HealthConfig{Timeout: 2 * time.Second, FailThreshold: 3},
 		Logger: quiet,
 	}
-	reps, err := startDemoReplicas(ctx, tp, base, dataDir)
+	reps, err := startDemoReplicas(ctx, tp, base, dataDir, cfg.Speedup)
 	if err != nil {
 		return nil, err
 	}
@@ -377,22 +390,27 @@ func demoRun(ctx context.Context, cfg demoConfig, tp topology, policy string, pr
 	}
 	rc.Progress = progress
 	rc.Logger = quiet
-	sent := func() (total uint64, n int) {
+	sent := func() (bytes, dropped uint64, n int) {
 		for _, r := range reps {
 			if r.share != nil {
-				total += r.share.g.Stats().BytesOut
+				st := r.share.g.Stats()
+				bytes += st.BytesOut
+				for _, d := range st.Dropped {
+					dropped += d
+				}
 				n++
 			}
 		}
-		return total, n
+		return bytes, dropped, n
 	}
-	before, _ := sent()
+	bytes0, dropped0, _ := sent()
 	sum, err := replay.Run(ctx, rc)
 	if err != nil {
 		return nil, err
 	}
-	if after, n := sent(); n > 1 && sum.DurationSeconds > 0 {
-		sum.GossipBytesPerSecond = float64(after-before) / float64(n) / sum.DurationSeconds
+	if bytes1, dropped1, n := sent(); n > 1 && sum.DurationSeconds > 0 {
+		sum.GossipBytesPerSecond = float64(bytes1-bytes0) / float64(n) / sum.DurationSeconds
+		sum.GossipDropped = dropped1 - dropped0
 	}
 	return sum, nil
 }

@@ -35,11 +35,17 @@ type gossipConfig struct {
 	MinQuorum         int
 	CleanupInterval   time.Duration
 	LoadInterval      time.Duration
+	DecisionFlush     time.Duration
 	HealthInterval    time.Duration
 	SnapshotDiscovery time.Duration
 	SnapshotMaxBytes  int64
 	JoinWait          time.Duration
 }
+
+// defaultGossipBudget is a replica's outbound gossip budget: decisions dominate it (about
+// 8 bytes per new prompt block per peer), and the bundled trace at ten times its rate needs
+// about 230 KB/s, so 1 MiB/s leaves room on any LAN.
+const defaultGossipBudget = 1 << 20
 
 // registerGossipFlags declares the gossip flags on fs.
 func registerGossipFlags(fs *flag.FlagSet, c *gossipConfig, noGossip *bool) {
@@ -49,10 +55,11 @@ func registerGossipFlags(fs *flag.FlagSet, c *gossipConfig, noGossip *bool) {
 	fs.StringVar(&c.Join, "gossip-join", "", "comma-separated gossip addresses of other replicas, or a DNS name (default: the hosts of --join at this replica's gossip port)")
 	fs.StringVar(&c.Key, "gossip-key", "", "base64 key (16, 24 or 32 bytes) that encrypts and authenticates gossip; every replica needs the same (prefer --gossip-key-file or KVROUTER_GOSSIP_KEY)")
 	fs.StringVar(&c.KeyFile, "gossip-key-file", "", "file holding the base64 gossip key")
-	fs.IntVar(&c.MaxBytesPerSecond, "gossip-max-bytes-per-second", gossip.DefaultMaxBytesPerSecond, "outbound gossip budget of this replica; past it hints are dropped and counted")
+	fs.IntVar(&c.MaxBytesPerSecond, "gossip-max-bytes-per-second", defaultGossipBudget, "outbound gossip budget of this replica; past it hints are dropped and counted (decisions dominate: about 8 bytes per new prompt block per peer)")
 	fs.IntVar(&c.MinQuorum, "min-quorum", 3, "reconciliation never removes a dead replica's vote below this many voters")
 	fs.DurationVar(&c.CleanupInterval, "cleanup-interval", 5*time.Minute, "a replica dead this long (and unreachable by Raft) loses its vote")
 	fs.DurationVar(&c.LoadInterval, "load-share-interval", cluster.DefaultLoadInterval, "how often this replica publishes its per-worker in-flight load")
+	fs.DurationVar(&c.DecisionFlush, "decision-flush-interval", cluster.DefaultDecisionFlush, "how often this replica's routing decisions go to the others, batched")
 	fs.DurationVar(&c.HealthInterval, "health-gossip-interval", 200*time.Millisecond, "how often worker health changes are gossiped")
 	fs.DurationVar(&c.SnapshotDiscovery, "index-snapshot-discovery", cluster.DefaultSnapshotDiscovery, "how long a starting replica waits for a peer to pull the index from before it starts empty")
 	fs.Int64Var(&c.SnapshotMaxBytes, "index-snapshot-max-bytes", peer.DefaultMaxSnapshotBytes, "largest index snapshot accepted from a peer")
@@ -201,7 +208,8 @@ func (r *replica) startSharing(ctx context.Context, promReg prometheus.Registere
 		FailThreshold: r.cfg.Health.FailThreshold, RiseThreshold: r.cfg.Health.RiseThreshold, Alive: g.IsAlive,
 	})
 	s.decisions, err = cluster.NewDecisions(cluster.DecisionsConfig{
-		Messenger: g, Index: r.approx, TTL: approxTTL, Known: known, Metrics: metrics, Logger: log.With("part", "decisions"),
+		Messenger: g, Index: r.approx, TTL: approxTTL, Known: known, FlushInterval: gc.DecisionFlush,
+		Metrics: metrics, Logger: log.With("part", "decisions"),
 	})
 	if err != nil {
 		return fail(err)

@@ -67,6 +67,9 @@ type Summary struct {
 	// traffic counted, per second of the run, averaged over replicas. The replayer cannot
 	// see it: whoever runs the routers fills it in (0: none, or not measured).
 	GossipBytesPerSecond float64 `json:"gossip_bytes_per_s_per_replica,omitempty"`
+	// GossipDropped is how many gossip messages the replicas dropped during the run (over
+	// their byte budget, undecodable, or from non-members), filled in like the above.
+	GossipDropped uint64 `json:"gossip_dropped,omitempty"`
 }
 
 // WorkerStats is one worker's share of a run.
@@ -265,6 +268,12 @@ func Table(w io.Writer, sums []*Summary) {
 				return "-"
 			}
 			return fmt.Sprintf("%.0f", s.GossipBytesPerSecond)
+		})
+		row("gossip dropped", func(s *Summary) string {
+			if s.GossipBytesPerSecond == 0 {
+				return "-"
+			}
+			return fmt.Sprintf("%d", s.GossipDropped)
 		})
 	}
 	_ = tw.Flush()
