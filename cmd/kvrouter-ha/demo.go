@@ -43,12 +43,16 @@ type demoConfig struct {
 	Sim            sim.Config
 	JSONPath       string
 	Progress       bool
+	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with.
+	HAProxyConfig string
 	Logger         *slog.Logger
 }
 
 func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs := flag.NewFlagSet("kvrouter-ha demo", flag.ContinueOnError)
 	var cfg demoConfig
+	scenario := fs.String("scenario", "ha", "ha: three replica processes behind HAProxy, the leader killed half-way (make demo); compare: side-by-side runs of --policies x --replicas x --modes")
+	fs.StringVar(&cfg.HAProxyConfig, "haproxy-config", filepath.Join("deploy", "haproxy.cfg"), "ha: the HAProxy config (its addresses come from KVR_LISTEN and KVR_REPLICA0..2)")
 	policies := fs.String("policies", "kv,round-robin", "comma-separated policies to compare ("+strings.Join(routing.Policies(), ", ")+")")
 	topologies := fs.String("replicas", "1", "router topologies to compare: N replicas behind a round-robin client, N-nogossip for N replicas that share nothing but bindings (e.g. 1,3,3-nogossip)")
 	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
@@ -94,7 +98,13 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 			if cfg.Progress {
 				progress = stderr
 			}
-			return runDemo(ctx, cfg, stdout, progress)
+			switch *scenario {
+			case "ha":
+				return runHADemo(ctx, cfg, stdout, progress)
+			case "compare":
+				return runDemo(ctx, cfg, stdout, progress)
+			}
+			return fmt.Errorf("--scenario %q: want ha or compare", *scenario)
 		},
 	}
 }

@@ -220,6 +220,7 @@ type result struct {
 	cachedTokens int64
 	overlap      int64
 	hasOverlap   bool
+	session      string
 }
 
 // runner holds what every request of one run shares.
@@ -392,7 +393,7 @@ func (r *runner) do(parent context.Context, req trace.Request, endpoint, fallbac
 	}
 	defer resp.Body.Close()
 
-	res := result{worker: workerOf(resp.Header, fallback)}
+	res := result{worker: workerOf(resp.Header, fallback), session: req.Session}
 	if v := resp.Header.Get(headerOverlapBlocks); v != "" {
 		if n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64); err == nil && n >= 0 {
 			res.overlap, res.hasOverlap = n, true

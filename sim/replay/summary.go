@@ -60,6 +60,11 @@ type Summary struct {
 	// cached tokens (overlap blocks x RouterBlockSize) against the worker's
 	// reported cached tokens.
 	OverlapMAETokens float64 `json:"overlap_mae_tokens"`
+	// Sessions counts the sessions with at least one OK request; SessionsMoved those whose
+	// OK requests named more than one worker (with bindings and healthy workers: 0).
+	Sessions      int `json:"sessions"`
+	SessionsMoved int `json:"sessions_moved"`
+
 	// RouterBlockSize is the block size the prediction was scaled by.
 	RouterBlockSize int `json:"router_block_size"`
 
@@ -93,6 +98,8 @@ func summarize(results []result, routerBlockSize int) *Summary {
 	}
 	var ttft, latency []time.Duration
 	var absErr float64
+	// sessionWorker is each session's first worker, "" once it has moved.
+	sessionWorker := map[string]string{}
 	for _, r := range results {
 		if !r.ok {
 			s.Failed++
@@ -100,6 +107,17 @@ func summarize(results []result, routerBlockSize int) *Summary {
 			continue
 		}
 		s.OK++
+		if r.session != "" {
+			first, seen := sessionWorker[r.session]
+			switch {
+			case !seen:
+				sessionWorker[r.session] = r.worker
+				s.Sessions++
+			case first != "" && first != r.worker:
+				sessionWorker[r.session] = ""
+				s.SessionsMoved++
+			}
+		}
 		s.PromptTokens += r.promptTokens
 		s.CachedTokens += r.cachedTokens
 		if r.hasTTFT {

@@ -113,3 +113,20 @@ func TestMaxTokens(t *testing.T) {
 		}
 	}
 }
+
+func TestSummarizeCountsSessionsThatMoved(t *testing.T) {
+	results := []result{
+		{ok: true, worker: "a", session: "s1"},
+		{ok: true, worker: "a", session: "s1"},
+		{ok: true, worker: "b", session: "s2"},
+		{ok: true, worker: "c", session: "s2"}, // moved
+		{ok: true, worker: "b", session: "s2"}, // moved back: still one moved session
+		{cause: "timeout", worker: "z", session: "s3"},
+		{ok: true, worker: "a", session: "s3"},
+		{ok: true, worker: "a"}, // no session
+	}
+	s := summarize(results, 16)
+	if s.Sessions != 3 || s.SessionsMoved != 1 {
+		t.Errorf("sessions %d moved %d, want 3 and 1", s.Sessions, s.SessionsMoved)
+	}
+}
