@@ -45,7 +45,7 @@ type demoConfig struct {
 	Progress       bool
 	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with.
 	HAProxyConfig string
-	Logger         *slog.Logger
+	Logger        *slog.Logger
 }
 
 func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
