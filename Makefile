@@ -42,7 +42,7 @@ fuzz:
 		$(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg; \
 	done
 
-## demo: the main job on its embedded defaults: simulated workers, one router, kv vs round-robin.
+## demo: the main job on its embedded defaults: three replicas behind HAProxy (when installed), simulated workers, a trace replayed, the leader killed half-way.
 demo: build
 	./$(BIN) demo
 

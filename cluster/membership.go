@@ -72,13 +72,20 @@ func (n *Node) bootstrapOrJoin() {
 	}
 	tick := time.NewTicker(250 * time.Millisecond)
 	defer tick.Stop()
+	// lastErr keeps a failure that repeats every tick (a seed not up yet, a certificate the
+	// seeds refuse) to one log line until it changes.
+	var lastErr string
 	for {
 		if n.inConfiguration() {
 			return
 		}
 		done, err := n.tryJoinOrBootstrap()
-		if err != nil {
+		if err != nil && err.Error() != lastErr {
 			n.log.Warn("joining the cluster", "err", err)
+		}
+		lastErr = ""
+		if err != nil {
+			lastErr = err.Error()
 		}
 		if done {
 			return
@@ -108,9 +115,16 @@ func (n *Node) tryJoinOrBootstrap() (bool, error) {
 	ctx, cancel := context.WithTimeout(n.ctx, 2*time.Second)
 	defer cancel()
 	seen := map[string]peer.Status{n.cfg.ID: n.Status()}
+	// unanswered says why seeds did not answer, so that a replica that cannot join (a
+	// certificate the others refuse, a wrong address) says so rather than waiting quietly.
+	var unanswered []error
 	for _, addr := range n.seedAddrs(ctx) {
 		st, err := n.cfg.Remote.StatusOf(ctx, addr)
-		if err != nil || st.ID == "" || st.ID == n.cfg.ID {
+		if err != nil {
+			unanswered = append(unanswered, fmt.Errorf("seed %s: %w", addr, err))
+			continue
+		}
+		if st.ID == "" || st.ID == n.cfg.ID {
 			continue
 		}
 		if st.LeaderID != "" && st.ClusterID != "" {
@@ -125,6 +139,10 @@ func (n *Node) tryJoinOrBootstrap() (bool, error) {
 		}
 	}
 	if len(fresh) < n.cfg.BootstrapExpect {
+		if len(unanswered) > 0 {
+			return false, fmt.Errorf("found no leader and %d of the %d replicas needed to bootstrap: %w",
+				len(fresh), n.cfg.BootstrapExpect, errors.Join(unanswered...))
+		}
 		return false, nil
 	}
 	slices.SortFunc(fresh, func(a, b peer.Status) int { return strings.Compare(a.ID, b.ID) })
@@ -189,7 +207,11 @@ func (n *Node) seedAddrs(ctx context.Context) []string {
 			out = append(out, s)
 			continue
 		}
-		if net.ParseIP(host) != nil {
+		// With mutual TLS a seed is dialled by its name: the replicas' certificates name
+		// hosts, not the addresses a name resolves to (a Kubernetes headless Service's pod
+		// IPs are not known when the certificate is made). The dial picks one of the name's
+		// addresses, and the join loop retries until it reaches a live one.
+		if net.ParseIP(host) != nil || n.cfg.RaftTLS != nil {
 			out = append(out, s)
 			continue
 		}

@@ -6,6 +6,7 @@ package cluster
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -109,6 +110,13 @@ type Config struct {
 	CheckpointInterval time.Duration
 	// TouchFlush is how long touches coalesce before they travel to the leader.
 	TouchFlush time.Duration
+
+	// RaftTLS, when set, runs the Raft port over mutual TLS (raft_tls.go): the listener
+	// requires a client certificate verified against ClientCAs, dials verify the server
+	// against RootCAs (ServerName defaults to the dialled host) and present Certificates.
+	// One config serves both sides. With it the leader also confirms a gossip member over
+	// the peer port before making it a voter, so the gossip key alone admits nobody.
+	RaftTLS *tls.Config
 
 	// Transport and InMemory are for tests: raft's in-memory transport and stores.
 	Transport raft.Transport
@@ -260,7 +268,12 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		if err != nil {
 			return fail(fmt.Errorf("cluster: raft advertise address %q: %w", cfg.RaftAdvertise, err))
 		}
-		tt, err := raft.NewTCPTransportWithLogger(cfg.RaftBind, addr, 4, 10*time.Second, rc.Logger)
+		var tt *raft.NetworkTransport
+		if cfg.RaftTLS != nil {
+			tt, err = newTLSTransport(cfg.RaftBind, addr, cfg.RaftTLS, 4, 10*time.Second, rc.Logger)
+		} else {
+			tt, err = raft.NewTCPTransportWithLogger(cfg.RaftBind, addr, 4, 10*time.Second, rc.Logger)
+		}
 		if err != nil {
 			return fail(fmt.Errorf("cluster: raft listen %s: %w", cfg.RaftBind, err))
 		}
@@ -573,12 +586,27 @@ func (n *Node) applyLocal(ctx context.Context, b []byte) (*fsm.Result, uint64, e
 	return res, f.Index(), nil
 }
 
+// hasOtherVoter reports whether the configuration has a voter besides this node (a lone
+// node has nobody to hand leadership to).
+func (n *Node) hasOtherVoter() bool {
+	f := n.raft.GetConfiguration()
+	if f.Error() != nil {
+		return false
+	}
+	for _, s := range f.Configuration().Servers {
+		if s.Suffrage == raft.Voter && string(s.ID) != n.cfg.ID {
+			return true
+		}
+	}
+	return false
+}
+
 // Close leaves gracefully: leadership is transferred when this node leads, then Raft stops.
 func (n *Node) Close() error {
 	var err error
 	n.closeOnce.Do(func() {
 		n.closed.Store(true)
-		if n.IsLeader() {
+		if n.IsLeader() && n.hasOtherVoter() {
 			if terr := n.raft.LeadershipTransfer().Error(); terr != nil {
 				n.log.Warn("leadership transfer before shutdown failed", "err", terr)
 			} else {

@@ -174,7 +174,16 @@ func (r *reconciler) once(ctx context.Context) error {
 		if m.Name == n.cfg.ID || m.State != gossip.Alive {
 			continue
 		}
-		if why := r.addable(m); why != "" {
+		why := r.addable(m)
+		s, known := servers[m.Name]
+		if why == "" && known && s.Suffrage == raft.Voter && string(s.Address) == m.Meta.RaftAddr {
+			delete(r.refused, m.Name)
+			continue
+		}
+		if why == "" {
+			why = n.confirmMember(ctx, m)
+		}
+		if why != "" {
 			if r.refused[m.Name] != why {
 				r.refused[m.Name] = why
 				n.log.Warn("gossip member not added to raft", "member", m.Name, "why", why)
@@ -182,10 +191,6 @@ func (r *reconciler) once(ctx context.Context) error {
 			continue
 		}
 		delete(r.refused, m.Name)
-		s, known := servers[m.Name]
-		if known && s.Suffrage == raft.Voter && string(s.Address) == m.Meta.RaftAddr {
-			continue
-		}
 		if err := n.AddServer(ctx, m.Name, m.Meta.RaftAddr, m.Meta.PeerAddr, true); err != nil {
 			errs = append(errs, err)
 			continue

@@ -83,6 +83,10 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 	if err != nil {
 		return nil, err
 	}
+	tc, err := cfg.TLS.load(log)
+	if err != nil {
+		return nil, err
+	}
 	peerLn, err := net.Listen("tcp", cc.PeerListen)
 	if err != nil {
 		return nil, fmt.Errorf("peer listener: %w", err)
@@ -112,7 +116,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 			seeds = append(seeds, s)
 		}
 	}
-	pool := peer.NewPool(peer.ClientOptions{})
+	pool := peer.NewPool(peer.ClientOptions{TLS: tc.peerClient()})
 	p := &clusterParts{pool: pool, peerLn: peerLn, peerAdvert: peerAdvert, raftAdvert: raftAdvert, snapshots: &lazySnapshots{}}
 	remote := cluster.NewPeerRemote(pool, func() (string, bool) {
 		if p.node == nil {
@@ -135,7 +139,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 		Level: level, StaleBound: cc.StaleBound, BindWait: cc.BindWait,
 		SessionTTL: cfg.SessionTTL, MaxBindings: cfg.MaxSessions,
 		CheckpointInterval: cc.CheckpointInterval, TouchFlush: cc.TouchFlush,
-		Remote: remote, Logger: log,
+		Remote: remote, Logger: log, RaftTLS: tc.raft(),
 	})
 	if err != nil {
 		peerLn.Close()
@@ -143,7 +147,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 		return nil, err
 	}
 	p.node = n
-	p.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: log, Snapshots: p.snapshots})
+	p.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: log, Snapshots: p.snapshots, TLS: tc.peerServer()})
 	go func() {
 		if err := p.peerSrv.Serve(peerLn); err != nil && !errors.Is(err, net.ErrClosed) {
 			log.Error("peer listener stopped", "err", err)

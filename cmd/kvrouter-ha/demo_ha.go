@@ -221,13 +221,17 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 			"--session-ttl", scaled(10*time.Minute, cfg.Speedup).String(),
 			"--load-share-interval", scaled(150*time.Millisecond, cfg.Speedup).String(),
 			"--decision-flush-interval", scaled(50*time.Millisecond, cfg.Speedup).String(),
-			"--health-timeout", "2s"}
+			"--health-timeout", "2s",
+			// Nothing needs draining when the demo ends.
+			"--shutdown-delay", "0"}
 	}
 	hc := &http.Client{Timeout: 2 * time.Second}
 	defer func() {
+		var wg sync.WaitGroup
 		for _, p := range procs {
-			p.signal(syscall.SIGTERM, 10*time.Second)
+			wg.Go(func() { p.signal(syscall.SIGTERM, 10*time.Second) })
 		}
+		wg.Wait()
 	}()
 	for _, p := range procs {
 		if err := p.start(); err != nil {

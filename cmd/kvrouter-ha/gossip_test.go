@@ -120,6 +120,7 @@ func TestDecisionsOnOneReplicaReachTheOthersIndexes(t *testing.T) {
 	for i := range 3 {
 		prompt := promptTokens(uint64(100+i), promptBlocks*blockTokens)
 		ans := gc.client(i).complete(prompt, 2, nil).mustOK(t)
+		answered := time.Now()
 		for j := range 3 {
 			if j == i {
 				continue
@@ -130,6 +131,8 @@ func TestDecisionsOnOneReplicaReachTheOthersIndexes(t *testing.T) {
 				return q.Worker == ans.worker() && q.OverlapBlocks == promptBlocks,
 					fmt.Sprintf("route on g%d: %s with %d blocks; the decision was %s", j, q.Worker, q.OverlapBlocks, ans.worker())
 			})
+			// Informational: the flush interval (50 ms) bounds it, plus a UDP packet.
+			t.Logf("g%d's decision visible on g%d %v after the answer", i, j, time.Since(answered).Round(time.Millisecond))
 		}
 	}
 }

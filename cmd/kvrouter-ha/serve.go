@@ -53,6 +53,14 @@ type serveConfig struct {
 	NoGossip bool
 	// AdminToken guards /admin/* on the admin listener ("" leaves it open: loopback only).
 	AdminToken string
+	// TLS is the client port's certificate and the replicas' mutual TLS (tlswire.go).
+	TLS tlsConfig
+	// ShutdownDelay is how long a stopping replica keeps serving with /readyz failing, so a
+	// load balancer's health checks take it out before its port closes (0: no wait).
+	ShutdownDelay time.Duration
+	// ShutdownTimeout bounds how long in-flight requests and streams may take to finish once
+	// the client port has closed (0: 30s).
+	ShutdownTimeout time.Duration
 	// Cluster configures the Raft node that keeps session bindings.
 	Cluster clusterConfig
 	Logger  *slog.Logger
@@ -136,8 +144,11 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.StringVar(&cfg.TopicPattern, "kv-events-topic-pattern", "kv@{host:port}@{model}", "how a bound subscriber tells workers apart: the {host:port} in a topic is matched against worker URLs")
 	fs.DurationVar(&cfg.OverlayTTL, "overlay-ttl", 10*time.Second, "precise mode: how long the replica's own decisions count on top of the KV events")
 	fs.StringVar(&cfg.Tokenizer, "tokenizer", "none", "text prompts: none (hash text in byte chunks) or worker (ask a worker's POST /tokenize, so text routes on exact token blocks)")
+	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "on SIGTERM, how long /readyz fails while the client port still serves, so a load balancer's health checks (e.g. HAProxy inter 1s fall 2) take the replica out first; a second signal cuts it short (0: no wait)")
+	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests and streams may take to finish after the client port closes; the rest are cut")
 	registerClusterFlags(fs, &cfg.Cluster)
 	registerGossipFlags(fs, &cfg.Cluster.Gossip, &cfg.NoGossip)
+	registerTLSFlags(fs, &cfg.TLS)
 	fs.StringVar(&cfg.AdminToken, "admin-token", "", "bearer token for the admin API (prefer --admin-token-file or KVROUTER_ADMIN_TOKEN: flags show in ps)")
 	adminTokenFile := fs.String("admin-token-file", "", "file holding the admin API bearer token")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
@@ -169,14 +180,19 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 			if cfg.AdminToken == "" {
 				log.Warn("no admin token: the admin API is open to anyone who reaches the admin listener")
 			}
+			if cfg.ShutdownDelay < 0 || cfg.ShutdownTimeout < 0 {
+				return fmt.Errorf("--shutdown-delay %s, --shutdown-timeout %s: must not be negative", cfg.ShutdownDelay, cfg.ShutdownTimeout)
+			}
 			rep, err := startReplica(ctx, cfg)
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(stdout, "kvrouter-ha %s: serving on http://%s, admin on http://%s, %d workers, policy %s\n",
-				cfg.ReplicaID, rep.Addr(), rep.AdminAddr(), len(cfg.Workers), rep.router.Policy())
+			fmt.Fprintf(stdout, "kvrouter-ha %s: serving on %s://%s, admin on http://%s, %d workers, policy %s\n",
+				cfg.ReplicaID, cfg.TLS.clientScheme(), rep.Addr(), rep.AdminAddr(), len(cfg.Workers), rep.router.Policy())
 			<-ctx.Done()
-			return rep.Close()
+			skip, stopSignals := secondSignal()
+			defer stopSignals()
+			return rep.shutdown(skip)
 		},
 	}
 }
@@ -200,6 +216,7 @@ type replica struct {
 	ln, aln  net.Listener
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup
+	drain    drainState
 }
 
 // startReplica wires a router replica and starts serving; Close stops it.
@@ -208,6 +225,12 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	// Certificates first: a bad file must stop the start before anything listens.
+	tlsc, err := cfg.TLS.load(log)
+	if err != nil {
+		return nil, err
+	}
+	cfg.TLS = tlsc
 	reg, err := routing.NewRegistry(cfg.Workers)
 	if err != nil {
 		return nil, err
@@ -298,6 +321,9 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		return nil, err
 	}
 	r.server.SetReady(func() error {
+		if r.drain.draining.Load() {
+			return errShuttingDown
+		}
 		if err := r.cluster.node.Ready(); err != nil {
 			return err
 		}
@@ -310,6 +336,7 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		closeCluster()
 		return nil, fmt.Errorf("client listener: %w", err)
 	}
+	r.ln = cfg.TLS.clientListener(r.ln)
 	if r.aln, err = net.Listen("tcp", cfg.AdminListen); err != nil {
 		r.ln.Close()
 		closeCluster()
@@ -327,7 +354,10 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 		closeCluster()
 		return nil, err
 	}
-	r.http = &http.Server{Handler: r.server.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	// The server's own complaints (a scanner's failed TLS handshake, a malformed request
+	// line) go to the structured log at debug: a client cannot flood the error log.
+	r.http = &http.Server{Handler: r.closeWhileDraining(r.server.Handler()), ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 	admin := &adminAPI{rep: r, token: cfg.AdminToken}
 	r.admin = &http.Server{Handler: admin.handler(openai.AdminHandler(promReg)), ReadHeaderTimeout: 10 * time.Second}
 	r.goRun(func() { checker.Run(bg) })
@@ -381,23 +411,6 @@ func (r *replica) Addr() string { return r.ln.Addr().String() }
 
 // AdminAddr is the admin listener's address.
 func (r *replica) AdminAddr() string { return r.aln.Addr().String() }
-
-// Close drains in-flight requests (bounded) and stops everything.
-func (r *replica) Close() error {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	err := r.http.Shutdown(ctx)
-	r.admin.Shutdown(ctx)
-	r.cancel()
-	r.wg.Wait()
-	if r.share != nil {
-		r.share.close()
-	}
-	if cerr := r.cluster.Close(); cerr != nil && err == nil {
-		err = cerr
-	}
-	return err
-}
 
 // kvEventSubscribers builds the precise index and its KV event subscribers: one connecting
 // SUB per worker rank whose spec names kv_events, and one bound SUB when KVEventsBind is set.

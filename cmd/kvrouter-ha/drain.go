@@ -1,0 +1,172 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"os/signal"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/hashicorp/raft"
+)
+
+// defaultShutdownTimeout bounds the wait for in-flight requests when the config leaves it 0.
+const defaultShutdownTimeout = 30 * time.Second
+
+// errShuttingDown is what /readyz reports once a replica has begun to stop.
+var errShuttingDown = errors.New("shutting down")
+
+// drainState is a replica's stop: once it starts, /readyz fails and responses close their
+// connections; Close runs once and every caller gets its result.
+type drainState struct {
+	draining atomic.Bool
+	once     sync.Once
+	err      error
+}
+
+// Close drains the replica (see shutdown) and stops it; a second call returns the first's
+// result.
+func (r *replica) Close() error { return r.shutdown(nil) }
+
+// shutdown stops the replica in the order a load balancer in front of it needs:
+//
+//  1. /readyz fails at once while the client port keeps serving, and every response from
+//     now on closes its connection, so the balancer's pooled keep-alive connections to this
+//     replica go away with the last request it sends them;
+//  2. ShutdownDelay passes (or skip closes), long enough for the balancer's health checks
+//     to take the replica out: closing the port before that would race the requests the
+//     balancer is still sending (a request written on an idle connection as the server
+//     closes it is lost, not refused);
+//  3. leadership is handed to a follower if this replica leads, so the cluster does not
+//     wait an election timeout for new bindings;
+//  4. the client port closes: new connections are refused and in-flight requests and
+//     streams finish, cut after ShutdownTimeout;
+//  5. the background loops, gossip and the Raft node stop.
+func (r *replica) shutdown(skip <-chan struct{}) error {
+	r.drain.once.Do(func() { r.drain.err = r.stop(skip) })
+	return r.drain.err
+}
+
+func (r *replica) stop(skip <-chan struct{}) error {
+	delay := r.cfg.ShutdownDelay
+	r.drain.draining.Store(true)
+	r.log.Info("shutdown: /readyz now fails, the client port keeps serving", "shutdown_delay", delay)
+	if delay > 0 {
+		t := time.NewTimer(delay)
+		select {
+		case <-t.C:
+			r.log.Info("shutdown: delay over")
+		case <-skip:
+			t.Stop()
+			r.log.Info("shutdown: delay cut short")
+		}
+	}
+	r.handOverLeadership()
+	timeout := r.cfg.ShutdownTimeout
+	if timeout <= 0 {
+		timeout = defaultShutdownTimeout
+	}
+	r.log.Info("shutdown: client port closed, waiting for in-flight requests", "shutdown_timeout", timeout)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	err := r.http.Shutdown(ctx)
+	cancel()
+	if err != nil {
+		// Past the bound the streams still open are cut: their clients see the body end
+		// early, their upstream requests are cancelled.
+		_ = r.http.Close()
+		err = fmt.Errorf("in-flight requests cut after --shutdown-timeout %s: %w", timeout, err)
+		r.log.Warn("shutdown: in-flight requests cut", "err", err)
+	} else {
+		r.log.Info("shutdown: in-flight requests finished")
+	}
+	r.log.Info("shutdown: stopping background loops, gossip and the Raft node")
+	actx, acancel := context.WithTimeout(context.Background(), 5*time.Second)
+	if aerr := r.admin.Shutdown(actx); aerr != nil {
+		_ = r.admin.Close()
+	}
+	acancel()
+	r.cancel()
+	r.wg.Wait()
+	if r.share != nil {
+		if serr := r.share.close(); serr != nil {
+			r.log.Warn("shutdown: gossip", "err", serr)
+		}
+	}
+	if cerr := r.cluster.Close(); cerr != nil && err == nil {
+		err = fmt.Errorf("cluster close: %w", cerr)
+	}
+	r.log.Info("shutdown: stopped")
+	return err
+}
+
+// handOverLeadership transfers Raft leadership to a follower when this replica leads one
+// that has others; a failure only costs the cluster an election timeout, so it is logged.
+func (r *replica) handOverLeadership() {
+	n := r.cluster.node
+	if !n.IsLeader() {
+		r.log.Info("shutdown: not the Raft leader, no leadership to transfer")
+		return
+	}
+	f := n.Raft().GetConfiguration()
+	if err := f.Error(); err != nil {
+		r.log.Warn("shutdown: reading the Raft configuration", "err", err)
+		return
+	}
+	voters := 0
+	for _, s := range f.Configuration().Servers {
+		if s.Suffrage == raft.Voter {
+			voters++
+		}
+	}
+	if voters < 2 {
+		r.log.Info("shutdown: the only voter, no leadership to transfer")
+		return
+	}
+	if err := n.Raft().LeadershipTransfer().Error(); err != nil {
+		r.log.Warn("shutdown: leadership transfer failed; the others elect a leader after the election timeout", "err", err)
+		return
+	}
+	if lid, _, ok := n.Leader(); ok && lid != "" && lid != n.ID() {
+		r.log.Info("shutdown: leadership transferred", "leader", lid)
+		return
+	}
+	r.log.Info("shutdown: leadership transferred")
+}
+
+// closeWhileDraining makes every response of a stopping replica close its connection, so a
+// client (or balancer) holding a keep-alive connection learns it cannot reuse it instead of
+// finding it closed under its next request.
+func (r *replica) closeWhileDraining(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if r.drain.draining.Load() {
+			w.Header().Set("Connection", "close")
+		}
+		h.ServeHTTP(w, req)
+	})
+}
+
+// secondSignal returns a channel closed when SIGINT or SIGTERM arrives again after the first
+// (which cancelled the serve context), so an operator can cut the shutdown delay short; stop
+// releases the signal handler.
+func secondSignal() (skip <-chan struct{}, stop func()) {
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	ch := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		select {
+		case <-sigs:
+			close(ch)
+		case <-done:
+		}
+	}()
+	return ch, func() {
+		signal.Stop(sigs)
+		close(done)
+	}
+}

@@ -1,0 +1,340 @@
+package deploy_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// kube is deploy/kubernetes read into what the checks need.
+type kube struct {
+	objs      map[string]map[string]any // "Kind/name"
+	sts       map[string]any
+	podLabels map[string]any
+	container map[string]any
+	spec      execSpec
+	envFrom   map[string]string // variables set from the downward API: name -> fieldPath
+}
+
+func readKube(t *testing.T) kube {
+	t.Helper()
+	paths, err := filepath.Glob("kubernetes/*.yaml")
+	if err != nil || len(paths) == 0 {
+		t.Fatalf("no kubernetes/*.yaml (%v)", err)
+	}
+	k := kube{objs: map[string]map[string]any{}, envFrom: map[string]string{}}
+	for _, p := range paths {
+		for _, d := range readYAML(t, p) {
+			key := ystr(d, "kind") + "/" + ystr(d, "metadata", "name")
+			if ystr(d, "apiVersion") == "" || strings.HasPrefix(key, "/") || strings.HasSuffix(key, "/") {
+				t.Fatalf("%s: a document without apiVersion, kind or name", p)
+			}
+			if _, dup := k.objs[key]; dup {
+				t.Fatalf("%s: %s defined twice", p, key)
+			}
+			k.objs[key] = ymap(d)
+		}
+	}
+	for key, o := range k.objs {
+		if strings.HasPrefix(key, "StatefulSet/") {
+			if k.sts != nil {
+				t.Fatal("more than one StatefulSet")
+			}
+			k.sts = o
+		}
+	}
+	if k.sts == nil {
+		t.Fatal("no StatefulSet in kubernetes/")
+	}
+	k.podLabels = ymap(k.sts, "spec", "template", "metadata", "labels")
+	for _, c := range ylist(k.sts, "spec", "template", "spec", "containers") {
+		if ystr(c, "name") == "kvrouter-ha" {
+			k.container = ymap(c)
+		}
+	}
+	if k.container == nil {
+		t.Fatal("StatefulSet: no container named kvrouter-ha")
+	}
+	args := strList(ylist(k.container, "args"))
+	if len(args) == 0 {
+		t.Fatal("StatefulSet: the container has no args (the image's entrypoint is the binary: args start with the subcommand)")
+	}
+	env := map[string]string{}
+	for _, e := range ylist(k.container, "env") {
+		name := ystr(e, "name")
+		if fp := ystr(e, "valueFrom", "fieldRef", "fieldPath"); fp != "" {
+			k.envFrom[name] = fp
+			env[name] = "$(" + fp + ")"
+		} else {
+			env[name] = ystr(e, "value")
+		}
+	}
+	k.spec = execSpec{source: "kubernetes/statefulset.yaml", sub: args[0], args: args[1:], env: env}
+	return k
+}
+
+// subset reports whether every label of sel is in labels (and sel is not empty).
+func subset(sel, labels map[string]any) bool {
+	for k, v := range sel {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return len(sel) > 0
+}
+
+// containerPort resolves a probe's or Service's port (a number or a container port's name).
+func (k kube) containerPort(t *testing.T, p string) (int, string) {
+	t.Helper()
+	for _, cp := range ylist(k.container, "ports") {
+		num := yint(t, "StatefulSet containerPort", cp, "containerPort")
+		proto := ystr(cp, "protocol")
+		if proto == "" {
+			proto = "TCP"
+		}
+		if ystr(cp, "name") == p || strconv.Itoa(num) == p {
+			return num, proto
+		}
+	}
+	t.Errorf("StatefulSet: no container port %q", p)
+	return 0, ""
+}
+
+// mountedFile finds the ConfigMap or Secret key that the container sees at path, and returns
+// its content.
+func (k kube) mountedFile(t *testing.T, path string) (string, bool) {
+	dir, key := filepath.Dir(path), filepath.Base(path)
+	for _, m := range ylist(k.container, "volumeMounts") {
+		if ystr(m, "mountPath") != dir {
+			continue
+		}
+		for _, v := range ylist(k.sts, "spec", "template", "spec", "volumes") {
+			if ystr(v, "name") != ystr(m, "name") {
+				continue
+			}
+			var obj map[string]any
+			var data map[string]any
+			if cm := ystr(v, "configMap", "name"); cm != "" {
+				obj = k.objs["ConfigMap/"+cm]
+				data = ymap(obj, "data")
+			} else if sec := ystr(v, "secret", "secretName"); sec != "" {
+				obj = k.objs["Secret/"+sec]
+				data = ymap(obj, "stringData")
+				if data == nil {
+					data = ymap(obj, "data")
+				}
+			}
+			if s, ok := data[key].(string); ok {
+				return s, true
+			}
+		}
+	}
+	return "", false
+}
+
+func TestKubernetesMatchesTheBinary(t *testing.T) {
+	b := binary(t)
+	k := readKube(t)
+	s := k.spec
+	if s.sub != "serve" {
+		t.Fatalf("%s: subcommand %q, want serve", s.source, s.sub)
+	}
+	settings, err := b.parse(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkNoInlineSecrets(t, b, s)
+	// Kubernetes leaves an undefined $(VAR) in args as it is: every one must be in env.
+	for _, a := range s.args {
+		for _, m := range regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`).FindAllStringSubmatch(a, -1) {
+			if _, ok := s.env[m[1]]; !ok {
+				t.Errorf("%s: %s uses $(%s), which the container's env does not define", s.source, a, m[1])
+			}
+		}
+	}
+	if fp := k.envFrom[envName("replica-id")]; fp != "metadata.name" {
+		t.Errorf("%s: %s comes from %q, want the pod name (metadata.name): a stable identity per pod", s.source, envName("replica-id"), fp)
+	}
+
+	replicas := yint(t, "StatefulSet", k.sts, "spec", "replicas")
+	if got := b.value(t, s, "bootstrap-expect"); got != strconv.Itoa(replicas) {
+		t.Errorf("%s: --bootstrap-expect %s, want the StatefulSet's %d replicas", s.source, got, replicas)
+	}
+	if got := ystr(k.sts, "spec", "podManagementPolicy"); got != "Parallel" {
+		t.Errorf("StatefulSet: podManagementPolicy %q, want Parallel: no replica is ready before a quorum has started", got)
+	}
+	if !subset(ymap(k.sts, "spec", "selector", "matchLabels"), k.podLabels) {
+		t.Error("StatefulSet: selector does not match the pod labels")
+	}
+
+	// Ports: every listener has its container port, and nothing else is declared.
+	listenPorts := map[string]int{}
+	for _, f := range []string{"listen", "admin-listen", "raft-listen", "peer-listen", "gossip-listen"} {
+		listenPorts[f] = b.port(t, s, f)
+	}
+	declared := map[string]bool{}
+	for _, cp := range ylist(k.container, "ports") {
+		proto := ystr(cp, "protocol")
+		if proto == "" {
+			proto = "TCP"
+		}
+		declared[fmt.Sprintf("%s/%s", ystr(cp, "containerPort"), proto)] = true
+	}
+	want := map[string]bool{fmt.Sprintf("%d/UDP", listenPorts["gossip-listen"]): true}
+	for _, p := range listenPorts {
+		want[fmt.Sprintf("%d/TCP", p)] = true
+	}
+	if fmt.Sprint(declared) != fmt.Sprint(want) {
+		t.Errorf("StatefulSet: container ports %v, want the listeners' %v", keys(declared), keys(want))
+	}
+
+	// Probes on the client port, on the paths the live test GETs.
+	for probe, path := range kubeProbes {
+		p := ymap(k.container, probe, "httpGet")
+		if p == nil {
+			t.Errorf("StatefulSet: no %s httpGet", probe)
+			continue
+		}
+		if got := ystr(p, "path"); got != path {
+			t.Errorf("StatefulSet: %s path %q, want %q", probe, got, path)
+		}
+		if port, _ := k.containerPort(t, ystr(p, "port")); port != listenPorts["listen"] {
+			t.Errorf("StatefulSet: %s on port %d, want the client port --listen %d", probe, port, listenPorts["listen"])
+		}
+	}
+
+	grace := yint(t, "StatefulSet", k.sts, "spec", "template", "spec", "terminationGracePeriodSeconds")
+	if drain := b.drain(t, s); time.Duration(grace)*time.Second <= drain {
+		t.Errorf("StatefulSet: terminationGracePeriodSeconds %d is not above --shutdown-delay + --shutdown-timeout (%v)", grace, drain)
+	}
+	podSec := ymap(k.sts, "spec", "template", "spec", "securityContext")
+	cSec := ymap(k.container, "securityContext")
+	if ystr(podSec, "runAsNonRoot") != "true" && ystr(cSec, "runAsNonRoot") != "true" {
+		t.Error("StatefulSet: runAsNonRoot is not set")
+	}
+	if ystr(podSec, "runAsUser") == "0" || ystr(cSec, "runAsUser") == "0" {
+		t.Error("StatefulSet: runs as uid 0")
+	}
+	if ystr(cSec, "readOnlyRootFilesystem") != "true" || ystr(cSec, "allowPrivilegeEscalation") != "false" {
+		t.Error("StatefulSet: want readOnlyRootFilesystem true and allowPrivilegeEscalation false")
+	}
+
+	// Discovery through the headless Service: its DNS name resolves to every pod, and each pod
+	// has a stable name under it.
+	headlessName := ystr(k.sts, "spec", "serviceName")
+	headless := k.objs["Service/"+headlessName]
+	if headless == nil {
+		t.Fatalf("StatefulSet: serviceName %q is not a Service in kubernetes/", headlessName)
+	}
+	if ystr(headless, "spec", "clusterIP") != "None" || ystr(headless, "spec", "publishNotReadyAddresses") != "true" {
+		t.Errorf("Service %s: want clusterIP None and publishNotReadyAddresses true (replicas meet before they are ready)", headlessName)
+	}
+	domain := headlessName + ".$(POD_NAMESPACE).svc.cluster.local"
+	if got, want := b.value(t, s, "join"), fmt.Sprintf("%s:%d", domain, listenPorts["peer-listen"]); got != want {
+		t.Errorf("%s: --join %q, want the headless Service's name at the peer port, %q", s.source, got, want)
+	}
+	for _, kind := range []string{"raft", "peer"} {
+		if got, want := b.value(t, s, kind+"-advertise"), fmt.Sprintf("$(POD_NAME).%s:%d", domain, listenPorts[kind+"-listen"]); got != want {
+			t.Errorf("%s: --%s-advertise %q, want the pod's stable name %q", s.source, kind, got, want)
+		}
+	}
+	if got := portOf(t, s.source+" --gossip-advertise", b.value(t, s, "gossip-advertise")); got != listenPorts["gossip-listen"] {
+		t.Errorf("%s: --gossip-advertise port %d, want --gossip-listen's %d", s.source, got, listenPorts["gossip-listen"])
+	}
+	exposedByHeadless := map[string]bool{}
+	for _, p := range ylist(headless, "spec", "ports") {
+		num, proto := k.containerPort(t, ystr(p, "targetPort"))
+		if ystr(p, "port") != strconv.Itoa(num) {
+			t.Errorf("Service %s: port %s maps to %d; a headless Service is dialled at the pods' own ports", headlessName, ystr(p, "port"), num)
+		}
+		if want := ystr(p, "protocol"); want != "" && want != proto {
+			t.Errorf("Service %s: port %s is %s, the container's %s", headlessName, ystr(p, "name"), want, proto)
+		}
+		exposedByHeadless[fmt.Sprintf("%d/%s", num, proto)] = true
+	}
+	wantHeadless := map[string]bool{
+		fmt.Sprintf("%d/TCP", listenPorts["raft-listen"]): true, fmt.Sprintf("%d/TCP", listenPorts["peer-listen"]): true,
+		fmt.Sprintf("%d/TCP", listenPorts["gossip-listen"]): true, fmt.Sprintf("%d/UDP", listenPorts["gossip-listen"]): true,
+	}
+	if fmt.Sprint(exposedByHeadless) != fmt.Sprint(wantHeadless) {
+		t.Errorf("Service %s: ports %v, want peer, Raft and gossip %v", headlessName, keys(exposedByHeadless), keys(wantHeadless))
+	}
+
+	// The client Service: the client port of every ready replica, never the admin port.
+	clients := 0
+	for key, o := range k.objs {
+		if !strings.HasPrefix(key, "Service/") {
+			continue
+		}
+		if !subset(ymap(o, "spec", "selector"), k.podLabels) {
+			t.Errorf("%s: selector does not match the StatefulSet's pods", key)
+		}
+		if key == "Service/"+headlessName {
+			continue
+		}
+		clients++
+		for _, p := range ylist(o, "spec", "ports") {
+			if num, _ := k.containerPort(t, ystr(p, "targetPort")); num != listenPorts["listen"] {
+				t.Errorf("%s: targets port %d; only the client port %d may be exposed", key, num, listenPorts["listen"])
+			}
+		}
+	}
+	if clients != 1 {
+		t.Errorf("want one client Service, found %d", clients)
+	}
+
+	// A PodDisruptionBudget that keeps a Raft quorum but still lets a node drain.
+	pdbs := 0
+	for key, o := range k.objs {
+		if !strings.HasPrefix(key, "PodDisruptionBudget/") {
+			continue
+		}
+		pdbs++
+		if !subset(ymap(o, "spec", "selector", "matchLabels"), k.podLabels) {
+			t.Errorf("%s: selector does not match the StatefulSet's pods", key)
+		}
+		quorum := replicas/2 + 1
+		if minAvail := yint(t, key, o, "spec", "minAvailable"); minAvail < quorum || minAvail >= replicas {
+			t.Errorf("%s: minAvailable %d, want at least the quorum %d of %d replicas and fewer than all", key, minAvail, quorum, replicas)
+		}
+	}
+	if pdbs != 1 {
+		t.Errorf("want one PodDisruptionBudget, found %d", pdbs)
+	}
+
+	// The Raft data on a claim per pod; every file flag reads a mounted ConfigMap or Secret key.
+	dataDir := b.value(t, s, "data-dir")
+	onClaim := false
+	for _, m := range ylist(k.container, "volumeMounts") {
+		for _, vct := range ylist(k.sts, "spec", "volumeClaimTemplates") {
+			if ystr(m, "mountPath") == dataDir && ystr(m, "name") == ystr(vct, "metadata", "name") {
+				onClaim = true
+			}
+		}
+	}
+	if !onClaim {
+		t.Errorf("StatefulSet: --data-dir %s is not on a volumeClaimTemplate", dataDir)
+	}
+	for _, f := range settings {
+		if !strings.HasSuffix(f.name, "-file") {
+			continue
+		}
+		if _, ok := k.mountedFile(t, f.value); !ok {
+			t.Errorf("%s: --%s %s is no key of a ConfigMap or Secret mounted there", s.source, f.name, f.value)
+		}
+	}
+	if content, ok := k.mountedFile(t, b.value(t, s, "workers-file")); ok {
+		var workers []map[string]any
+		if err := json.Unmarshal([]byte(content), &workers); err != nil || len(workers) == 0 {
+			t.Errorf("the workers ConfigMap is not a JSON array of workers: %v", err)
+		}
+	}
+}
+
+// kubeProbes are the StatefulSet's probes and the paths they must use.
+var kubeProbes = map[string]string{"readinessProbe": "/readyz", "livenessProbe": "/healthz", "startupProbe": "/healthz"}

@@ -1,0 +1,505 @@
+package deploy_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/base64"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+)
+
+// TestManifestsRunAndServeTheDashboardsMetrics starts, on loopback, a simulated worker from
+// docker-compose's w0 and one replica from each of the StatefulSet, compose's r0 and the systemd
+// unit with env.example: their own arguments and environment, with only what cannot work here
+// replaced (listen and advertise addresses, peers, data directory, secret and certificate files,
+// a short drain). Each must come up ready; the StatefulSet's probe paths must answer 200; its
+// workers ConfigMap and compose's workers.json must be what the replicas then list; and after a
+// little traffic every metric the Grafana dashboard queries must be on the admin /metrics.
+func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
+	b := binary(t)
+	k := readKube(t)
+	c := readCompose(t)
+	sysReplica, _, _, _ := systemdSpecs(t)
+	dir := t.TempDir()
+
+	// The simulated worker publishes its KV events to the StatefulSet replica's bound socket.
+	simAddr, kvBind := addr(t), addr(t)
+	sim := c.workers[0]
+	simArgs := append(append([]string{}, sim.args...),
+		"--listen="+simAddr,
+		"--kv-events-endpoint=tcp://"+kvBind,
+		"--kv-events-topic=kv@"+simAddr+"@sim-model")
+	startProc(t, b, "sim-worker", "sim-worker", simArgs, nil)
+	simWorker := "--worker=sim=http://" + simAddr
+
+	workersCM, ok := k.mountedFile(t, b.value(t, k.spec, "workers-file"))
+	if !ok {
+		t.Fatal("the StatefulSet's --workers-file is not in a mounted ConfigMap")
+	}
+	cmFile := filepath.Join(dir, "workers-configmap.json")
+	if err := os.WriteFile(cmFile, []byte(workersCM), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	composeWorkers, err := filepath.Abs("workers.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	type run struct {
+		name        string
+		spec        execSpec
+		workersFile string
+		wantWorkers []string
+		extra       []string
+		ports       listeners
+		proc        *proc
+	}
+	kubeSpec := k.spec
+	kubeSpec.env = map[string]string{}
+	for name, v := range k.spec.env {
+		kubeSpec.env[name] = v
+	}
+	// What the downward API would give the pod.
+	for name, fp := range k.envFrom {
+		kubeSpec.env[name] = map[string]string{"metadata.name": "kvrouter-ha-0", "metadata.namespace": "kvrouter", "status.podIP": "127.0.0.1"}[fp]
+	}
+	kubeSpec.args = expandKubeVars(kubeSpec.args, kubeSpec.env)
+	runs := []*run{
+		{name: "statefulset", spec: kubeSpec, workersFile: cmFile, wantWorkers: workerIDs(t, workersCM),
+			extra: []string{simWorker, "--kv-events-bind=tcp://" + kvBind}},
+		{name: "compose-r0", spec: c.replicas[0], workersFile: composeWorkers, wantWorkers: workerIDs(t, readFile(t, "workers.json")),
+			extra: []string{simWorker}},
+		{name: "systemd", spec: sysReplica, workersFile: "", extra: []string{simWorker}},
+	}
+	// The peer certificate names every address a replica advertises, as it must in production.
+	var hosts []string
+	for _, r := range runs {
+		r.ports = listeners{client: addr(t), admin: addr(t), raft: addr(t), peer: addr(t), gossip: addr(t)}
+		hosts = append(hosts, hostOf(t, r.name, r.ports.raft), hostOf(t, r.name, r.ports.peer))
+	}
+	files := newTestFiles(t, dir, hosts)
+	for _, r := range runs {
+		args := append(append([]string{}, r.spec.args...), overrides(t, b, r.spec, r.ports, dir, r.name, r.workersFile, files)...)
+		args = append(args, r.extra...)
+		r.proc = startProc(t, b, r.name, "serve", args, r.spec.env)
+	}
+
+	client := &http.Client{Timeout: 10 * time.Second}
+	for _, r := range runs {
+		waitStatus(t, client, r.proc, "http://"+r.ports.client+kubeProbes["readinessProbe"], http.StatusOK)
+		for probe, path := range kubeProbes {
+			if code := get(t, client, "http://"+r.ports.client+path, ""); code != http.StatusOK {
+				t.Errorf("%s: %s %s answered %d on a ready replica", r.name, probe, path, code)
+			}
+		}
+		// The admin API wants the token from the mounted file; its worker list is the file's.
+		if code := get(t, client, "http://"+r.ports.admin+"/admin/workers", ""); code != http.StatusUnauthorized {
+			t.Errorf("%s: /admin/workers without the token answered %d, want 401", r.name, code)
+		}
+		body := getBody(t, client, "http://"+r.ports.admin+"/admin/workers", files.token)
+		for _, id := range append(r.wantWorkers, "sim") {
+			if !strings.Contains(body, `"`+id+`"`) {
+				t.Errorf("%s: /admin/workers does not list %s from its workers file:\n%s", r.name, id, body)
+			}
+		}
+	}
+
+	// Traffic through the StatefulSet's replica, pinned to the simulated worker (the
+	// ConfigMap's vLLM workers do not exist here).
+	kr := runs[0]
+	prompt := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 60)
+	for i := range 3 {
+		code, body := post(t, client, "http://"+kr.ports.client+"/v1/chat/completions", "deploy-test",
+			`{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"`+prompt+`"}]}`)
+		if code != http.StatusOK {
+			t.Fatalf("completion %d: %d %s", i, code, body)
+		}
+	}
+	if code, body := post(t, client, "http://"+kr.ports.client+"/v1/completions", "",
+		`{"model":"sim-model","max_tokens":3,"stream":true,"prompt":"`+prompt+`"}`); code != http.StatusOK || !strings.Contains(body, "data:") {
+		t.Fatalf("stream: %d %s", code, body)
+	}
+	if code, _ := post(t, client, "http://"+kr.ports.client+"/v1/chat/completions", "", `{"model":`); code != http.StatusBadRequest {
+		t.Errorf("malformed request: %d, want 400", code)
+	}
+
+	want := dashboardMetrics(t)
+	var missing []string
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		missing = missingMetrics(want, getBody(t, client, "http://"+kr.ports.admin+"/metrics", ""))
+		if len(missing) == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond) // polling for KV events and gossip to show, under a deadline
+	}
+	if len(missing) > 0 {
+		t.Errorf("the dashboard queries metrics the replica does not export: %v", missing)
+	}
+	if len(want) < 20 {
+		t.Errorf("only %d metric names found in the dashboard", len(want))
+	}
+}
+
+// missingMetrics lists the names in want that the exposition text lacks. A name ending in
+// _bucket must be a histogram's.
+func missingMetrics(want map[string]bool, exposition string) []string {
+	have, histograms := map[string]bool{}, map[string]bool{}
+	for _, line := range strings.Split(exposition, "\n") {
+		if f := strings.Fields(line); len(f) == 4 && f[0] == "#" && f[1] == "TYPE" && f[3] == "histogram" {
+			histograms[f[2]] = true
+		}
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		name, _, _ := strings.Cut(line, "{")
+		name, _, _ = strings.Cut(name, " ")
+		have[name] = true
+	}
+	var missing []string
+	for n := range want {
+		base, isBucket := strings.CutSuffix(n, "_bucket")
+		if !have[n] || (isBucket && !histograms[base]) {
+			missing = append(missing, n)
+		}
+	}
+	return missing
+}
+
+// testFiles are the secrets and certificates the replicas read here instead of the mounted ones.
+type testFiles struct {
+	gossipKey, adminToken, ca, cert, key string
+	token                                string
+}
+
+func newTestFiles(t *testing.T, dir string, hosts []string) testFiles {
+	t.Helper()
+	raw := make([]byte, 32)
+	if _, err := rand.Read(raw); err != nil {
+		t.Fatal(err)
+	}
+	f := testFiles{
+		gossipKey: filepath.Join(dir, "gossip.key"), adminToken: filepath.Join(dir, "admin.token"),
+		ca: filepath.Join(dir, "ca.crt"), cert: filepath.Join(dir, "tls.crt"), key: filepath.Join(dir, "tls.key"),
+		token: base64.RawURLEncoding.EncodeToString(raw[:24]),
+	}
+	write := func(path string, b []byte) {
+		if err := os.WriteFile(path, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(f.gossipKey, []byte(base64.StdEncoding.EncodeToString(raw)+"\n"))
+	write(f.adminToken, []byte(f.token+"\n"))
+	caPEM, certPEM, keyPEM := testCertificates(t, hosts)
+	write(f.ca, caPEM)
+	write(f.cert, certPEM)
+	write(f.key, keyPEM)
+	return f
+}
+
+// testCertificates makes a CA and a certificate from it for the hosts, usable as server and
+// client (mutual TLS between replicas).
+func testCertificates(t *testing.T, hosts []string) (caPEM, certPEM, keyPEM []byte) {
+	t.Helper()
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvrouter-ha test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf := &x509.Certificate{
+		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "kvrouter-ha replica"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		KeyUsage:    x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		DNSNames:    []string{"localhost"},
+	}
+	for _, h := range hosts {
+		leaf.IPAddresses = append(leaf.IPAddresses, net.ParseIP(h))
+	}
+	caCert, err := x509.ParseCertificate(caDER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leafDER, err := x509.CreateCertificate(rand.Reader, leaf, caCert, &key.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}),
+		pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: leafDER}),
+		pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})
+}
+
+// listeners are one replica's loopback addresses.
+type listeners struct{ client, admin, raft, peer, gossip string }
+
+// overrides are the flags that make a deploy file's replica run alone on loopback. Every flag
+// the file sets that names an address, a peer or a file gets a local value; a file flag this
+// test does not know fails it, so a new one cannot go unchecked.
+func overrides(t *testing.T, b *kvrBinary, s execSpec, l listeners, dir, name, workersFile string, f testFiles) []string {
+	t.Helper()
+	out := []string{
+		"--listen=" + l.client, "--admin-listen=" + l.admin,
+		"--raft-listen=" + l.raft, "--peer-listen=" + l.peer, "--gossip-listen=" + l.gossip,
+		"--raft-advertise=", "--peer-advertise=", "--gossip-advertise=",
+		"--join=", "--gossip-join=", "--bootstrap-expect=1",
+		"--data-dir=" + filepath.Join(dir, name+"-data"),
+		"--workers-file=" + workersFile,
+		// A drain here has nothing to wait for.
+		"--shutdown-delay=0s", "--shutdown-timeout=5s",
+	}
+	files := map[string]string{
+		"gossip-key-file": f.gossipKey, "admin-token-file": f.adminToken,
+		"peer-tls-ca-file": f.ca, "peer-tls-cert-file": f.cert, "peer-tls-key-file": f.key,
+		"tls-cert-file": f.cert, "tls-key-file": f.key,
+		"workers-file": workersFile,
+	}
+	settings, err := b.parse(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := map[string]bool{}
+	for _, fs := range settings {
+		set[fs.name] = true
+	}
+	for variable := range s.env {
+		if name, ok := b.flagOfEnv(s.sub, variable); ok {
+			set[name] = true
+		}
+	}
+	for name := range set {
+		if !strings.HasSuffix(name, "-file") || name == "workers-file" {
+			continue
+		}
+		path, ok := files[name]
+		if !ok {
+			t.Fatalf("%s sets --%s: teach this test which file to give it", s.source, name)
+		}
+		out = append(out, "--"+name+"="+path)
+	}
+	// The admin token guards the admin API here too, whatever the file does.
+	if !set["admin-token-file"] {
+		out = append(out, "--admin-token-file="+f.adminToken)
+	}
+	return out
+}
+
+// expandKubeVars does Kubernetes' $(VAR) expansion of args from env.
+func expandKubeVars(args []string, env map[string]string) []string {
+	re := regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = re.ReplaceAllStringFunc(a, func(m string) string {
+			if v, ok := env[m[2:len(m)-1]]; ok {
+				return v
+			}
+			return m
+		})
+	}
+	return out
+}
+
+func workerIDs(t *testing.T, jsonArray string) []string {
+	t.Helper()
+	var ids []string
+	for _, m := range regexp.MustCompile(`"id"\s*:\s*"([^"]+)"`).FindAllStringSubmatch(jsonArray, -1) {
+		ids = append(ids, m[1])
+	}
+	if len(ids) == 0 {
+		t.Fatalf("no worker ids in %s", jsonArray)
+	}
+	return ids
+}
+
+func addr(t *testing.T) string {
+	t.Helper()
+	a, err := loopback.Addr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// syncBuffer collects a child's output for the failure report.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startProc runs the binary with the given environment (on top of the test's, less any
+// KVROUTER_ variable of the caller) and stops it when the test ends: SIGTERM, then SIGKILL if
+// it has not exited within a bound.
+func startProc(t *testing.T, b *kvrBinary, name, sub string, args []string, env map[string]string) *proc {
+	t.Helper()
+	cmd := exec.Command(b.path, append([]string{sub}, args...)...)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "KVROUTER_") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	for k, v := range env {
+		cmd.Env = append(cmd.Env, k+"="+v)
+	}
+	out := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		cmd.Wait()
+		close(done)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-done:
+			t.Errorf("%s exited before the test ended:\n%s", name, out)
+			return
+		default:
+		}
+		cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-done:
+		case <-time.After(15 * time.Second):
+			cmd.Process.Kill()
+			<-done
+			t.Errorf("%s did not stop within 15s of SIGTERM", name)
+		}
+		if t.Failed() {
+			t.Logf("%s %s output:\n%s", name, sub, out)
+		}
+	})
+	return &proc{name: name, done: done, out: out}
+}
+
+// proc is a started child: done closes when it exits.
+type proc struct {
+	name string
+	done chan struct{}
+	out  *syncBuffer
+}
+
+func get(t *testing.T, c *http.Client, url, token string) int {
+	t.Helper()
+	code, _ := request(t, c, http.MethodGet, url, token, "", "")
+	return code
+}
+
+func getBody(t *testing.T, c *http.Client, url, token string) string {
+	t.Helper()
+	code, body := request(t, c, http.MethodGet, url, token, "", "")
+	if code != http.StatusOK {
+		t.Fatalf("GET %s: %d %s", url, code, body)
+	}
+	return body
+}
+
+func post(t *testing.T, c *http.Client, url, session, body string) (int, string) {
+	t.Helper()
+	return request(t, c, http.MethodPost, url, "", session, body)
+}
+
+func request(t *testing.T, c *http.Client, method, url, token, session, body string) (int, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	if session != "" {
+		req.Header.Set("X-Session-ID", session)
+	}
+	if method == http.MethodPost {
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("X-Target-Worker", "sim")
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("%s %s: body: %v", method, url, err)
+	}
+	return resp.StatusCode, string(b)
+}
+
+// waitStatus polls url until it answers want, under a deadline, and gives up at once if the
+// process exits.
+func waitStatus(t *testing.T, c *http.Client, p *proc, url string, want int) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	last := "no answer"
+	for time.Now().Before(deadline) {
+		select {
+		case <-p.done:
+			t.Fatalf("%s exited while starting:\n%s", p.name, p.out)
+		default:
+		}
+		resp, err := c.Get(url)
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == want {
+				return
+			}
+			last = fmt.Sprintf("%d %s", resp.StatusCode, b)
+		} else {
+			last = err.Error()
+		}
+		time.Sleep(100 * time.Millisecond) // polling a starting process under a deadline
+	}
+	t.Fatalf("%s: %s never answered %d (last: %s)", p.name, url, want, last)
+}
