@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
@@ -72,7 +73,7 @@ func TestCorruptSnapshotRefusesToStart(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
-			cfg := Config{ID: "solo", DataDir: dir, RaftBind: loopbackAddr(t), PeerAddr: loopbackAddr(t)}
+			cfg := Config{ID: "solo", DataDir: dir, RaftBind: loopbacktest.Addr(t), PeerAddr: loopbacktest.Addr(t)}
 			n := startRealNode(t, cfg)
 			waitLeader(t, []*realNode{n})
 			for s := range 100 {
@@ -112,7 +113,7 @@ func TestDataDirectoryOfAnotherClusterRefusesToJoin(t *testing.T) {
 	for _, n := range nodes {
 		seeds = append(seeds, n.cfg.PeerAddr)
 	}
-	stray := startRealNode(t, Config{ID: "stray", DataDir: dir, RaftBind: loopbackAddr(t), PeerAddr: loopbackAddr(t),
+	stray := startRealNode(t, Config{ID: "stray", DataDir: dir, RaftBind: loopbacktest.Addr(t), PeerAddr: loopbacktest.Addr(t),
 		BootstrapExpect: 3, Join: seeds})
 	defer stray.stop(true)
 	// It must not become a member: it gave up (the background joiner stopped) and the

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
-	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
@@ -35,15 +35,6 @@ func (r *realNode) stop(kill bool) {
 	}
 	r.srv.Stop()
 	r.pool.Close()
-}
-
-func loopbackAddr(tb testing.TB) string {
-	tb.Helper()
-	a, err := loopback.Addr()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	return a
 }
 
 // startRealNode opens a node with cfg on real sockets.
@@ -84,7 +75,7 @@ func startRealCluster(tb testing.TB, size int) []*realNode {
 	for i := range size {
 		cfgs[i] = Config{
 			ID: fmt.Sprintf("r%d", i), DataDir: filepath.Join(dir, fmt.Sprintf("r%d", i)),
-			RaftBind: loopbackAddr(tb), PeerAddr: loopbackAddr(tb), BootstrapExpect: size,
+			RaftBind: loopbacktest.Addr(tb), PeerAddr: loopbacktest.Addr(tb), BootstrapExpect: size,
 		}
 		seeds = append(seeds, cfgs[i].PeerAddr)
 	}

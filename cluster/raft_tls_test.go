@@ -1,13 +1,7 @@
 package cluster
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"math/big"
 	"net"
 	"strings"
 	"testing"
@@ -15,61 +9,13 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/raft"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/testpki"
 )
 
-// raftTestCA is a throwaway certificate authority.
-type raftTestCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pool *x509.CertPool
-}
-
-func newRaftTestCA(t *testing.T, name string) *raftTestCA {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := x509.NewCertPool()
-	pool.AddCert(cert)
-	return &raftTestCA{cert: cert, key: key, pool: pool}
-}
-
-// config is a replica's TLS config: a leaf for 127.0.0.1 signed by ca, trusting trust.
-func (ca *raftTestCA) config(t *testing.T, name string, trust *raftTestCA) *tls.Config {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &tls.Config{
-		Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}},
-		RootCAs:      trust.pool, ClientCAs: trust.pool, MinVersion: tls.VersionTLS13,
-	}
+// replicaTLS is a replica's TLS config: a certificate from ca for 127.0.0.1, trusting trust.
+func replicaTLS(ca *testpki.CA, name string, trust *testpki.CA) *tls.Config {
+	return testpki.MutualConfig(ca.Issue(name, testpki.ServerAndClient, "127.0.0.1"), trust)
 }
 
 // tlsTestTransport is a Raft TLS transport on 127.0.0.1, closed at cleanup.
@@ -120,9 +66,9 @@ func appendOne(from *raft.NetworkTransport, to raft.ServerAddress) (*raft.Append
 }
 
 func TestRaftTLSTransportsExchangeAppendEntries(t *testing.T) {
-	ca := newRaftTestCA(t, "cluster CA")
-	a := tlsTestTransport(t, ca.config(t, "a", ca))
-	b := tlsTestTransport(t, ca.config(t, "b", ca))
+	ca := testpki.NewCA(t, "cluster CA")
+	a := tlsTestTransport(t, replicaTLS(ca, "a", ca))
+	b := tlsTestTransport(t, replicaTLS(ca, "b", ca))
 	got := answerAppendEntries(t, b)
 	resp, err := appendOne(a, b.LocalAddr())
 	if err != nil {
@@ -142,12 +88,12 @@ func TestRaftTLSTransportsExchangeAppendEntries(t *testing.T) {
 }
 
 func TestRaftTLSRefusesUntrustedPeersBothWays(t *testing.T) {
-	ca, other := newRaftTestCA(t, "cluster CA"), newRaftTestCA(t, "another CA")
-	member := tlsTestTransport(t, ca.config(t, "member", ca))
+	ca, other := testpki.NewCA(t, "cluster CA"), testpki.NewCA(t, "another CA")
+	member := tlsTestTransport(t, replicaTLS(ca, "member", ca))
 	got := answerAppendEntries(t, member)
 
 	// A forged client: its certificate is from another CA, though it trusts the cluster's.
-	forged := tlsTestTransport(t, other.config(t, "forged", ca))
+	forged := tlsTestTransport(t, replicaTLS(other, "forged", ca))
 	if _, err := appendOne(forged, member.LocalAddr()); err == nil {
 		t.Fatal("a replica with a certificate from another CA got an AppendEntries answered")
 	} else if !strings.Contains(err.Error(), "certificate") {
@@ -157,7 +103,7 @@ func TestRaftTLSRefusesUntrustedPeersBothWays(t *testing.T) {
 	}
 
 	// A member dialling a server whose certificate is from another CA refuses it.
-	stranger := tlsTestTransport(t, other.config(t, "stranger", other))
+	stranger := tlsTestTransport(t, replicaTLS(other, "stranger", other))
 	strangerGot := answerAppendEntries(t, stranger)
 	if _, err := appendOne(member, stranger.LocalAddr()); err == nil {
 		t.Fatal("a member sent AppendEntries to a server with a certificate from another CA")
@@ -187,9 +133,9 @@ func TestRaftTLSRefusesUntrustedPeersBothWays(t *testing.T) {
 }
 
 func TestRaftTLSTransportAdvertisesItsAdvertiseAddress(t *testing.T) {
-	ca := newRaftTestCA(t, "cluster CA")
+	ca := testpki.NewCA(t, "cluster CA")
 	adv := &net.TCPAddr{IP: net.ParseIP("127.0.0.1"), Port: 7999}
-	tr, err := newTLSTransport("127.0.0.1:0", adv, ca.config(t, "a", ca), 1, time.Second, hclog.NewNullLogger())
+	tr, err := newTLSTransport("127.0.0.1:0", adv, replicaTLS(ca, "a", ca), 1, time.Second, hclog.NewNullLogger())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,7 +143,7 @@ func TestRaftTLSTransportAdvertisesItsAdvertiseAddress(t *testing.T) {
 	if got := tr.LocalAddr(); got != "127.0.0.1:7999" {
 		t.Fatalf("LocalAddr %s, want the advertised 127.0.0.1:7999", got)
 	}
-	if _, err := newTLSTransport("127.0.0.1:0", &net.TCPAddr{IP: net.IPv4zero, Port: 1}, ca.config(t, "b", ca), 1, time.Second, hclog.NewNullLogger()); err == nil {
+	if _, err := newTLSTransport("127.0.0.1:0", &net.TCPAddr{IP: net.IPv4zero, Port: 1}, replicaTLS(ca, "b", ca), 1, time.Second, hclog.NewNullLogger()); err == nil {
 		t.Fatal("an unspecified advertise address was accepted")
 	}
 	if _, err := newTLSTransport("127.0.0.1:0", nil, &tls.Config{}, 1, time.Second, hclog.NewNullLogger()); err == nil {

@@ -3,17 +3,10 @@ package deploy_test
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/base64"
-	"encoding/pem"
 	"fmt"
 	"io"
-	"math/big"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -25,7 +18,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/testpki"
 )
 
 // TestManifestsRunAndServeTheDashboardsMetrics starts, on loopback, a simulated worker from
@@ -43,7 +37,7 @@ func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 	dir := t.TempDir()
 
 	// The simulated worker publishes its KV events to the StatefulSet replica's bound socket.
-	simAddr, kvBind := addr(t), addr(t)
+	simAddr, kvBind := loopbacktest.Addr(t), loopbacktest.Addr(t)
 	sim := c.workers[0]
 	simArgs := append(append([]string{}, sim.args...),
 		"--listen="+simAddr,
@@ -94,7 +88,10 @@ func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 	// The peer certificate names every address a replica advertises, as it must in production.
 	var hosts []string
 	for _, r := range runs {
-		r.ports = listeners{client: addr(t), admin: addr(t), raft: addr(t), peer: addr(t), gossip: addr(t)}
+		r.ports = listeners{
+			client: loopbacktest.Addr(t), admin: loopbacktest.Addr(t),
+			raft: loopbacktest.Addr(t), peer: loopbacktest.Addr(t), gossip: loopbacktest.Addr(t),
+		}
 		hosts = append(hosts, hostOf(t, r.name, r.ports.raft), hostOf(t, r.name, r.ports.peer))
 	}
 	files := newTestFiles(t, dir, hosts)
@@ -198,9 +195,13 @@ func newTestFiles(t *testing.T, dir string, hosts []string) testFiles {
 	if _, err := rand.Read(raw); err != nil {
 		t.Fatal(err)
 	}
+	// One certificate for the hosts, usable as server and client (mutual TLS between
+	// replicas), from a CA of its own.
+	ca := testpki.NewCA(t, "kvrouter-ha test CA")
+	cert, key := ca.IssueFiles("kvrouter-ha replica", testpki.ServerAndClient, append([]string{"localhost"}, hosts...)...)
 	f := testFiles{
 		gossipKey: filepath.Join(dir, "gossip.key"), adminToken: filepath.Join(dir, "admin.token"),
-		ca: filepath.Join(dir, "ca.crt"), cert: filepath.Join(dir, "tls.crt"), key: filepath.Join(dir, "tls.key"),
+		ca: ca.CAFile, cert: cert, key: key,
 		token: base64.RawURLEncoding.EncodeToString(raw[:24]),
 	}
 	write := func(path string, b []byte) {
@@ -210,59 +211,7 @@ func newTestFiles(t *testing.T, dir string, hosts []string) testFiles {
 	}
 	write(f.gossipKey, []byte(base64.StdEncoding.EncodeToString(raw)+"\n"))
 	write(f.adminToken, []byte(f.token+"\n"))
-	caPEM, certPEM, keyPEM := testCertificates(t, hosts)
-	write(f.ca, caPEM)
-	write(f.cert, certPEM)
-	write(f.key, keyPEM)
 	return f
-}
-
-// testCertificates makes a CA and a certificate from it for the hosts, usable as server and
-// client (mutual TLS between replicas).
-func testCertificates(t *testing.T, hosts []string) (caPEM, certPEM, keyPEM []byte) {
-	t.Helper()
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvrouter-ha test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	leaf := &x509.Certificate{
-		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "kvrouter-ha replica"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-		DNSNames:    []string{"localhost"},
-	}
-	for _, h := range hosts {
-		leaf.IPAddresses = append(leaf.IPAddresses, net.ParseIP(h))
-	}
-	caCert, err := x509.ParseCertificate(caDER)
-	if err != nil {
-		t.Fatal(err)
-	}
-	leafDER, err := x509.CreateCertificate(rand.Reader, leaf, caCert, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}),
-		pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: leafDER}),
-		pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})
 }
 
 // listeners are one replica's loopback addresses.
@@ -344,15 +293,6 @@ func workerIDs(t *testing.T, jsonArray string) []string {
 		t.Fatalf("no worker ids in %s", jsonArray)
 	}
 	return ids
-}
-
-func addr(t *testing.T) string {
-	t.Helper()
-	a, err := loopback.Addr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
 }
 
 // syncBuffer collects a child's output for the failure report.

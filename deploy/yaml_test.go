@@ -132,6 +132,26 @@ func blockScalarHead(text string) (head string, keep, ok bool) {
 
 // stripYAMLComment cuts a comment (a # at the start or after a blank, outside quotes).
 func stripYAMLComment(s string) (string, error) {
+	cut := len(s)
+	if q := scanUnquoted(s, func(i int) bool {
+		if s[i] == '#' && (i == 0 || s[i-1] == ' ') {
+			cut = i
+			return true
+		}
+		return false
+	}); q != 0 {
+		return "", fmt.Errorf("unterminated %c quote", q)
+	}
+	return s[:cut], nil
+}
+
+// scanUnquoted calls at with the index of each byte of s outside a quoted scalar, in order,
+// until at returns true, and returns the quote left open at the end of s (0 if none). A quote
+// opens a scalar only where one starts (at the beginning, or after a blank or one of "[,:-"),
+// as in YAML, where a quote inside a plain scalar (it's) is just a character. Comments and
+// flow sequences share it so that a flow sequence is split with the quoting that decided
+// where its line's comment began.
+func scanUnquoted(s string, at func(i int) bool) (open byte) {
 	var quote byte
 	for i := 0; i < len(s); i++ {
 		c := s[i]
@@ -142,18 +162,15 @@ func stripYAMLComment(s string) (string, error) {
 			} else if c == quote {
 				quote = 0
 			}
-		case c == '"' || c == '\'':
-			if i == 0 || strings.ContainsRune(" [,:-", rune(s[i-1])) {
-				quote = c
+		case (c == '"' || c == '\'') && (i == 0 || strings.ContainsRune(" [,:-", rune(s[i-1]))):
+			quote = c
+		default:
+			if at(i) {
+				return 0
 			}
-		case c == '#' && (i == 0 || s[i-1] == ' '):
-			return s[:i], nil
 		}
 	}
-	if quote != 0 {
-		return "", fmt.Errorf("unterminated %c quote", quote)
-	}
-	return s, nil
+	return quote
 }
 
 type yamlParser struct {
@@ -352,25 +369,14 @@ func yamlScalar(s string) (any, error) {
 // splitFlow splits the inside of a flow sequence at commas outside quotes.
 func splitFlow(s string) ([]string, error) {
 	var out []string
-	var quote byte
 	start := 0
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		switch {
-		case quote != 0:
-			if c == '\\' && quote == '"' {
-				i++
-			} else if c == quote {
-				quote = 0
-			}
-		case c == '"' || c == '\'':
-			quote = c
-		case c == ',':
+	if q := scanUnquoted(s, func(i int) bool {
+		if s[i] == ',' {
 			out = append(out, strings.TrimSpace(s[start:i]))
 			start = i + 1
 		}
-	}
-	if quote != 0 {
+		return false
+	}); q != 0 {
 		return nil, fmt.Errorf("unterminated quote in [%s]", s)
 	}
 	return append(out, strings.TrimSpace(s[start:])), nil
@@ -392,7 +398,7 @@ spec:
     - name: b
       nested:
         - x
-  flow: [one, "two, three", '#four']
+  flow: [one, "two, three", '#four', it's]
   seqAtKeyIndent:
   - p
   - q
@@ -420,7 +426,7 @@ kind: Other
 					map[string]any{"name": "a", "value": "it's"},
 					map[string]any{"name": "b", "nested": []any{"x"}},
 				},
-				"flow":           []any{"one", "two, three", "#four"},
+				"flow":           []any{"one", "two, three", "#four", "it's"},
 				"seqAtKeyIndent": []any{"p", "q"},
 				"script":         "line one\n  indented # not a comment\n",
 				"last":           "http://h:1/p#frag",

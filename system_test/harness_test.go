@@ -21,7 +21,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
@@ -45,16 +45,6 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
-}
-
-// freePort returns a loopback address with a port nobody listens on now.
-func freePort(t testing.TB) string {
-	t.Helper()
-	addr, err := loopback.Addr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return addr
 }
 
 // fleet is n simulated workers served in-process on loopback.
@@ -111,7 +101,9 @@ func startCluster(t *testing.T, n int, fl *fleet, extra ...string) *cluster {
 	var peers, gossipSeeds []string
 	for i := range n {
 		r := &replica{
-			id: fmt.Sprintf("r%d", i), client: freePort(t), admin: freePort(t), raft: freePort(t), p: freePort(t), gossip: freePort(t),
+			id:     fmt.Sprintf("r%d", i),
+			client: loopbacktest.Addr(t), admin: loopbacktest.Addr(t), raft: loopbacktest.Addr(t),
+			p: loopbacktest.Addr(t), gossip: loopbacktest.Addr(t),
 			dataDir: filepath.Join(base, fmt.Sprintf("r%d", i)),
 		}
 		peers = append(peers, r.p)
@@ -286,14 +278,21 @@ func (c *cluster) others(r *replica) []*replica {
 type answer struct {
 	status   int
 	worker   string
+	replica  string
 	revision uint64
 	body     string
 }
 
-// chat sends one non-streaming chat request with a session key to a replica.
+// chat sends one non-streaming chat request with a session key straight to a replica.
 func chat(ctx context.Context, r *replica, session, prompt string) (answer, error) {
-	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":%q}],"max_tokens":4}`, sim.DefaultModel, prompt)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+r.client+"/v1/chat/completions", strings.NewReader(body))
+	return chatVia(ctx, httpClient, "http://"+r.client, session, prompt, 4)
+}
+
+// chatVia sends one non-streaming chat request with a session key to base (a replica or a
+// load balancer in front of them).
+func chatVia(ctx context.Context, hc *http.Client, base, session, prompt string, maxTokens int) (answer, error) {
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":%q}],"max_tokens":%d}`, sim.DefaultModel, prompt, maxTokens)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", strings.NewReader(body))
 	if err != nil {
 		return answer{}, err
 	}
@@ -301,16 +300,17 @@ func chat(ctx context.Context, r *replica, session, prompt string) (answer, erro
 	if session != "" {
 		req.Header.Set("X-Session-ID", session)
 	}
-	resp, err := httpClient.Do(req)
+	resp, err := hc.Do(req)
 	if err != nil {
 		return answer{}, err
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return answer{}, err
+		return answer{}, fmt.Errorf("read answer: %w", err)
 	}
-	a := answer{status: resp.StatusCode, worker: resp.Header.Get("X-Kvrouter-Worker"), body: string(b)}
+	a := answer{status: resp.StatusCode, worker: resp.Header.Get("X-Kvrouter-Worker"),
+		replica: resp.Header.Get("X-Kvrouter-Replica"), body: string(b)}
 	if v := resp.Header.Get("X-Kvrouter-Binding-Revision"); v != "" {
 		a.revision, _ = strconv.ParseUint(v, 10, 64)
 	}

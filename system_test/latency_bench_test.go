@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 )
 
 // releaseBinary is kvrouter-ha built without the race detector, for benchmarks.
@@ -79,16 +81,17 @@ func waitHTTP(b *testing.B, url string) {
 // proxying, plus one more loopback hop.
 func BenchmarkAddedLatencyProcesses(b *testing.B) {
 	bin := releaseBinary(b)
-	worker := freePort(b)
+	worker := loopbacktest.Addr(b)
 	process(b, bin, "sim-worker", "--listen", worker, "--id", "w0", "--speedup", "1000000",
 		"--log-level", "error")
 	waitHTTP(b, "http://"+worker+"/health")
 	for _, stream := range []bool{false, true} {
 		name := map[bool]string{false: "json", true: "sse"}[stream]
 		b.Run(name, func(b *testing.B) {
-			router := freePort(b)
-			process(b, bin, "serve", "--listen", router, "--admin-listen", freePort(b),
-				"--raft-listen", freePort(b), "--peer-listen", freePort(b), "--gossip-listen", freePort(b), "--data-dir", b.TempDir(),
+			router := loopbacktest.Addr(b)
+			process(b, bin, "serve", "--listen", router, "--admin-listen", loopbacktest.Addr(b),
+				"--raft-listen", loopbacktest.Addr(b), "--peer-listen", loopbacktest.Addr(b),
+				"--gossip-listen", loopbacktest.Addr(b), "--data-dir", b.TempDir(),
 				"--worker", "w0=http://"+worker, "--log-level", "error")
 			waitHTTP(b, "http://"+router+"/readyz")
 			body := fmt.Sprintf(`{"model":"sim-model","stream":%v,"max_tokens":4,"prompt":"%s"}`, stream, strings.Repeat("word ", 200))

@@ -13,13 +13,13 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
@@ -39,7 +39,7 @@ type loadBalancer struct {
 // foreground; it is killed at cleanup.
 func startHAProxy(t *testing.T, bin string, c *cluster) *loadBalancer {
 	t.Helper()
-	lb := &loadBalancer{addr: freePort(t), done: make(chan struct{})}
+	lb := &loadBalancer{addr: loopbacktest.Addr(t), done: make(chan struct{})}
 	env := append(os.Environ(), "KVR_LISTEN="+lb.addr)
 	for i, r := range c.replicas {
 		env = append(env, fmt.Sprintf("KVR_REPLICA%d=%s", i, r.client))
@@ -67,43 +67,6 @@ func startHAProxy(t *testing.T, bin string, c *cluster) *loadBalancer {
 		}
 	})
 	return lb
-}
-
-// reply is what one request through the load balancer got.
-type reply struct {
-	status   int
-	worker   string
-	replica  string
-	revision uint64
-	body     string
-}
-
-// chatVia sends one non-streaming chat request with a session key to base.
-func chatVia(ctx context.Context, hc *http.Client, base, session, prompt string, maxTokens int) (reply, error) {
-	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":%q}],"max_tokens":%d}`, sim.DefaultModel, prompt, maxTokens)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", strings.NewReader(body))
-	if err != nil {
-		return reply{}, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	if session != "" {
-		req.Header.Set("X-Session-ID", session)
-	}
-	resp, err := hc.Do(req)
-	if err != nil {
-		return reply{}, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return reply{}, fmt.Errorf("read answer: %w", err)
-	}
-	rp := reply{status: resp.StatusCode, worker: resp.Header.Get("X-Kvrouter-Worker"),
-		replica: resp.Header.Get("X-Kvrouter-Replica"), body: string(b)}
-	if v := resp.Header.Get("X-Kvrouter-Binding-Revision"); v != "" {
-		rp.revision, _ = strconv.ParseUint(v, 10, 64)
-	}
-	return rp, nil
 }
 
 // streamVia sends one streamed chat request to base and reads it to the end: nil only when
@@ -144,7 +107,7 @@ type sample struct {
 	session string
 	at      time.Time
 	latency time.Duration
-	reply   reply
+	reply   answer
 	err     error
 }
 
@@ -191,7 +154,7 @@ func TestRollingRestartBehindHAProxyLosesNothing(t *testing.T) {
 
 	// Bind the sessions through HAProxy; from here on each must keep its worker and revision.
 	sessions := sessionNames("roll", 50)
-	bound := map[string]reply{}
+	bound := map[string]answer{}
 	for _, s := range sessions {
 		rp, err := chatVia(ctx, hc, base, s, "first turn of "+s, 4)
 		if err != nil || rp.status != http.StatusOK || rp.worker == "" || rp.revision == 0 {

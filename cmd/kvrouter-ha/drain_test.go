@@ -253,41 +253,14 @@ func TestShutdownTimeoutCutsAStuckStream(t *testing.T) {
 	}
 }
 
-// syncBuffer is a log sink a replica writes while the test reads.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 func TestShutdownOfTheLeaderHandsOverLeadershipBeforeThePortCloses(t *testing.T) {
 	fleet := startWorkers(t, 2, simConfig(0))
-	logs := make([]*syncBuffer, 3)
+	logs := make([]*logBuffer, 3)
 	gc := startGossipCluster(t, fleet, 3, func(i int, cfg *serveConfig) {
-		logs[i] = &syncBuffer{}
-		cfg.Logger = slog.New(slog.NewTextHandler(logs[i], nil))
+		logs[i] = &logBuffer{}
+		cfg.Logger = logs[i].logger()
 	})
-	leader := -1
-	eventually(t, "a leader", func() (bool, string) {
-		for i := range 3 {
-			if gc.rep(i).cluster.node.IsLeader() {
-				leader = i
-				return true, ""
-			}
-		}
-		return false, "no replica leads"
-	})
+	leader := leaderIndex(t, gc, 3)
 	gc.stop(leader)
 
 	// The steps ran in order, and the transfer named another replica.

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 )
@@ -36,17 +37,17 @@ func startGossipCluster(t *testing.T, fleet testFleet, n int, tune func(i int, c
 	var peers, gossipSeeds []string
 	for i := range n {
 		cfg := serveConfig{
-			Listen: freePort(t), AdminListen: freePort(t), ReplicaID: fmt.Sprintf("g%d", i),
+			Listen: loopbacktest.Addr(t), AdminListen: loopbacktest.Addr(t), ReplicaID: fmt.Sprintf("g%d", i),
 			Workers:   fleet.specs(),
 			Router:    routing.Config{Policy: "kv"},
 			ApproxTTL: 2 * time.Minute, ApproxMaxBlocks: 1 << 20,
 			SessionTTL: 10 * time.Minute, MaxSessions: 10_000,
 			Health: openai.HealthConfig{Interval: time.Hour},
 			Cluster: clusterConfig{
-				DataDir: t.TempDir(), RaftListen: freePort(t), PeerListen: freePort(t), BootstrapExpect: n,
+				DataDir: t.TempDir(), RaftListen: loopbacktest.Addr(t), PeerListen: loopbacktest.Addr(t), BootstrapExpect: n,
 				Heartbeat: 100 * time.Millisecond, Election: 100 * time.Millisecond, LeaderLease: 50 * time.Millisecond,
 				BindWait: 5 * time.Second,
-				Gossip: gossipConfig{Listen: freePort(t), Key: testGossipKey, JoinWait: 100 * time.Millisecond,
+				Gossip: gossipConfig{Listen: loopbacktest.Addr(t), Key: testGossipKey, JoinWait: 100 * time.Millisecond,
 					LoadInterval: 100 * time.Millisecond, HealthInterval: 100 * time.Millisecond, SnapshotDiscovery: 2 * time.Second},
 			},
 			Logger: slog.New(slog.DiscardHandler),
@@ -230,9 +231,9 @@ func TestReplicaWithTheWrongGossipKeyCannotJoin(t *testing.T) {
 	gc := startGossipCluster(t, fleet, 3, nil)
 	cfg := gc.cfgs[0]
 	cfg.ReplicaID = "intruder"
-	cfg.Listen, cfg.AdminListen = freePort(t), freePort(t)
+	cfg.Listen, cfg.AdminListen = loopbacktest.Addr(t), loopbacktest.Addr(t)
 	cfg.Cluster.DataDir = t.TempDir()
-	cfg.Cluster.RaftListen, cfg.Cluster.PeerListen, cfg.Cluster.Gossip.Listen = freePort(t), freePort(t), freePort(t)
+	cfg.Cluster.RaftListen, cfg.Cluster.PeerListen, cfg.Cluster.Gossip.Listen = loopbacktest.Addr(t), loopbacktest.Addr(t), loopbacktest.Addr(t)
 	cfg.Cluster.Gossip.JoinWait = 5 * time.Second
 	cfg.Cluster.Gossip.Key = base64.StdEncoding.EncodeToString([]byte("not the cluster's gossip key 032"))
 	rep, err := startReplica(context.Background(), cfg)

@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
-	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
@@ -32,19 +32,10 @@ type eventWorker struct {
 	done     chan struct{}
 }
 
-func freePort(t *testing.T) string {
-	t.Helper()
-	a, err := loopback.Addr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
-}
-
 // startEventWorker starts worker id publishing KV events (with a replay socket).
 func startEventWorker(t *testing.T, id string) *eventWorker {
 	t.Helper()
-	w := &eventWorker{t: t, httpAddr: freePort(t), pubAddr: freePort(t), replay: freePort(t)}
+	w := &eventWorker{t: t, httpAddr: loopbacktest.Addr(t), pubAddr: loopbacktest.Addr(t), replay: loopbacktest.Addr(t)}
 	w.spec = routing.WorkerSpec{ID: id, URL: "http://" + w.httpAddr, KVEvents: "tcp://" + w.pubAddr, KVReplay: "tcp://" + w.replay}
 	w.start()
 	t.Cleanup(w.stop)

@@ -3,18 +3,12 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -27,95 +21,16 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/raft"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/testpki"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
-// testPKI is a throwaway certificate authority whose files live in a test's temporary
-// directory.
-type testPKI struct {
-	t      *testing.T
-	dir    string
-	cert   *x509.Certificate
-	key    *ecdsa.PrivateKey
-	caFile string
-	pool   *x509.CertPool
-}
-
-var bothUsages = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}
-
-func newTestPKI(t *testing.T, name string) *testPKI {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &testPKI{t: t, dir: t.TempDir(), cert: cert, key: key, pool: x509.NewCertPool()}
-	p.pool.AddCert(cert)
-	p.caFile = p.write(name+"-ca.pem", "CERTIFICATE", der)
-	return p
-}
-
-func (p *testPKI) write(name, typ string, der []byte) string {
-	p.t.Helper()
-	path := filepath.Join(p.dir, strings.ReplaceAll(name, " ", "-"))
-	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-		p.t.Fatal(err)
-	}
-	return path
-}
-
-// issue writes a leaf certificate and its key for hosts (host or host:port; IPs become IP
-// SANs, names DNS SANs) and returns the two files.
-func (p *testPKI) issue(name string, usages []x509.ExtKeyUsage, hosts ...string) (certFile, keyFile string) {
-	p.t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		p.t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: usages,
-	}
-	for _, h := range hosts {
-		if host, _, err := net.SplitHostPort(h); err == nil {
-			h = host
-		}
-		if ip := net.ParseIP(h); ip != nil {
-			tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
-		} else {
-			tmpl.DNSNames = append(tmpl.DNSNames, h)
-		}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, p.cert, &key.PublicKey, p.key)
-	if err != nil {
-		p.t.Fatal(err)
-	}
-	kder, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		p.t.Fatal(err)
-	}
-	return p.write(name+".pem", "CERTIFICATE", der), p.write(name+"-key.pem", "PRIVATE KEY", kder)
-}
-
-// peerTLS gives the replica of cfg a certificate from p for the addresses other replicas
-// dial, and p's CA to verify them with.
-func (p *testPKI) peerTLS(cfg *serveConfig) tlsConfig {
-	cert, key := p.issue(cfg.ReplicaID, bothUsages, cfg.Cluster.RaftListen, cfg.Cluster.PeerListen)
-	return tlsConfig{CertFile: cfg.TLS.CertFile, KeyFile: cfg.TLS.KeyFile, PeerCertFile: cert, PeerKeyFile: key, PeerCAFile: p.caFile}
+// peerTLS gives the replica of cfg a certificate from ca for the addresses other replicas
+// dial, and ca's CA file to verify them with.
+func peerTLS(ca *testpki.CA, cfg *serveConfig) tlsConfig {
+	cert, key := ca.IssueFiles(cfg.ReplicaID, testpki.ServerAndClient, cfg.Cluster.RaftListen, cfg.Cluster.PeerListen)
+	return tlsConfig{CertFile: cfg.TLS.CertFile, KeyFile: cfg.TLS.KeyFile, PeerCertFile: cert, PeerKeyFile: key, PeerCAFile: ca.CAFile}
 }
 
 // logBuffer collects a replica's log lines for a test to search.
@@ -157,11 +72,11 @@ func (l *logBuffer) line(parts ...string) string {
 }
 
 // startTLSCluster is three replicas with mutual TLS between them, logging to logs.
-func startTLSCluster(t *testing.T, ca *testPKI, logs *logBuffer) (*gossipCluster, testFleet) {
+func startTLSCluster(t *testing.T, ca *testpki.CA, logs *logBuffer) (*gossipCluster, testFleet) {
 	t.Helper()
 	fleet := startWorkers(t, 2, simConfig(0))
 	gc := startGossipCluster(t, fleet, 3, func(_ int, cfg *serveConfig) {
-		cfg.TLS = ca.peerTLS(cfg)
+		cfg.TLS = peerTLS(ca, cfg)
 		if logs != nil {
 			cfg.Logger = logs.logger()
 		}
@@ -200,7 +115,7 @@ func raftServers(t *testing.T, gc *gossipCluster, i int) []string {
 }
 
 func TestReplicasTalkOverMutualTLS(t *testing.T) {
-	ca := newTestPKI(t, "cluster CA")
+	ca := testpki.NewCA(t, "cluster CA")
 	gc, _ := startTLSCluster(t, ca, nil)
 	lead := leaderIndex(t, gc, 3)
 	if ids := raftServers(t, gc, lead); len(ids) != 3 {
@@ -254,7 +169,7 @@ func TestReplicasTalkOverMutualTLS(t *testing.T) {
 			tls  *tls.Config
 		}{
 			{"plaintext", nil},
-			{"TLS without a client certificate", &tls.Config{RootCAs: ca.pool, MinVersion: tls.VersionTLS13}},
+			{"TLS without a client certificate", testpki.ClientConfig(ca)},
 		} {
 			pool := peer.NewPool(peer.ClientOptions{TLS: tc.tls})
 			c, err := pool.Get(leader.peerAdvert)
@@ -274,20 +189,20 @@ func TestReplicasTalkOverMutualTLS(t *testing.T) {
 }
 
 func TestReplicaWithCertificateFromAnotherCACannotJoin(t *testing.T) {
-	ca := newTestPKI(t, "cluster CA")
+	ca := testpki.NewCA(t, "cluster CA")
 	var clusterLogs, intruderLogs logBuffer
 	gc, _ := startTLSCluster(t, ca, &clusterLogs)
 	lead := leaderIndex(t, gc, 3)
 
 	// Another cluster's certificate and CA (a replica deployed with the wrong files, or a
 	// host that holds the gossip key but no certificate from this cluster's CA).
-	other := newTestPKI(t, "another CA")
+	other := testpki.NewCA(t, "another CA")
 	cfg := gc.cfgs[0]
 	cfg.ReplicaID = "intruder"
-	cfg.Listen, cfg.AdminListen = freePort(t), freePort(t)
+	cfg.Listen, cfg.AdminListen = loopbacktest.Addr(t), loopbacktest.Addr(t)
 	cfg.Cluster.DataDir = t.TempDir()
-	cfg.Cluster.RaftListen, cfg.Cluster.PeerListen, cfg.Cluster.Gossip.Listen = freePort(t), freePort(t), freePort(t)
-	cfg.TLS = other.peerTLS(&cfg)
+	cfg.Cluster.RaftListen, cfg.Cluster.PeerListen, cfg.Cluster.Gossip.Listen = loopbacktest.Addr(t), loopbacktest.Addr(t), loopbacktest.Addr(t)
+	cfg.TLS = peerTLS(other, &cfg)
 	cfg.Logger = intruderLogs.logger()
 	rep, err := startReplica(t.Context(), cfg)
 	if err != nil {
@@ -359,14 +274,14 @@ func requireNoAdminRoutes(t *testing.T, c *routerClient) {
 }
 
 func TestClientPortServesTLS(t *testing.T) {
-	ca := newTestPKI(t, "client CA")
-	cert, key := ca.issue("router", []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, "127.0.0.1")
+	ca := testpki.NewCA(t, "client CA")
+	cert, key := ca.IssueFiles("router", testpki.ServerOnly, "127.0.0.1")
 	fleet := startWorkers(t, 2, simConfig(0))
 	rep := startTestReplica(t, fleet, func(cfg *serveConfig) {
 		cfg.TLS = tlsConfig{CertFile: cert, KeyFile: key}
 		cfg.AdminToken = "tok"
 	})
-	c := httpsClient(t, rep, ca.pool)
+	c := httpsClient(t, rep, ca.Pool)
 	waitReady(t, c, http.StatusOK)
 	ans := c.complete(promptTokens(1000, 2*blockTokens), 2, hdr("X-Session-ID", "https-session")).mustOK(t)
 	if ans.worker() == "" {
@@ -383,7 +298,7 @@ func TestClientPortServesTLS(t *testing.T) {
 	t.Logf("plain HTTP: err %v, status %d %q", err, a.status, strings.TrimSpace(string(a.body)))
 
 	// A client that does not trust the certificate's CA does not get through either.
-	stranger := httpsClient(t, rep, newTestPKI(t, "another CA").pool)
+	stranger := httpsClient(t, rep, testpki.NewCA(t, "another CA").Pool)
 	if _, err := stranger.do(t.Context(), http.MethodGet, "/readyz", nil, nil); err == nil {
 		t.Fatal("a client that does not trust the router's CA got an answer")
 	} else if !strings.Contains(err.Error(), "unknown authority") {
@@ -410,11 +325,11 @@ func TestAdminRoutesOnlyOnTheAdminPort(t *testing.T) {
 }
 
 func TestTLSFlagsAreCheckedBeforeAnythingStarts(t *testing.T) {
-	ca := newTestPKI(t, "cluster CA")
-	other := newTestPKI(t, "another CA")
-	cert, key := ca.issue("r0", bothUsages, "127.0.0.1")
-	otherCert, otherKey := other.issue("r0-other", bothUsages, "127.0.0.1")
-	serverOnly, serverOnlyKey := ca.issue("server-only", []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, "127.0.0.1")
+	ca := testpki.NewCA(t, "cluster CA")
+	other := testpki.NewCA(t, "another CA")
+	cert, key := ca.IssueFiles("r0", testpki.ServerAndClient, "127.0.0.1")
+	otherCert, otherKey := other.IssueFiles("r0-other", testpki.ServerAndClient, "127.0.0.1")
+	serverOnly, serverOnlyKey := ca.IssueFiles("server-only", testpki.ServerOnly, "127.0.0.1")
 	notPEM := filepath.Join(t.TempDir(), "not.pem")
 	if err := os.WriteFile(notPEM, []byte("this is not a certificate\n"), 0o600); err != nil {
 		t.Fatal(err)
@@ -434,22 +349,22 @@ func TestTLSFlagsAreCheckedBeforeAnythingStarts(t *testing.T) {
 		{"client cert from the environment without key", nil, map[string]string{"KVROUTER_TLS_CERT_FILE": cert}, []string{"--tls-cert-file and --tls-key-file go together"}},
 		{"peer cert and key without CA", []string{"--peer-tls-cert-file", cert, "--peer-tls-key-file", key}, nil, []string{"go together", "--peer-tls-ca-file"}},
 		{"missing client cert file", []string{"--tls-cert-file", missing, "--tls-key-file", key}, nil, []string{"--tls-cert-file", "no such file"}},
-		{"missing peer key file", peerFlags(cert, missing, ca.caFile), nil, []string{"--peer-tls-key-file", "no such file"}},
+		{"missing peer key file", peerFlags(cert, missing, ca.CAFile), nil, []string{"--peer-tls-key-file", "no such file"}},
 		{"missing CA file", peerFlags(cert, key, missing), nil, []string{"--peer-tls-ca-file", "no such file"}},
 		{"CA file not PEM", peerFlags(cert, key, notPEM), nil, []string{"--peer-tls-ca-file", "no PEM certificate"}},
 		{"cert file not PEM", []string{"--tls-cert-file", notPEM, "--tls-key-file", key}, nil, []string{"--tls-cert-file", "PEM"}},
 		{"key of another cert", []string{"--tls-cert-file", cert, "--tls-key-file", otherKey}, nil, []string{"--tls-cert-file", "does not match"}},
-		{"peer cert from another CA", peerFlags(otherCert, otherKey, ca.caFile), nil, []string{"does not verify against --peer-tls-ca-file", "unknown authority"}},
-		{"peer cert only for servers", peerFlags(serverOnly, serverOnlyKey, ca.caFile), nil, []string{"lacks clientAuth"}},
+		{"peer cert from another CA", peerFlags(otherCert, otherKey, ca.CAFile), nil, []string{"does not verify against --peer-tls-ca-file", "unknown authority"}},
+		{"peer cert only for servers", peerFlags(serverOnly, serverOnlyKey, ca.CAFile), nil, []string{"lacks clientAuth"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			for k, v := range tc.env {
 				t.Setenv(k, v)
 			}
-			listen := freePort(t)
+			listen := loopbacktest.Addr(t)
 			dataDir := filepath.Join(t.TempDir(), "data")
-			args := append([]string{"serve", "--listen", listen, "--admin-listen", freePort(t),
-				"--raft-listen", freePort(t), "--peer-listen", freePort(t), "--gossip-listen", freePort(t),
+			args := append([]string{"serve", "--listen", listen, "--admin-listen", loopbacktest.Addr(t),
+				"--raft-listen", loopbacktest.Addr(t), "--peer-listen", loopbacktest.Addr(t), "--gossip-listen", loopbacktest.Addr(t),
 				"--data-dir", dataDir, "--worker", "w0=http://127.0.0.1:9", "--admin-token", "tok"}, tc.args...)
 			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 			defer cancel()
@@ -478,10 +393,10 @@ func TestTLSFlagsAreCheckedBeforeAnythingStarts(t *testing.T) {
 }
 
 func TestTLSReplicaLogsNoSecrets(t *testing.T) {
-	ca := newTestPKI(t, "cluster CA")
-	listen, raftAddr, peerAddr := freePort(t), freePort(t), freePort(t)
-	clientCert, clientKey := ca.issue("router", bothUsages, listen)
-	peerCert, peerKey := ca.issue("r0", bothUsages, raftAddr, peerAddr)
+	ca := testpki.NewCA(t, "cluster CA")
+	listen, raftAddr, peerAddr := loopbacktest.Addr(t), loopbacktest.Addr(t), loopbacktest.Addr(t)
+	clientCert, clientKey := ca.IssueFiles("router", testpki.ServerAndClient, listen)
+	peerCert, peerKey := ca.IssueFiles("r0", testpki.ServerAndClient, raftAddr, peerAddr)
 	const token = "admin-token-that-must-not-leak"
 	tokenFile := filepath.Join(t.TempDir(), "token")
 	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {
@@ -489,11 +404,11 @@ func TestTLSReplicaLogsNoSecrets(t *testing.T) {
 	}
 	t.Setenv("KVROUTER_GOSSIP_KEY", testGossipKey)
 	args := []string{"serve", "--log-level", "debug", "--replica-id", "r0",
-		"--listen", listen, "--admin-listen", freePort(t), "--raft-listen", raftAddr, "--peer-listen", peerAddr,
-		"--gossip-listen", freePort(t), "--data-dir", filepath.Join(t.TempDir(), "data"),
+		"--listen", listen, "--admin-listen", loopbacktest.Addr(t), "--raft-listen", raftAddr, "--peer-listen", peerAddr,
+		"--gossip-listen", loopbacktest.Addr(t), "--data-dir", filepath.Join(t.TempDir(), "data"),
 		"--worker", "w0=http://127.0.0.1:9", "--admin-token-file", tokenFile,
 		"--tls-cert-file", clientCert, "--tls-key-file", clientKey,
-		"--peer-tls-cert-file", peerCert, "--peer-tls-key-file", peerKey, "--peer-tls-ca-file", ca.caFile,
+		"--peer-tls-cert-file", peerCert, "--peer-tls-key-file", peerKey, "--peer-tls-ca-file", ca.CAFile,
 		"--raft-heartbeat-timeout", "100ms", "--raft-election-timeout", "100ms", "--raft-leader-lease-timeout", "50ms",
 		"--shutdown-delay", "0s"}
 	ctx, cancel := context.WithCancel(t.Context())
@@ -501,7 +416,7 @@ func TestTLSReplicaLogsNoSecrets(t *testing.T) {
 	var out, errOut logBuffer
 	done := make(chan error, 1)
 	go func() { done <- run(ctx, args, &out, &errOut) }()
-	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: ca.pool}}
+	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: ca.Pool}}
 	defer tr.CloseIdleConnections()
 	hc := &http.Client{Transport: tr, Timeout: 2 * time.Second}
 	eventually(t, "the replica to be ready over HTTPS", func() (bool, string) {

@@ -12,6 +12,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/testpki"
 )
 
 func TestGarbageOnThePortDoesNotHurtTheServer(t *testing.T) {
@@ -90,17 +92,20 @@ func TestOversizedMessagesAreRejected(t *testing.T) {
 }
 
 func TestMutualTLSRefusesClientsWithoutACertFromTheCA(t *testing.T) {
-	ca, other := newTestCA(t, "cluster CA"), newTestCA(t, "other CA")
+	ca, other := testpki.NewCA(t, "cluster CA"), testpki.NewCA(t, "other CA")
+	replica := func(from *testpki.CA, name string) tls.Certificate {
+		return from.Issue(name, testpki.ServerAndClient, "127.0.0.1")
+	}
 	serverTLS := &tls.Config{
-		Certificates: []tls.Certificate{ca.issue(t, "replica-1")},
-		ClientCAs:    ca.pool,
+		Certificates: []tls.Certificate{replica(ca, "replica-1")},
+		ClientCAs:    ca.Pool,
 		ClientAuth:   tls.RequireAndVerifyClientCert,
 		MinVersion:   tls.VersionTLS13,
 	}
 	h := &fakeHandler{}
 	addr := serve(t, h, ServerOptions{TLS: serverTLS})
 
-	good := &tls.Config{RootCAs: ca.pool, Certificates: []tls.Certificate{ca.issue(t, "replica-2")}, MinVersion: tls.VersionTLS13}
+	good := testpki.ClientConfig(ca, replica(ca, "replica-2"))
 	c := dial(t, addr, ClientOptions{TLS: good})
 	if _, _, err := c.Apply(testCtx(t), []byte("with a cert")); err != nil {
 		t.Fatalf("client with a CA cert: %v", err)
@@ -110,9 +115,9 @@ func TestMutualTLSRefusesClientsWithoutACertFromTheCA(t *testing.T) {
 		name string
 		tls  *tls.Config
 	}{
-		{"no client cert", &tls.Config{RootCAs: ca.pool, MinVersion: tls.VersionTLS13}},
-		{"cert from another CA", &tls.Config{RootCAs: ca.pool, Certificates: []tls.Certificate{other.issue(t, "intruder")}, MinVersion: tls.VersionTLS13}},
-		{"does not trust the server", &tls.Config{RootCAs: other.pool, Certificates: []tls.Certificate{ca.issue(t, "replica-3")}, MinVersion: tls.VersionTLS13}},
+		{"no client cert", testpki.ClientConfig(ca)},
+		{"cert from another CA", testpki.ClientConfig(ca, replica(other, "intruder"))},
+		{"does not trust the server", testpki.ClientConfig(other, replica(ca, "replica-3"))},
 		{"plaintext", nil},
 	}
 	for _, tc := range refused {
