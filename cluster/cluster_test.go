@@ -346,9 +346,4 @@ func TestApplyRejectsGarbageCommandFromPeer(t *testing.T) {
 	if err := ln.Raft().Barrier(5 * time.Second).Error(); err != nil {
 		t.Fatalf("barrier after the garbage: %v", err)
 	}
-	for _, n := range c.nodes {
-		if n.FSM().AppliedIndex() == 0 {
-			t.Fatal("a replica applied nothing")
-		}
-	}
 }
