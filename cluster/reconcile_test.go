@@ -305,6 +305,13 @@ func TestReconcileDoesNothingOnAFollower(t *testing.T) {
 	c := newTestCluster(t, 3, nil)
 	li, ln := c.leader()
 	fi := c.followers(li)[0]
+	// A follower learns the configuration from the leader's first entries.
+	eventually(t, 10*time.Second, func() error {
+		if s := servers(t, c.nodes[fi]); len(s) != 3 {
+			return fmt.Errorf("the follower sees %v", s)
+		}
+		return nil
+	})
 	src := newFakeMembers(c)
 	src.set(li, gossip.Left, time.Now())
 	r, _ := reconcilerOn(t, c.nodes[fi], src, ReconcileConfig{MinQuorum: 1})
