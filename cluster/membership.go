@@ -80,13 +80,14 @@ func (n *Node) bootstrapOrJoin() {
 			return
 		}
 		done, err := n.tryJoinOrBootstrap()
-		if err != nil && err.Error() != lastErr {
+		msg := ""
+		if err != nil {
+			msg = err.Error()
+		}
+		if msg != "" && msg != lastErr {
 			n.log.Warn("joining the cluster", "err", err)
 		}
-		lastErr = ""
-		if err != nil {
-			lastErr = err.Error()
-		}
+		lastErr = msg
 		if done {
 			return
 		}

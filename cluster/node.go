@@ -586,19 +586,28 @@ func (n *Node) applyLocal(ctx context.Context, b []byte) (*fsm.Result, uint64, e
 	return res, f.Index(), nil
 }
 
-// hasOtherVoter reports whether the configuration has a voter besides this node (a lone
-// node has nobody to hand leadership to).
-func (n *Node) hasOtherVoter() bool {
+// HandOverLeadership transfers leadership to a follower when this node leads and the
+// configuration has another voter, and reports whether it did. A lone voter, or a node that
+// does not lead, has nothing to hand over (false, nil).
+func (n *Node) HandOverLeadership() (bool, error) {
+	if !n.IsLeader() {
+		return false, nil
+	}
 	f := n.raft.GetConfiguration()
-	if f.Error() != nil {
-		return false
+	if err := f.Error(); err != nil {
+		return false, fmt.Errorf("cluster: reading the configuration: %w", err)
 	}
+	other := false
 	for _, s := range f.Configuration().Servers {
-		if s.Suffrage == raft.Voter && string(s.ID) != n.cfg.ID {
-			return true
-		}
+		other = other || s.Suffrage == raft.Voter && string(s.ID) != n.cfg.ID
 	}
-	return false
+	if !other {
+		return false, nil
+	}
+	if err := n.raft.LeadershipTransfer().Error(); err != nil {
+		return false, fmt.Errorf("cluster: leadership transfer: %w", err)
+	}
+	return true, nil
 }
 
 // Close leaves gracefully: leadership is transferred when this node leads, then Raft stops.
@@ -606,12 +615,10 @@ func (n *Node) Close() error {
 	var err error
 	n.closeOnce.Do(func() {
 		n.closed.Store(true)
-		if n.IsLeader() && n.hasOtherVoter() {
-			if terr := n.raft.LeadershipTransfer().Error(); terr != nil {
-				n.log.Warn("leadership transfer before shutdown failed", "err", terr)
-			} else {
-				n.log.Info("leadership transferred before shutdown")
-			}
+		if handed, terr := n.HandOverLeadership(); terr != nil {
+			n.log.Warn("leadership transfer before shutdown failed", "err", terr)
+		} else if handed {
+			n.log.Info("leadership transferred before shutdown")
 		}
 		n.cancel()
 		err = n.raft.Shutdown().Error()

@@ -255,3 +255,28 @@ func (r *reconciler) addable(m gossip.Member) string {
 	}
 	return ""
 }
+
+// confirmMember says why the leader must not make gossip member m a voter yet ("" when it
+// may). With RaftTLS on, the gossip key alone does not admit a replica: the leader asks
+// the member over its peer port, where it must present a certificate from the cluster's CA
+// (and accept ours), and the answer must name the member and its Raft address. Without
+// RaftTLS (or without a peer client) gossip membership is trusted as before.
+func (n *Node) confirmMember(ctx context.Context, m gossip.Member) string {
+	if n.cfg.RaftTLS == nil || n.cfg.Remote == nil {
+		return ""
+	}
+	if m.Meta.PeerAddr == "" {
+		return "it advertises no peer address to prove its certificate on"
+	}
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	st, err := n.cfg.Remote.StatusOf(cctx, m.Meta.PeerAddr)
+	if err != nil {
+		return fmt.Sprintf("its peer port %s did not answer over mutual TLS: %v", m.Meta.PeerAddr, err)
+	}
+	if st.ID != m.Name || st.RaftAddr != m.Meta.RaftAddr {
+		return fmt.Sprintf("its peer port %s answers as %q with raft address %s, gossip says %q at %s",
+			m.Meta.PeerAddr, st.ID, st.RaftAddr, m.Name, m.Meta.RaftAddr)
+	}
+	return ""
+}

@@ -83,10 +83,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 	if err != nil {
 		return nil, err
 	}
-	tc, err := cfg.TLS.load(log)
-	if err != nil {
-		return nil, err
-	}
+	tc := cfg.TLS // loaded by startReplica
 	peerLn, err := net.Listen("tcp", cc.PeerListen)
 	if err != nil {
 		return nil, fmt.Errorf("peer listener: %w", err)
@@ -116,7 +113,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 			seeds = append(seeds, s)
 		}
 	}
-	pool := peer.NewPool(peer.ClientOptions{TLS: tc.peerClient()})
+	pool := peer.NewPool(peer.ClientOptions{TLS: tc.peerConfig()})
 	p := &clusterParts{pool: pool, peerLn: peerLn, peerAdvert: peerAdvert, raftAdvert: raftAdvert, snapshots: &lazySnapshots{}}
 	remote := cluster.NewPeerRemote(pool, func() (string, bool) {
 		if p.node == nil {
@@ -139,7 +136,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 		Level: level, StaleBound: cc.StaleBound, BindWait: cc.BindWait,
 		SessionTTL: cfg.SessionTTL, MaxBindings: cfg.MaxSessions,
 		CheckpointInterval: cc.CheckpointInterval, TouchFlush: cc.TouchFlush,
-		Remote: remote, Logger: log, RaftTLS: tc.raft(),
+		Remote: remote, Logger: log, RaftTLS: tc.peerConfig(),
 	})
 	if err != nil {
 		peerLn.Close()
@@ -147,7 +144,7 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 		return nil, err
 	}
 	p.node = n
-	p.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: log, Snapshots: p.snapshots, TLS: tc.peerServer()})
+	p.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: log, Snapshots: p.snapshots, TLS: tc.peerConfig()})
 	go func() {
 		if err := p.peerSrv.Serve(peerLn); err != nil && !errors.Is(err, net.ErrClosed) {
 			log.Error("peer listener stopped", "err", err)

@@ -33,6 +33,7 @@ type haProc struct {
 	client, admin, raft, peer, gossp string
 	dataDir, logPath                 string
 	args                             []string
+	env                              []string // nil: this process's environment
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -46,7 +47,7 @@ func (p *haProc) start() error {
 		return err
 	}
 	cmd := exec.Command(p.args[0], p.args[1:]...)
-	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Env, cmd.Stdout, cmd.Stderr = p.env, logf, logf
 	if err := cmd.Start(); err != nil {
 		logf.Close()
 		return fmt.Errorf("start %s: %w", p.id, err)
@@ -102,7 +103,7 @@ func (p *haProc) isLeader(ctx context.Context, hc *http.Client) bool {
 	return st.Raft["state"] == "Leader"
 }
 
-// ready polls url until it answers 200 or ctx ends.
+// pollReady polls url until it answers 200 or ctx ends.
 func pollReady(ctx context.Context, hc *http.Client, url string) error {
 	for {
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
@@ -375,20 +376,10 @@ func startBalancer(ctx context.Context, cfg demoConfig, dir string, procs []*haP
 	if out, err := check.CombinedOutput(); err != nil {
 		return nil, "", nil, fmt.Errorf("haproxy -c -f %s: %w: %s", cfg.HAProxyConfig, err, out)
 	}
-	p := &haProc{id: "haproxy", logPath: filepath.Join(dir, "haproxy.log"), args: []string{bin, "-db", "-f", cfg.HAProxyConfig}}
-	logf, err := os.Create(p.logPath)
-	if err != nil {
-		return nil, "", nil, err
-	}
-	cmd := exec.Command(bin, "-db", "-f", cfg.HAProxyConfig)
-	cmd.Env, cmd.Stdout, cmd.Stderr = env, logf, logf
-	if err := cmd.Start(); err != nil {
-		logf.Close()
+	p := &haProc{id: "haproxy", logPath: filepath.Join(dir, "haproxy.log"), args: []string{bin, "-db", "-f", cfg.HAProxyConfig}, env: env}
+	if err := p.start(); err != nil {
 		return roundRobin(fmt.Sprintf("haproxy did not start: %v", err))
 	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); logf.Close(); close(done) }()
-	p.cmd, p.done = cmd, done
 	stop := func() { p.signal(syscall.SIGTERM, 5*time.Second) }
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()

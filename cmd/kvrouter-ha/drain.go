@@ -11,8 +11,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-
-	"github.com/hashicorp/raft"
 )
 
 // defaultShutdownTimeout bounds the wait for in-flight requests when the config leaves it 0.
@@ -108,34 +106,16 @@ func (r *replica) stop(skip <-chan struct{}) error {
 // that has others; a failure only costs the cluster an election timeout, so it is logged.
 func (r *replica) handOverLeadership() {
 	n := r.cluster.node
-	if !n.IsLeader() {
-		r.log.Info("shutdown: not the Raft leader, no leadership to transfer")
-		return
-	}
-	f := n.Raft().GetConfiguration()
-	if err := f.Error(); err != nil {
-		r.log.Warn("shutdown: reading the Raft configuration", "err", err)
-		return
-	}
-	voters := 0
-	for _, s := range f.Configuration().Servers {
-		if s.Suffrage == raft.Voter {
-			voters++
-		}
-	}
-	if voters < 2 {
-		r.log.Info("shutdown: the only voter, no leadership to transfer")
-		return
-	}
-	if err := n.Raft().LeadershipTransfer().Error(); err != nil {
+	handed, err := n.HandOverLeadership()
+	switch {
+	case err != nil:
 		r.log.Warn("shutdown: leadership transfer failed; the others elect a leader after the election timeout", "err", err)
-		return
-	}
-	if lid, _, ok := n.Leader(); ok && lid != "" && lid != n.ID() {
+	case !handed:
+		r.log.Info("shutdown: no leadership to transfer (not the leader, or the only voter)")
+	default:
+		lid, _, _ := n.Leader()
 		r.log.Info("shutdown: leadership transferred", "leader", lid)
-		return
 	}
-	r.log.Info("shutdown: leadership transferred")
 }
 
 // closeWhileDraining makes every response of a stopping replica close its connection, so a

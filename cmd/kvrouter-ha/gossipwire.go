@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"runtime/debug"
@@ -231,12 +232,12 @@ func (r *replica) startSharing(ctx context.Context, promReg prometheus.Registere
 		// and nothing to wait for.
 		discovery = time.Nanosecond
 	}
-	var maps cluster.EngineMaps
+	var engine cluster.EngineMaps
 	if len(r.subs) > 0 {
-		maps = engineMaps(r.subs)
+		engine = subscriberMaps(r.subs)
 	}
 	s.sync, err = cluster.NewIndexSync(cluster.IndexSyncConfig{
-		Self: r.cfg.ReplicaID, Approx: r.approx, Precise: r.precise, EngineMaps: maps,
+		Self: r.cfg.ReplicaID, Approx: r.approx, Precise: r.precise, EngineMaps: engine,
 		Peers: cluster.GossipPeers(g), Fetch: cluster.PoolFetcher(r.cluster.pool, r.cfg.ReplicaID, gc.SnapshotMaxBytes),
 		DiscoveryWait: discovery, Metrics: metrics, Logger: log.With("part", "index-sync"),
 	})
@@ -263,18 +264,12 @@ func (r *replica) startSharing(ctx context.Context, promReg prometheus.Registere
 
 // run starts the sharing loops on the replica's background context.
 func (s *sharing) run(r *replica, bg context.Context, log *slog.Logger) {
-	if s.seeds {
+	if s.seeds && len(s.g.Members()) < 2 {
+		// No seed answered within JoinWait: Join keeps trying (with backoff) until one does,
+		// so a replica that started before the others finds them when they come up.
 		r.goRun(func() {
-			// Keep trying the seeds until someone answers: a replica that started first waits
-			// for the others, and one that came back after a partition finds them again.
-			for bg.Err() == nil && len(s.g.Members()) < 2 {
-				jctx, cancel := context.WithTimeout(bg, 30*time.Second)
-				_, err := s.g.Join(jctx)
-				cancel()
-				if errors.Is(err, gossip.ErrKeyMismatch) {
-					log.Error("gossip: a seed has another key; this replica shares nothing until that is fixed", "err", err)
-					return
-				}
+			if _, err := s.g.Join(bg); errors.Is(err, gossip.ErrKeyMismatch) {
+				log.Error("gossip: a seed has another key; this replica shares nothing until that is fixed", "err", err)
 			}
 		})
 	}
@@ -300,15 +295,13 @@ func (s *sharing) ready() error {
 }
 
 // close stops gossip without a leave message: a replica that stops is dead to the others
-// until it comes back (a deliberate departure is `kvrouter-ha ctl leave`).
+// until it comes back (a deliberate departure is `kvrouter-ha ctl cluster remove`, after
+// which reconciliation removes its vote once gossip reports it dead).
 func (s *sharing) close() error { return s.g.Shutdown() }
 
 // subscriberMaps are precise mode's engine-hash maps across all of a replica's KV event
 // subscribers (each serves its own workers).
 type subscriberMaps []*kvevents.Subscriber
-
-// engineMaps gives the index sync the subscribers' maps.
-func engineMaps(subs []*kvevents.Subscriber) cluster.EngineMaps { return subscriberMaps(subs) }
 
 func (m subscriberMaps) SnapshotEngineMaps(ctx context.Context) (map[indexer.Worker]map[uint64]uint64, error) {
 	out := map[indexer.Worker]map[uint64]uint64{}
@@ -317,16 +310,14 @@ func (m subscriberMaps) SnapshotEngineMaps(ctx context.Context) (map[indexer.Wor
 		if err != nil {
 			return nil, err
 		}
-		for w, mm := range part {
-			out[w] = mm
-		}
+		maps.Copy(out, part)
 	}
 	return out, nil
 }
 
-func (m subscriberMaps) RestoreEngineMaps(maps map[indexer.Worker]map[uint64]uint64) error {
+func (m subscriberMaps) RestoreEngineMaps(in map[indexer.Worker]map[uint64]uint64) error {
 	for _, sub := range m {
-		if err := sub.RestoreEngineMaps(maps); err != nil {
+		if err := sub.RestoreEngineMaps(in); err != nil {
 			return err
 		}
 	}

@@ -21,7 +21,6 @@ type tlsConfig struct {
 	CertFile, KeyFile                     string
 	PeerCertFile, PeerKeyFile, PeerCAFile string
 
-	loaded bool
 	client *tls.Config // nil: the client port is plain HTTP
 	peer   *tls.Config // nil: replicas talk plaintext
 }
@@ -37,12 +36,8 @@ func registerTLSFlags(fs *flag.FlagSet, c *tlsConfig) {
 
 // load reads and checks the certificate files, so that a mistake stops the start with a
 // message naming the flag instead of surfacing as refused connections later. It returns
-// c with the configs filled; an already loaded c comes back as it is. Key material is
-// never logged, only file names and validity.
+// c with the configs filled. Key material is never logged, only file names and validity.
 func (c tlsConfig) load(log *slog.Logger) (tlsConfig, error) {
-	if c.loaded {
-		return c, nil
-	}
 	if (c.CertFile == "") != (c.KeyFile == "") {
 		return c, errors.New("--tls-cert-file and --tls-key-file go together: give both for TLS on the client port, or neither")
 	}
@@ -95,7 +90,6 @@ func (c tlsConfig) load(log *slog.Logger) (tlsConfig, error) {
 				"subject", pair.Leaf.Subject.String(), "not_after", pair.Leaf.NotAfter.Format(time.RFC3339))
 		}
 	}
-	c.loaded = true
 	return c, nil
 }
 
@@ -191,17 +185,10 @@ func (c tlsConfig) clientScheme() string {
 	return "http"
 }
 
-// peerServer is the peer gRPC port's server config (nil: plaintext).
-func (c tlsConfig) peerServer() *tls.Config { return c.peerClone() }
-
-// peerClient is the config replicas dial each other's peer ports with (nil: plaintext);
-// gRPC takes ServerName from the dialled host.
-func (c tlsConfig) peerClient() *tls.Config { return c.peerClone() }
-
-// raft is the Raft port's config for both sides (nil: plain TCP).
-func (c tlsConfig) raft() *tls.Config { return c.peerClone() }
-
-func (c tlsConfig) peerClone() *tls.Config {
+// peerConfig is a copy of the mutual TLS config, for one side of the peer gRPC or Raft port
+// (nil: plaintext). One config serves server and client: it names the CA as both roots and
+// client CAs, and dialers take ServerName from the dialled host.
+func (c tlsConfig) peerConfig() *tls.Config {
 	if c.peer == nil {
 		return nil
 	}
