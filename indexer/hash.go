@@ -91,9 +91,17 @@ func SequenceHashes(tokens []uint32, blockSize int, seed uint64, dst []uint64) [
 	// chainStep(0, l) is l, so the first block needs no case of its own.
 	var prev uint64
 	if blockSize == DefaultBlockSize {
-		for start := 0; start+DefaultBlockSize <= len(tokens); start += DefaultBlockSize {
-			prev = chainStep(prev, xxh64Block16(tokens[start:start+DefaultBlockSize], seed))
+		const bs = DefaultBlockSize
+		start := 0
+		for ; start+2*bs <= len(tokens); start += 2 * bs {
+			la, lb := xxh64Block16x2(tokens[start:start+bs], tokens[start+bs:start+2*bs], seed)
+			prev = chainStep(prev, la)
 			dst = append(dst, prev)
+			prev = chainStep(prev, lb)
+			dst = append(dst, prev)
+		}
+		if start+bs <= len(tokens) {
+			dst = append(dst, chainStep(prev, xxh64Block16(tokens[start:start+bs], seed)))
 		}
 		return dst
 	}

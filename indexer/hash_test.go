@@ -2,6 +2,7 @@ package indexer
 
 import (
 	"encoding/binary"
+	"fmt"
 	"math/bits"
 	"slices"
 	"strings"
@@ -144,7 +145,14 @@ func TestSeedBaseIsFixedAndPairsDiffer(t *testing.T) {
 }
 
 func TestSequenceHashesChainBlockHashes(t *testing.T) {
-	tokens := tokenRange(3, 16*9+5)
+	// Every count of blocks up to ten, odd and even: blocks are hashed two at a time.
+	for blocks := range 11 {
+		t.Run(fmt.Sprintf("blocks=%d", blocks), func(t *testing.T) { checkSequenceChain(t, blocks) })
+	}
+}
+
+func checkSequenceChain(t *testing.T, blocks int) {
+	tokens := tokenRange(3, 16*blocks+5)
 	local := BlockHashes(tokens, 16, 42, nil)
 	want := make([]uint64, len(local))
 	for i, l := range local {

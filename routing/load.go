@@ -96,11 +96,20 @@ func (t *Tracker) Forget(w indexer.Worker) {
 
 // Start counts a request on w: prefillTokens until its first token, decodeBlocks until it ends.
 func (t *Tracker) Start(w indexer.Worker, prefillTokens, decodeBlocks int64) *Ticket {
+	k := new(Ticket)
+	t.startInto(k, w, prefillTokens, decodeBlocks)
+	return k
+}
+
+// startInto is Start filling a Ticket the caller owns, which must be fresh (its zero value),
+// so that an Attempt's first ticket lives inside the Attempt rather than in an allocation of
+// its own.
+func (t *Tracker) startInto(k *Ticket, w indexer.Worker, prefillTokens, decodeBlocks int64) {
 	c := t.counters(w)
 	c.requests.Add(1)
 	c.prefill.Add(prefillTokens)
 	c.decode.Add(decodeBlocks)
-	return &Ticket{tracker: t, c: c, prefill: prefillTokens, decode: decodeBlocks}
+	k.tracker, k.c, k.prefill, k.decode = t, c, prefillTokens, decodeBlocks
 }
 
 // changed returns a channel closed at the next release of load.

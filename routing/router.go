@@ -449,10 +449,13 @@ type Attempt struct {
 	decision Decision
 	lease    Lease
 	ticket   *Ticket
-	tried    []indexer.Worker
-	retries  int
-	finished bool
-	recorded bool
+	// firstTicket is the first ticket's storage; a retry's ticket is allocated, since the
+	// one it replaces may still be read by a goroutine that holds it.
+	firstTicket Ticket
+	tried       []indexer.Worker
+	retries     int
+	finished    bool
+	recorded    bool
 }
 
 // Decision returns the attempt's current decision.
@@ -490,6 +493,11 @@ func (a *Attempt) selectAndStart(ctx context.Context) error {
 func (a *Attempt) startTicket() {
 	d := a.decision
 	prefill := int64(a.req.PromptTokens) - int64(d.Overlap)*int64(a.router.cfg.BlockSize)
+	if a.ticket == nil {
+		a.ticket = &a.firstTicket
+		a.router.deps.Tracker.startInto(a.ticket, d.Target.Worker, max(prefill, 0), int64(d.PromptBlocks))
+		return
+	}
 	a.ticket = a.router.deps.Tracker.Start(d.Target.Worker, max(prefill, 0), int64(d.PromptBlocks))
 }
 
