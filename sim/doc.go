@@ -54,8 +54,34 @@
 //	                            a POST changes only the fields it gives
 //	GET  /sim/stats             the worker's Stats and CacheStats
 //
-// Every response carries X-Worker-ID. The X-Data-Parallel-Rank and X-Session-ID request
-// headers are accepted and ignored. A model name other than Config.Model is answered 404.
+// Every response carries X-Worker-ID. A single Worker ignores the X-Data-Parallel-Rank and
+// X-Session-ID request headers (a DataParallel front reads the rank; see below). A model name
+// other than Config.Model is answered 404.
+//
+// # Data parallelism
+//
+// [DataParallel] puts one HTTP API in front of several Workers, its ranks, as a vLLM
+// deployment with data-parallel size N does: each rank has its own cache, queue, faults,
+// metrics and KV events (a [kvevents.Publisher] with DPRank r publishes on the endpoint's
+// port + r). The X-Data-Parallel-Rank request header picks the rank:
+//
+//   - a valid rank r (a non-negative integer below N): rank r's own API serves the request,
+//     whatever the path, so /sim/stats, /sim/faults, /metrics and /reset_prefix_cache are
+//     that rank's;
+//   - not an integer, negative, r >= N, or the header given twice: 400 in the OpenAI error
+//     shape, and nothing changes;
+//   - absent: a generation request goes to the rank with the fewest requests in flight
+//     (running, waiting, or still being read), the lowest rank on a tie, passing over a
+//     refusing rank while another serves; GET /sim/stats sums every count over the ranks
+//     (capacity too) in the single worker's shape and lists each rank's own under "ranks";
+//     GET and POST /sim/faults read and change every rank (a POST sets all ranks or none)
+//     and answer with rank 0's faults plus every rank's under "ranks"; POST
+//     /reset_prefix_cache clears every rank; everything else (/v1/models, /health,
+//     /tokenize, /metrics) is rank 0's.
+//
+// A response served by one rank carries X-Data-Parallel-Rank with that rank; answers about
+// every rank, and 400s for a bad rank, carry none. The front refuses new connections only
+// while every rank refuses.
 //
 // # Faults
 //

@@ -94,30 +94,39 @@ func (w *Worker) Handler() http.Handler { return w.handler }
 // Serve serves the worker on ln until ctx ends, then shuts down: in-flight requests get up
 // to ShutdownTimeout to finish before their connections are closed. It closes ln.
 func (w *Worker) Serve(ctx context.Context, ln net.Listener) error {
+	return serveHTTP(ctx, ln, w.handler, w.refusing, w.cfg.ShutdownTimeout, w.log, "model", w.cfg.Model)
+}
+
+// serveHTTP serves h on ln until ctx ends, resetting new connections while refusing says
+// so, then shuts down: in-flight requests get up to grace to finish before their
+// connections are closed. It closes ln. attrs go on the "serving" log line. A Worker and a
+// DataParallel front serve alike through it.
+func serveHTTP(ctx context.Context, ln net.Listener, h http.Handler, refusing func() bool,
+	grace time.Duration, log *slog.Logger, attrs ...any) error {
 	srv := &http.Server{
-		Handler:           w.handler,
+		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
-		ErrorLog:          slog.NewLogLogger(w.log.Handler(), slog.LevelDebug),
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 	}
 	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(refusingListener{Listener: ln, refusing: w.refusing}) }()
-	w.log.Info("sim worker serving", "addr", ln.Addr().String(), "model", w.cfg.Model)
+	go func() { errc <- srv.Serve(refusingListener{Listener: ln, refusing: refusing}) }()
+	log.Info("sim worker serving", append([]any{"addr", ln.Addr().String()}, attrs...)...)
 
 	select {
 	case err := <-errc:
 		return fmt.Errorf("sim: serve %s: %w", ln.Addr(), err)
 	case <-ctx.Done():
 	}
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), w.cfg.ShutdownTimeout)
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), grace)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
-		w.log.Warn("sim worker: graceful shutdown timed out; closing connections", "err", err)
+		log.Warn("sim worker: graceful shutdown timed out; closing connections", "err", err)
 		_ = srv.Close()
 	}
 	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return fmt.Errorf("sim: serve %s: %w", ln.Addr(), err)
 	}
-	w.log.Info("sim worker stopped")
+	log.Info("sim worker stopped")
 	return nil
 }
 

@@ -34,10 +34,12 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 	var pub kvevents.PublisherConfig
 	fs.StringVar(&pub.Endpoint, "kv-events-endpoint", "", "publish KV events in vLLM's ZMQ format: tcp://*:5557 binds, tcp://host:port connects to a router (empty: off)")
 	fs.StringVar(&pub.Topic, "kv-events-topic", "", "topic frame of every KV event message (e.g. kv@127.0.0.1:8001@sim-model)")
+	fs.BoolVar(&pub.Bind, "kv-events-bind", false, "bind the PUB socket even when the endpoint names a host (vLLM binds only for a wildcard; a loopback address keeps the socket off other interfaces)")
 	fs.BoolVar(&pub.MapEncoding, "kv-events-map-encoding", false, "encode batches as maps (newer vLLM) instead of arrays (older vLLM)")
 	fs.BoolVar(&pub.BytesHashes, "kv-events-bytes-hashes", false, "send block hashes as bytes instead of integers")
 	fs.StringVar(&pub.ReplayEndpoint, "kv-events-replay", "", "bind a replay (ROUTER) socket here, e.g. tcp://*:5558 (empty: none)")
 	fs.IntVar(&pub.ReplayBuffer, "kv-events-replay-buffer", 10000, "batches kept for replay")
+	dpSize := fs.Int("dp-size", 1, "data-parallel ranks, as vLLM's --data-parallel-size: each rank has its own cache and serves the requests whose X-Data-Parallel-Rank names it (the rest go to the least busy rank); rank r publishes KV events and answers replay on the endpoints' ports + r")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	return &ffcli.Command{
 		Name:       "sim-worker",
@@ -45,31 +47,55 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 		ShortHelp:  "run a simulated OpenAI-compatible inference worker with a paged prefix cache",
 		FlagSet:    fs,
 		Exec: func(ctx context.Context, _ []string) error {
+			// A bad rank count or worker config fails before any socket is opened.
+			if *dpSize < 1 || *dpSize > kvevents.MaxDPRank+1 {
+				return fmt.Errorf("--dp-size %d: must be in [1, %d]", *dpSize, kvevents.MaxDPRank+1)
+			}
 			log, err := newLogger(stderr, *logLevel)
 			if err != nil {
 				return err
 			}
 			cfg.Logger = log
-			if pub.Endpoint != "" {
-				pub.Logger = log
-				p, err := kvevents.NewPublisher(pub)
-				if err != nil {
-					return fmt.Errorf("kv events: %w", err)
-				}
-				defer p.Close()
-				cfg.OnEvent = sim.PublishEvents(ctx, p, cfg.BlockSize, log)
-				log.Info("publishing KV events", "endpoint", pub.Endpoint, "replay", pub.ReplayEndpoint)
-			}
-			w, err := sim.New(cfg)
-			if err != nil {
+			if err := cfg.Validate(); err != nil {
 				return err
+			}
+			ranks := make([]*sim.Worker, *dpSize)
+			for r := range ranks {
+				rc := cfg
+				if *dpSize > 1 {
+					rc.Logger = log.With("dp_rank", r)
+					// Ranks draw their faults apart, as separate engines would fail apart.
+					rc.Seed = cfg.Seed + int64(r)
+				}
+				if pub.Endpoint != "" {
+					pc := pub
+					pc.Logger, pc.DPRank = rc.Logger, r
+					p, err := kvevents.NewPublisher(pc)
+					if err != nil {
+						return fmt.Errorf("kv events (dp rank %d): %w", r, err)
+					}
+					defer p.Close()
+					rc.OnEvent = sim.PublishEvents(ctx, p, cfg.BlockSize, rc.Logger)
+					rc.Logger.Info("publishing KV events", "endpoint", pub.Endpoint, "replay", pub.ReplayEndpoint)
+				}
+				if ranks[r], err = sim.New(rc); err != nil {
+					return err
+				}
+			}
+			serve := ranks[0].Serve
+			if *dpSize > 1 {
+				dp, err := sim.NewDataParallel(ranks...)
+				if err != nil {
+					return err
+				}
+				serve = dp.Serve
 			}
 			ln, err := net.Listen("tcp", *listen)
 			if err != nil {
 				return fmt.Errorf("listen: %w", err)
 			}
-			log.Info("sim-worker serving", "id", cfg.ID, "addr", ln.Addr().String())
-			return w.Serve(ctx, ln)
+			log.Info("sim-worker serving", "id", cfg.ID, "addr", ln.Addr().String(), "dp_size", *dpSize)
+			return serve(ctx, ln)
 		},
 	}
 }
