@@ -404,10 +404,16 @@ func revisionSpans(ops []*Op) []revSpan {
 func idleGaps(ops []*Op) [][2]time.Duration {
 	var gaps [][2]time.Duration
 	var busyUntil time.Duration
-	for i, op := range ops { // sorted by invoke
-		if i > 0 && op.Invoke > busyUntil {
+	seen := false
+	for _, op := range ops { // sorted by invoke
+		if !op.reachedRouter() {
+			// It cannot have touched the binding, so the idle time runs on through it.
+			continue
+		}
+		if seen && op.Invoke > busyUntil {
 			gaps = append(gaps, [2]time.Duration{busyUntil, op.Invoke})
 		}
+		seen = true
 		busyUntil = max(busyUntil, op.Complete, op.Invoke)
 	}
 	return gaps

@@ -78,6 +78,11 @@ func TestCheckerAcceptsLegalHistories(t *testing.T) {
 			saw("a", 400, 420, "w2", 9)},
 		{"move explained by a drain", (&hist{}).saw("a", 0, 10, "w0", 5).fault(FaultDrain, "w0", 15, 0).saw("a", 20, 30, "w1", 9)},
 		{"rebind to the same worker after an idle expiry", (&hist{}).saw("a", 0, 10, "w0", 5).saw("a", 10_500, 10_520, "w0", 40)},
+		// A request that never reached a replica (refused connection) does not cut the idle
+		// time in two: found by a five-replica run, where the session idled 31 s (TTL 30 s)
+		// around a request to a killed replica.
+		{"expiry across a request that never left", (&hist{}).saw("a", 0, 10, "w0", 5).
+			lost("a", 4000, 4000, ResultFail).saw("a", 10_500, 10_520, "w0", 40)},
 		{"a stale read within the bound", (&hist{}).saw("a", 0, 10, "w0", 5).fault(FaultWorkerCrash, "w0", 5, 50).
 			saw("a", 20, 30, "w1", 9).saw("a", 80, 90, "w0", 5)},
 		{"concurrent reads straddling a change", (&hist{}).saw("a", 0, 10, "w0", 5).fault(FaultWorkerCrash, "w0", 15, 300).
@@ -126,6 +131,9 @@ func TestCheckerCatchesBrokenPromises(t *testing.T) {
 			saw("a", 20, 30, "w1", 9),
 			[]string{"churn"}},
 		{"gap shorter than the TTL explains nothing", (&hist{}).saw("a", 0, 10, "w0", 5).saw("a", 5000, 5010, "w1", 9),
+			[]string{"churn"}},
+		{"a request that reached a replica keeps the binding alive", (&hist{}).saw("a", 0, 10, "w0", 5).
+			lost("a", 4000, 4000, ResultUnknown).saw("a", 10_500, 10_520, "w0", 40),
 			[]string{"churn"}},
 		{"binding lost in a full restart", (&hist{}).saw("a", 0, 10, "w0", 5).fault(FaultRestart, "all", 100, 200).
 			read(1, "a", "r1", 300, "", 0),

@@ -51,6 +51,11 @@ type Op struct {
 	Error    string `json:"error,omitempty"`
 }
 
+// reachedRouter reports whether the operation may have reached a replica: everything but a
+// failure with no answer, which the workload records only for a request that was never
+// written (a refused connection to a killed replica, say).
+func (o *Op) reachedRouter() bool { return o.Result != ResultFail || o.Status != 0 }
+
 // Observed reports whether the operation saw its session's binding: a 200 answer naming a
 // worker and a revision. A stream that broke after its headers still observed the binding.
 func (o *Op) Observed() bool {
