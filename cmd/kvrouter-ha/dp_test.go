@@ -59,8 +59,20 @@ type dpEventWorker struct {
 }
 
 func startDPEventWorker(t *testing.T, id string, size int) *dpEventWorker {
+	return startDPEventWorkerTo(t, id, size, "")
+}
+
+// startDPEventWorkerTo is startDPEventWorker whose ranks, when routerBind is not empty,
+// connect their events to a router bound there instead of binding their own ports: rank r to
+// routerBind's port + r, as vLLM does with an endpoint that names a host. Their topic is
+// kv@<worker host:port>@sim-model, the router's default topic pattern.
+func startDPEventWorkerTo(t *testing.T, id string, size int, routerBind string) *dpEventWorker {
 	t.Helper()
 	pubAddr, replayAddr := rankedAddr(t, size), rankedAddr(t, size)
+	ln, err := net.Listen("tcp", loopbacktest.Addr(t))
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	ranks := make([]*sim.Worker, size)
 	var pubs []*kvevents.Publisher
@@ -71,9 +83,13 @@ func startDPEventWorker(t *testing.T, id string, size int) *dpEventWorker {
 	})
 	t.Cleanup(cancel)
 	for r := range ranks {
-		pub, err := kvevents.NewPublisher(kvevents.PublisherConfig{
+		pc := kvevents.PublisherConfig{
 			Endpoint: "tcp://" + pubAddr, Bind: true, ReplayEndpoint: "tcp://" + replayAddr, DPRank: r,
-		})
+		}
+		if routerBind != "" {
+			pc.Endpoint, pc.Bind, pc.Topic = "tcp://"+routerBind, false, "kv@"+ln.Addr().String()+"@"+sim.DefaultModel
+		}
+		pub, err := kvevents.NewPublisher(pc)
 		if err != nil {
 			t.Fatalf("rank %d publisher: %v", r, err)
 		}
@@ -86,10 +102,6 @@ func startDPEventWorker(t *testing.T, id string, size int) *dpEventWorker {
 		}
 	}
 	dp, err := sim.NewDataParallel(ranks...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", loopbacktest.Addr(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -106,6 +118,9 @@ func startDPEventWorker(t *testing.T, id string, size int) *dpEventWorker {
 	w.spec = routing.WorkerSpec{
 		ID: id, URL: "http://" + w.httpAddr, DPSize: size,
 		KVEvents: "tcp://" + pubAddr, KVReplay: "tcp://" + replayAddr,
+	}
+	if routerBind != "" {
+		w.spec.KVEvents = ""
 	}
 	return w
 }
@@ -287,5 +302,38 @@ func TestSimWorkerRejectsADPSizeOutOfRange(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "--dp-size") {
 			t.Errorf("--dp-size %s: got %v, want an error naming --dp-size", n, err)
 		}
+	}
+}
+
+func TestDataParallelRanksConnectingToTheRouterAreHeardOnTheirPorts(t *testing.T) {
+	bind := rankedAddr(t, 2)
+	w := startDPEventWorkerTo(t, "w0", 2, bind)
+	rep := startTestReplica(t, testFleet{{spec: w.spec}}, func(c *serveConfig) {
+		c.OverlayTTL = time.Second
+		c.KVEventsBind = "tcp://" + bind
+		c.TopicPattern = "kv@{host:port}@{model}"
+	})
+	rank0, rank1 := indexer.Worker{ID: "w0"}, indexer.Worker{ID: "w0", DPRank: 1}
+	// The ranks connect on their own schedule and ZMQ drops what a publisher sends before its
+	// connection is up, so each rank caches fresh prompts until one of them is heard; only the
+	// bound socket on the rank's own port can hear it.
+	for _, c := range []struct {
+		rank int
+		w    indexer.Worker
+	}{{1, rank1}, {0, rank0}} {
+		seed := uint64(80 + 10*c.rank)
+		eventually(t, fmt.Sprintf("the router to hear rank %d on its port", c.rank), func() (bool, string) {
+			tokens := promptTokens(seed, 8*16)
+			seed++
+			w.direct(tokens, 1, c.rank)
+			deadline := time.Now().Add(time.Second)
+			for time.Now().Before(deadline) {
+				if got := rankBlocks(rep, c.w, tokens); got > 0 {
+					return true, ""
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			return false, "nothing credited within a second"
+		})
 	}
 }

@@ -140,7 +140,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.Health.Timeout, "health-timeout", time.Second, "one health probe's timeout (a busy worker answers slowly; too short a timeout drains a loaded fleet)")
 	fs.IntVar(&cfg.Health.FailThreshold, "health-fail-threshold", 3, "consecutive failed probes that take a worker out")
 	fs.IntVar(&cfg.Health.RiseThreshold, "health-rise-threshold", 2, "consecutive good probes that put it back")
-	fs.StringVar(&cfg.KVEventsBind, "kv-events-bind", "", "bind one ZMQ SUB socket here for workers that connect their KV events to the router, e.g. tcp://127.0.0.1:5557 (workers with kv_events in --workers-file get their own subscriber)")
+	fs.StringVar(&cfg.KVEventsBind, "kv-events-bind", "", "bind a ZMQ SUB socket here for workers that connect their KV events to the router, e.g. tcp://127.0.0.1:5557, and one on each port + r for the data-parallel ranks r of the largest worker, where vLLM connects them (workers with kv_events in --workers-file get their own subscriber)")
 	fs.StringVar(&cfg.TopicPattern, "kv-events-topic-pattern", "kv@{host:port}@{model}", "how a bound subscriber tells workers apart: the {host:port} in a topic is matched against worker URLs")
 	fs.DurationVar(&cfg.OverlayTTL, "overlay-ttl", 10*time.Second, "precise mode: how long the replica's own decisions count on top of the KV events")
 	fs.StringVar(&cfg.Tokenizer, "tokenizer", "none", "text prompts: none (hash text in byte chunks) or worker (ask a worker's POST /tokenize, so text routes on exact token blocks)")
@@ -413,7 +413,8 @@ func (r *replica) Addr() string { return r.ln.Addr().String() }
 func (r *replica) AdminAddr() string { return r.aln.Addr().String() }
 
 // kvEventSubscribers builds the precise index and its KV event subscribers: one connecting
-// SUB per worker rank whose spec names kv_events, and one bound SUB when KVEventsBind is set.
+// SUB per worker rank whose spec names kv_events, and, when KVEventsBind is set, one bound SUB
+// per data-parallel rank of the largest worker, on that endpoint's port + rank.
 // Without either, precise mode is off and r.precise stays nil.
 func (r *replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger) ([]*kvevents.Subscriber, error) {
 	cfg := r.cfg
@@ -456,21 +457,35 @@ func (r *replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger
 	if cfg.KVEventsBind != "" {
 		c := base
 		c.Mode = kvevents.Bind
-		c.Endpoint = cfg.KVEventsBind
 		c.TopicPattern = cfg.TopicPattern
 		c.URLs = map[string]string{}
 		c.Replays = map[string]string{}
+		ranks := 1
 		for _, st := range r.registry.List() {
 			c.URLs[st.Spec.ID] = st.Spec.URL
 			if st.Spec.KVReplay != "" {
 				c.Replays[st.Spec.ID] = st.Spec.KVReplay
 			}
+			ranks = max(ranks, st.Spec.DPSize)
 		}
-		sub, err := kvevents.NewSubscriber(c)
-		if err != nil {
-			return nil, fmt.Errorf("--kv-events-bind: %w", err)
+		if strings.HasSuffix(cfg.KVEventsBind, ":0") {
+			ranks = 1 // an ephemeral port has no neighbours a worker could know
 		}
-		subs = append(subs, sub)
+		// vLLM connects rank r of a worker to our port + r: one bound socket per rank.
+		for rank := range ranks {
+			rc := c
+			rc.Rank = rank
+			ep, err := kvevents.OffsetPort(cfg.KVEventsBind, rank)
+			if err != nil {
+				return nil, fmt.Errorf("--kv-events-bind (dp rank %d): %w", rank, err)
+			}
+			rc.Endpoint = ep
+			sub, err := kvevents.NewSubscriber(rc)
+			if err != nil {
+				return nil, fmt.Errorf("--kv-events-bind: %w", err)
+			}
+			subs = append(subs, sub)
+		}
 	}
 	return subs, nil
 }

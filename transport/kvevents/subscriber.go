@@ -75,8 +75,14 @@ type Config struct {
 	// URLs maps worker IDs to their URLs (http://host:port), for TopicPattern.
 	URLs map[string]string
 	// Replays maps a worker ID to its rank-0 replay endpoint in Bind mode; rank r uses the
-	// port offset by r. The rank is the batch's data_parallel_rank, or the mapped worker's.
+	// port offset by r. The rank is the batch's data_parallel_rank, or the mapped worker's,
+	// or else Rank.
 	Replays map[string]string
+	// Rank is, in Bind mode, the data-parallel rank of the publishers that connect to
+	// Endpoint, for batches that do not say theirs and topics not mapped to a rank: vLLM
+	// connects rank r of a worker to the router's port + r, so a router binds one Subscriber
+	// per rank on the offset ports.
+	Rank int
 
 	// BlockSize is the router's block size; events of another size are dropped and counted.
 	BlockSize int
@@ -177,6 +183,9 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 	case Bind:
 		if len(cfg.Topics) == 0 && cfg.TopicPattern == "" {
 			return nil, errors.New("kvevents: bind mode needs Topics or a TopicPattern")
+		}
+		if cfg.Rank < 0 || cfg.Rank > MaxDPRank {
+			return nil, fmt.Errorf("kvevents: rank %d out of 0..%d", cfg.Rank, MaxDPRank)
 		}
 		s.ids = make(map[string]bool, len(cfg.Topics)+len(cfg.URLs))
 		for _, w := range cfg.Topics {
@@ -402,8 +411,13 @@ func (s *Subscriber) handle(ctx context.Context, m zmq4.Msg) {
 		s.drop(w, Cause(err), err)
 		return
 	}
-	if s.cfg.Mode == Bind && b.HasDPRank {
-		w.DPRank = uint32(b.DPRank)
+	if s.cfg.Mode == Bind {
+		switch {
+		case b.HasDPRank:
+			w.DPRank = uint32(b.DPRank)
+		case w.DPRank == 0:
+			w.DPRank = uint32(s.cfg.Rank)
+		}
 	}
 	st := s.stream(w)
 	if st == nil {

@@ -584,6 +584,31 @@ func TestBindModeTakesTheRankFromThePayload(t *testing.T) {
 	}
 }
 
+func TestBindModeOnARankPortGivesUnrankedBatchesThatRank(t *testing.T) {
+	sink := newSink()
+	s, err := NewSubscriber(Config{Endpoint: "tcp://127.0.0.1:1", Mode: Bind, BlockSize: bs, Sink: sink, Rank: 3,
+		Topics: map[string]indexer.Worker{"kv@a": {ID: "wa"}, "kv@b": {ID: "wb", DPRank: 1}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var e engine
+	// An older vLLM's batch says no rank: it is the rank of the port it came to. A batch that
+	// says one, or a topic mapped to one, keeps its own.
+	handleAll(t, s, "kv@a", []uint64{0, 0}, []Batch{
+		{Events: []Event{e.stored(promptN(0))}},
+		{Events: []Event{e.stored(promptN(1))}, HasDPRank: true, DPRank: 0},
+	})
+	handleAll(t, s, "kv@b", []uint64{0}, []Batch{{Events: []Event{e.stored(promptN(2))}}})
+	for _, c := range []struct {
+		w      indexer.Worker
+		prompt int
+	}{{indexer.Worker{ID: "wa", DPRank: 3}, 0}, {indexer.Worker{ID: "wa"}, 1}, {indexer.Worker{ID: "wb", DPRank: 1}, 2}} {
+		if got := matched(sink.Index, c.w, promptN(c.prompt), ""); got != 2 {
+			t.Errorf("prompt %d on %s: %d blocks, want 2", c.prompt, c.w, got)
+		}
+	}
+}
+
 func TestNewSubscriberRejectsBadConfig(t *testing.T) {
 	sink := newSink()
 	cases := map[string]Config{
@@ -595,6 +620,7 @@ func TestNewSubscriberRejectsBadConfig(t *testing.T) {
 		"bad pattern":     {Endpoint: "tcp://127.0.0.1:1", Mode: Bind, BlockSize: bs, Sink: sink, TopicPattern: "kv@{model}"},
 		"bad url":         {Endpoint: "tcp://127.0.0.1:1", Mode: Bind, BlockSize: bs, Sink: sink, TopicPattern: "{host:port}", URLs: map[string]string{"w": "::"}},
 		"unknown mode":    {Endpoint: "tcp://127.0.0.1:1", Mode: 7, Worker: w0, BlockSize: bs, Sink: sink},
+		"bind, bad rank":  {Endpoint: "tcp://127.0.0.1:1", Mode: Bind, BlockSize: bs, Sink: sink, Topics: map[string]indexer.Worker{"t": w0}, Rank: -1},
 	}
 	for name, cfg := range cases {
 		if _, err := NewSubscriber(cfg); err == nil {
