@@ -178,6 +178,10 @@ type Node struct {
 	// changes tells waiters (linearizable reads, bind waits) that something was applied.
 	changeMu sync.Mutex
 	changed  chan struct{}
+
+	// leaderChanges counts the leaders this node learned of (raft_metrics.go): each time
+	// the leader it knows becomes a known one other than the one before (none included).
+	leaderChanges atomic.Uint64
 }
 
 // clusterIDFile names the file in the data directory that ties it to one cluster.
@@ -659,6 +663,11 @@ func (n *Node) watchLeadership() {
 	})
 	n.raft.RegisterObserver(o)
 	defer n.raft.DeregisterObserver(o)
+	// A leader known before the observer was registered counts from here; the observer
+	// reporting it too is the same leader, not a change.
+	var lastLeader raft.ServerID
+	_, known := n.raft.LeaderWithID()
+	n.noteLeader(&lastLeader, known)
 	// term is the running leader loop, if this node leads.
 	type term struct {
 		stop context.CancelFunc
@@ -677,7 +686,10 @@ func (n *Node) watchLeadership() {
 		select {
 		case <-n.ctx.Done():
 			return
-		case <-obs:
+		case ob := <-obs:
+			if lo, ok := ob.Data.(raft.LeaderObservation); ok {
+				n.noteLeader(&lastLeader, lo.LeaderID)
+			}
 			// A new leader (or none) may unblock readers waiting for freshness.
 			n.notifyApplied()
 		case <-time.After(50 * time.Millisecond):
@@ -693,6 +705,17 @@ func (n *Node) watchLeadership() {
 			revoke()
 		}
 	}
+}
+
+// noteLeader records that the leader is now id ("" while there is none) and counts a change
+// when a leader becomes known that is not the one *last was: so a failover counts once
+// (old, none, new) and so does a leader that wins again after an election (old, none, old),
+// as etcd's leader_changes_seen counts.
+func (n *Node) noteLeader(last *raft.ServerID, id raft.ServerID) {
+	if id != "" && id != *last {
+		n.leaderChanges.Add(1)
+	}
+	*last = id
 }
 
 // hclogWriter turns raft's hclog lines into slog records.

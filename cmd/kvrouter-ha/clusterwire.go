@@ -12,6 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvrouter-ha/kvrouter-ha/cluster"
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -75,9 +77,9 @@ type clusterParts struct {
 	pool      *peer.Pool
 }
 
-// startCluster opens the Raft node, serves the peer port and returns the Raft-backed
-// affinity store.
-func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clusterParts, error) {
+// startCluster opens the Raft node, registers its metrics on reg, serves the peer port and
+// returns the Raft-backed affinity store.
+func startCluster(ctx context.Context, cfg serveConfig, reg prometheus.Registerer, log *slog.Logger) (*clusterParts, error) {
 	cc := cfg.Cluster
 	level, err := cluster.ParseLevel(cc.Consistency)
 	if err != nil {
@@ -142,6 +144,14 @@ func startCluster(ctx context.Context, cfg serveConfig, log *slog.Logger) (*clus
 		peerLn.Close()
 		pool.Close()
 		return nil, err
+	}
+	// Raft's state is read from the node at scrape time: operators watch leader, term and
+	// indexes on /metrics rather than polling `ctl cluster status`.
+	if err := reg.Register(cluster.NewRaftCollector(n)); err != nil {
+		_ = n.Close()
+		peerLn.Close()
+		pool.Close()
+		return nil, fmt.Errorf("raft metrics: %w", err)
 	}
 	p.node = n
 	p.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: log, Snapshots: p.snapshots, TLS: tc.peerConfig()})

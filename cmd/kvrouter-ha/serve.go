@@ -255,7 +255,7 @@ func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
 	if r.precise != nil {
 		index = routing.Overlay{r.precise, r.approx}
 	}
-	if r.cluster, err = startCluster(ctx, cfg, log); err != nil {
+	if r.cluster, err = startCluster(ctx, cfg, promReg, log); err != nil {
 		return nil, err
 	}
 	r.affinity = r.cluster.affinity
