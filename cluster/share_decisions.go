@@ -150,8 +150,9 @@ type sentSet struct {
 
 func (s *sentSet) has(h uint64) bool { return s.cur.has(h) || s.prev.has(h) }
 
-// recvState is the last message seen from a peer, for gap counting.
-type recvState struct{ epoch, seq uint64 }
+// recvState is the newest and the first message seen from a peer's incarnation, for gap
+// counting.
+type recvState struct{ epoch, seq, first uint64 }
 
 // NewDecisions checks cfg, registers the receive handler and returns the sharer; Run
 // sends.
@@ -595,17 +596,24 @@ func (d *Decisions) receive(from string, payload []byte) {
 	}
 }
 
-// noteSeq counts the messages of a peer's incarnation that were skipped over.
+// noteSeq counts the messages of a peer's incarnation that were skipped over, and those
+// of them that turn up late. A message older than the newest seen is still applied: merges
+// commute, so order does not matter, only loss.
 func (d *Decisions) noteSeq(from string, epoch, seq uint64) {
 	d.rmu.Lock()
 	defer d.rmu.Unlock()
 	st, ok := d.recv[from]
 	switch {
 	case !ok || epoch != st.epoch: // another incarnation: its sequence starts over
-		d.recv[from] = recvState{epoch: epoch, seq: seq}
+		d.recv[from] = recvState{epoch: epoch, seq: seq, first: seq}
 	case seq > st.seq:
 		d.m.gaps.Add(seq - st.seq - 1)
-		d.recv[from] = recvState{epoch: epoch, seq: seq}
+		st.seq = seq
+		d.recv[from] = st
+	case seq < st.seq && seq > st.first:
+		// Older than the first message seen is no gap of ours: it was overtaken before we
+		// started counting.
+		d.m.late.Add(1)
 	}
 }
 

@@ -514,3 +514,35 @@ func BenchmarkDecisionRecord(b *testing.B) {
 		})
 	}
 }
+
+func TestReorderedDecisionMessagesAreLateNotLost(t *testing.T) {
+	type arrival struct{ epoch, seq uint64 }
+	cases := []struct {
+		name       string
+		arrivals   []arrival
+		gaps, late uint64
+	}{
+		{"in order", []arrival{{1, 1}, {1, 2}, {1, 3}}, 0, 0},
+		{"one overtaken", []arrival{{1, 1}, {1, 3}, {1, 2}}, 1, 1},
+		{"one lost", []arrival{{1, 1}, {1, 3}, {1, 4}}, 1, 0},
+		{"two skipped, one late", []arrival{{1, 1}, {1, 4}, {1, 3}}, 2, 1},
+		{"a restart starts over", []arrival{{1, 5}, {2, 1}, {2, 2}}, 0, 0},
+		{"a duplicate is neither", []arrival{{1, 1}, {1, 2}, {1, 2}}, 0, 0},
+		{"older than the first seen is neither", []arrival{{1, 5}, {1, 4}, {1, 6}}, 0, 0},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			fn := newFakeNet()
+			d, err := NewDecisions(DecisionsConfig{Messenger: fn.join("b", ""), Index: indexer.New(indexer.Options{TTL: time.Hour})})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, a := range tc.arrivals {
+				d.noteSeq("a", a.epoch, a.seq)
+			}
+			if st := d.m.Stats(); st.DecisionGaps != tc.gaps || st.DecisionLate != tc.late {
+				t.Fatalf("gaps %d late %d, want %d %d", st.DecisionGaps, st.DecisionLate, tc.gaps, tc.late)
+			}
+		})
+	}
+}

@@ -70,7 +70,7 @@ type ShareMetrics struct {
 	dropped [numShareKinds][len(shareDropReasons)]atomic.Uint64
 
 	blocksIn, blocksOut atomic.Uint64
-	gaps                atomic.Uint64
+	gaps, late          atomic.Uint64
 	snapshots           [len(snapshotResults)]atomic.Uint64
 	snapshotBytes       atomic.Int64
 	warm                atomic.Bool
@@ -88,8 +88,11 @@ type ShareStats struct {
 	// Dropped is by kind, then reason.
 	Dropped map[string]map[string]uint64
 	// DecisionBlocksIn and DecisionBlocksOut count block hashes applied from and sent to
-	// peers; DecisionGaps counts decision messages a peer sent that never arrived here.
-	DecisionBlocksIn, DecisionBlocksOut, DecisionGaps uint64
+	// peers; DecisionGaps counts decision messages a peer sent that had not arrived when a
+	// later one did, and DecisionLate those of them that arrived after all (and were
+	// applied): small batches go as UDP packets and big ones over TCP, so they overtake one
+	// another. DecisionGaps - DecisionLate were lost.
+	DecisionBlocksIn, DecisionBlocksOut, DecisionGaps, DecisionLate uint64
 	// Snapshots counts snapshot pulls by result.
 	Snapshots map[string]uint64
 	// SnapshotBytes is the size of the last snapshot loaded.
@@ -159,7 +162,7 @@ func (m *ShareMetrics) Stats() ShareStats {
 		MessagesIn: map[string]uint64{}, MessagesOut: map[string]uint64{},
 		BytesPerSecondIn: map[string]uint64{}, BytesPerSecondOut: map[string]uint64{},
 		Dropped:          map[string]map[string]uint64{},
-		DecisionBlocksIn: m.blocksIn.Load(), DecisionBlocksOut: m.blocksOut.Load(), DecisionGaps: m.gaps.Load(),
+		DecisionBlocksIn: m.blocksIn.Load(), DecisionBlocksOut: m.blocksOut.Load(), DecisionGaps: m.gaps.Load(), DecisionLate: m.late.Load(),
 		Snapshots:     map[string]uint64{},
 		SnapshotBytes: m.snapshotBytes.Load(), Warm: m.warm.Load(),
 		RemoteLoadReplicas: m.remoteReplicas.Load(),
@@ -218,7 +221,7 @@ func (r *rateMeter) perSecond(now time.Time) uint64 {
 type shareCollector struct {
 	m                                                   *ShareMetrics
 	bytes, msgs, rate, dropped, blocks, gaps, snapshots *prometheus.Desc
-	snapshotBytes, warm, replicas                       *prometheus.Desc
+	late, snapshotBytes, warm, replicas                 *prometheus.Desc
 }
 
 func newShareCollector(m *ShareMetrics) *shareCollector {
@@ -230,7 +233,8 @@ func newShareCollector(m *ShareMetrics) *shareCollector {
 		rate:          prometheus.NewDesc("kvrouter_share_bytes_per_second", "Payload bytes shared over the last whole second, by kind and direction.", kd, nil),
 		dropped:       prometheus.NewDesc("kvrouter_share_dropped_total", "Shared messages or entries dropped, by kind and reason.", []string{"kind", "reason"}, nil),
 		blocks:        prometheus.NewDesc("kvrouter_share_decision_blocks_total", "Block hashes of routing decisions sent to peers (out) and applied from them (in).", []string{"direction"}, nil),
-		gaps:          prometheus.NewDesc("kvrouter_share_decision_gaps_total", "Decision messages of peers that never arrived (sequence gaps).", nil, nil),
+		gaps:          prometheus.NewDesc("kvrouter_share_decision_gaps_total", "Decision messages of peers that had not arrived when a later one did (sequence gaps).", nil, nil),
+		late:          prometheus.NewDesc("kvrouter_share_decision_late_total", "Decision messages of peers that arrived after a later one (counted in the gaps first, then applied); gaps minus late were lost.", nil, nil),
 		snapshots:     prometheus.NewDesc("kvrouter_share_snapshot_attempts_total", "Attempts to pull an index snapshot from a peer, by result.", []string{"result"}, nil),
 		snapshotBytes: prometheus.NewDesc("kvrouter_share_snapshot_bytes", "Size of the last index snapshot loaded.", nil, nil),
 		warm:          prometheus.NewDesc("kvrouter_share_index_warm", "1 once the index holds a peer's snapshot (or there was none to pull).", nil, nil),
@@ -239,7 +243,7 @@ func newShareCollector(m *ShareMetrics) *shareCollector {
 }
 
 func (c *shareCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.bytes, c.msgs, c.rate, c.dropped, c.blocks, c.gaps, c.snapshots, c.snapshotBytes, c.warm, c.replicas} {
+	for _, d := range []*prometheus.Desc{c.bytes, c.msgs, c.rate, c.dropped, c.blocks, c.gaps, c.late, c.snapshots, c.snapshotBytes, c.warm, c.replicas} {
 		ch <- d
 	}
 }
@@ -262,6 +266,7 @@ func (c *shareCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.CounterValue, float64(s.DecisionBlocksIn), "in")
 	ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.CounterValue, float64(s.DecisionBlocksOut), "out")
 	ch <- prometheus.MustNewConstMetric(c.gaps, prometheus.CounterValue, float64(s.DecisionGaps))
+	ch <- prometheus.MustNewConstMetric(c.late, prometheus.CounterValue, float64(s.DecisionLate))
 	for _, r := range snapshotResults {
 		ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, float64(s.Snapshots[r]), r)
 	}

@@ -400,7 +400,7 @@ func demoRun(ctx context.Context, cfg demoConfig, tp topology, policy string, pr
 	}
 	rc.Progress = progress
 	rc.Logger = quiet
-	sent := func() (bytes, dropped uint64, n int) {
+	sent := func() (bytes, dropped, gaps uint64, n int) {
 		for _, r := range reps {
 			if r.share != nil {
 				st := r.share.g.Stats()
@@ -408,19 +408,23 @@ func demoRun(ctx context.Context, cfg demoConfig, tp topology, policy string, pr
 				for _, d := range st.Dropped {
 					dropped += d
 				}
+				ss := r.share.metrics.Stats()
+				gaps += ss.DecisionGaps - min(ss.DecisionLate, ss.DecisionGaps)
 				n++
 			}
 		}
-		return bytes, dropped, n
+		return bytes, dropped, gaps, n
 	}
-	bytes0, dropped0, _ := sent()
+	bytes0, dropped0, gaps0, _ := sent()
 	sum, err := replay.Run(ctx, rc)
 	if err != nil {
 		return nil, err
 	}
-	if bytes1, dropped1, n := sent(); n > 1 && sum.DurationSeconds > 0 {
+	if bytes1, dropped1, gaps1, n := sent(); n > 1 && sum.DurationSeconds > 0 {
 		sum.GossipBytesPerSecond = float64(bytes1-bytes0) / float64(n) / sum.DurationSeconds
 		sum.GossipDropped = dropped1 - dropped0
+		// A message counted missing before the run may arrive during it.
+		sum.DecisionGaps = gaps1 - min(gaps0, gaps1)
 	}
 	return sum, nil
 }

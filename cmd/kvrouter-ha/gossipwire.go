@@ -76,7 +76,8 @@ type sharing struct {
 	remote    *routing.RemoteLoad
 	load      *cluster.LoadShare
 	sync      *cluster.IndexSync
-	seeds     bool // whether there were seeds to join
+	seeds     bool                  // whether there were seeds to join
+	metrics   *cluster.ShareMetrics // the sharing counters, for the demo's summary
 	cfg       gossipConfig
 }
 
@@ -201,6 +202,7 @@ func (r *replica) startSharing(ctx context.Context, promReg prometheus.Registere
 	if err != nil {
 		return fail(err)
 	}
+	s.metrics = metrics
 	known := func(w indexer.Worker) bool {
 		spec, ok := r.registry.Lookup(w.ID)
 		return ok && int(w.DPRank) < max(spec.DPSize, 1)

@@ -60,6 +60,9 @@ type Summary struct {
 	// cached tokens (overlap blocks x RouterBlockSize) against the worker's
 	// reported cached tokens.
 	OverlapMAETokens float64 `json:"overlap_mae_tokens"`
+	// OverlapBiasTokens is the mean signed error of the same prediction: positive when the
+	// router predicted more cached tokens than the workers had, negative when fewer.
+	OverlapBiasTokens float64 `json:"overlap_bias_tokens"`
 	// Sessions counts the sessions with at least one OK request; SessionsMoved those whose
 	// OK requests named more than one worker (with bindings and healthy workers: 0).
 	Sessions      int `json:"sessions"`
@@ -75,6 +78,10 @@ type Summary struct {
 	// GossipDropped is how many gossip messages the replicas dropped during the run (over
 	// their byte budget, undecodable, or from non-members), filled in like the above.
 	GossipDropped uint64 `json:"gossip_dropped,omitempty"`
+	// DecisionGaps is how many decision messages the replicas sent one another that never
+	// arrived (sequence gaps seen by the receivers, less the messages that came late),
+	// filled in like the above: each leaves a receiver's index short of the blocks it carried.
+	DecisionGaps uint64 `json:"decision_gaps,omitempty"`
 }
 
 // WorkerStats is one worker's share of a run.
@@ -97,7 +104,7 @@ func summarize(results []result, routerBlockSize int) *Summary {
 		RouterBlockSize: routerBlockSize,
 	}
 	var ttft, latency []time.Duration
-	var absErr float64
+	var absErr, signedErr float64
 	// sessionWorker is each session's first worker, "" once it has moved.
 	sessionWorker := map[string]string{}
 	for _, r := range results {
@@ -131,7 +138,9 @@ func summarize(results []result, routerBlockSize int) *Summary {
 		s.Workers[r.worker] = w
 		if r.hasOverlap {
 			s.OverlapSamples++
-			absErr += math.Abs(float64(r.overlap)*float64(routerBlockSize) - float64(r.cachedTokens))
+			e := float64(r.overlap)*float64(routerBlockSize) - float64(r.cachedTokens)
+			absErr += math.Abs(e)
+			signedErr += e
 		}
 	}
 	s.HitRate = ratio(float64(s.CachedTokens), float64(s.PromptTokens))
@@ -155,6 +164,7 @@ func summarize(results []result, routerBlockSize int) *Summary {
 	s.RequestImbalance = imbalance(reqs)
 	s.PromptTokenImbalance = imbalance(prompts)
 	s.OverlapMAETokens = ratio(absErr, float64(s.OverlapSamples))
+	s.OverlapBiasTokens = ratio(signedErr, float64(s.OverlapSamples))
 	return s
 }
 
@@ -230,8 +240,8 @@ func (s *Summary) WriteText(w io.Writer) {
 	fmt.Fprintf(tw, "  imbalance\trequests %.2f, prompt tokens %.2f (%d workers)\n",
 		s.RequestImbalance, s.PromptTokenImbalance, len(s.Workers))
 	if s.OverlapSamples > 0 {
-		fmt.Fprintf(tw, "  overlap MAE\t%.1f tokens over %d requests (router block %d)\n",
-			s.OverlapMAETokens, s.OverlapSamples, s.RouterBlockSize)
+		fmt.Fprintf(tw, "  overlap MAE\t%.1f tokens over %d requests (router block %d), bias %+.1f\n",
+			s.OverlapMAETokens, s.OverlapSamples, s.RouterBlockSize, s.OverlapBiasTokens)
 	}
 	_ = tw.Flush()
 
@@ -255,7 +265,7 @@ func (s *Summary) WriteText(w io.Writer) {
 func Table(w io.Writer, sums []*Summary) {
 	// Figures align right; padding every row name to one width keeps the
 	// name column reading left-aligned.
-	const nameWidth = len("prediction MAE tok")
+	const nameWidth = len("prediction bias tok")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	row := func(name string, cell func(*Summary) string) {
 		fmt.Fprintf(tw, "%-*s", nameWidth, name)
@@ -280,6 +290,12 @@ func Table(w io.Writer, sums []*Summary) {
 		}
 		return fmt.Sprintf("%.0f", s.OverlapMAETokens)
 	})
+	row("prediction bias tok", func(s *Summary) string {
+		if s.OverlapSamples == 0 {
+			return "-"
+		}
+		return fmt.Sprintf("%+.0f", s.OverlapBiasTokens)
+	})
 	if slices.ContainsFunc(sums, func(s *Summary) bool { return s.GossipBytesPerSecond > 0 }) {
 		row("gossip B/s/replica", func(s *Summary) string {
 			if s.GossipBytesPerSecond == 0 {
@@ -292,6 +308,12 @@ func Table(w io.Writer, sums []*Summary) {
 				return "-"
 			}
 			return fmt.Sprintf("%d", s.GossipDropped)
+		})
+		row("decision msgs lost", func(s *Summary) string {
+			if s.GossipBytesPerSecond == 0 {
+				return "-"
+			}
+			return fmt.Sprintf("%d", s.DecisionGaps)
 		})
 	}
 	_ = tw.Flush()

@@ -40,9 +40,9 @@ func TestSummarizeOnKnownResults(t *testing.T) {
 	if s.RequestImbalance != 1.2 || s.PromptTokenImbalance != 1 {
 		t.Errorf("imbalance %v / %v, want 1.2 / 1", s.RequestImbalance, s.PromptTokenImbalance)
 	}
-	// Predicted 160 vs 500 and 960 vs 1000: errors 340 and 40.
-	if s.OverlapSamples != 2 || s.OverlapMAETokens != 190 {
-		t.Errorf("overlap n %d MAE %v, want 2 190", s.OverlapSamples, s.OverlapMAETokens)
+	// Predicted 160 vs 500 and 960 vs 1000: errors 340 and 40, both under: bias -190.
+	if s.OverlapSamples != 2 || s.OverlapMAETokens != 190 || s.OverlapBiasTokens != -190 {
+		t.Errorf("overlap n %d MAE %v bias %v, want 2 190 -190", s.OverlapSamples, s.OverlapMAETokens, s.OverlapBiasTokens)
 	}
 }
 
