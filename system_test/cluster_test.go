@@ -204,10 +204,23 @@ func TestReplicaCutOffFromQuorumTurnsUnready(t *testing.T) {
 		c.signal(r, syscall.SIGCONT)
 	}
 	c.waitReady(lone)
-	a, err = chat(context.Background(), lone, "kept", "back again")
-	if err != nil || a.status != http.StatusOK || a.worker != bound["kept"].worker {
-		t.Fatalf("after the quorum returned: %+v %v", a, err)
-	}
+	// Ready again does not mean a leader exists yet: the old leader steps down on waking, and
+	// if the lone replica had not applied the binding before the others stopped, it must ask
+	// the next leader. So the session may get 503 for the length of an election; what must
+	// hold is that it is served, and on its worker.
+	eventually(t, 30*time.Second, func() error {
+		a, err = chat(context.Background(), lone, "kept", "back again")
+		if err != nil {
+			return err
+		}
+		if a.status == http.StatusOK && a.worker != bound["kept"].worker {
+			t.Fatalf("after the quorum returned the session moved: %+v, bound to %s", a, bound["kept"].worker)
+		}
+		if a.status != http.StatusOK {
+			return fmt.Errorf("after the quorum returned: %+v", a)
+		}
+		return nil
+	})
 }
 
 func TestSigtermOnTheLeaderTransfersLeadershipBeforeExit(t *testing.T) {
