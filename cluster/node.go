@@ -732,6 +732,11 @@ func (w hclogWriter) Write(p []byte) (int, error) {
 	case strings.Contains(line, "[INFO]"):
 		level = slog.LevelInfo
 	}
+	if strings.Contains(line, "transport shutdown") {
+		// Our own Close shut the transport: connections still open say so as "errors",
+		// which told operators something was wrong on every clean stop.
+		level = slog.LevelDebug
+	}
 	w.log.Log(context.Background(), level, "raft", "line", line)
 	return len(p), nil
 }
