@@ -185,7 +185,7 @@ func (l *leader) run(ctx context.Context) {
 // establish is the start of a term: Barrier (everything committed is applied), our member
 // record, then every binding's timer armed from its checkpointed remaining TTL.
 func (l *leader) establish(ctx context.Context) error {
-	if err := l.n.raft.Barrier(0).Error(); err != nil {
+	if err := awaitFuture(ctx, l.n.raft.Barrier(0)); err != nil {
 		return fmt.Errorf("barrier: %w", err)
 	}
 	l.mu.Lock()
@@ -287,7 +287,7 @@ func (l *leader) checkpoint(ctx context.Context) {
 			l.n.log.Error("encode checkpoint", "err", err)
 			return
 		}
-		if err := l.n.raft.Apply(b, 10*time.Second).Error(); err != nil {
+		if err := awaitFuture(ctx, l.n.raft.Apply(b, 10*time.Second)); err != nil {
 			l.n.log.Warn("checkpoint failed", "err", err)
 			return
 		}

@@ -563,6 +563,22 @@ func (n *Node) waitLocalLeader(ctx context.Context, b []byte) error {
 	}
 }
 
+// awaitFuture waits for f's result, or until ctx ends. Raft runs with BatchApplyCh, so a
+// command or barrier queued just as leadership ends or Raft shuts down can stay in the
+// queue unanswered for ever: a leader loop that waited on it alone held Close (which waits
+// for that loop) for good, the rare ten-minute test hang. The waiting goroutine then
+// outlives the call; it is one per such future, and only at the end of a term.
+func awaitFuture(ctx context.Context, f raft.Future) error {
+	done := make(chan error, 1)
+	go func() { done <- f.Error() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 // applyLocal applies an encoded command on the leader.
 func (n *Node) applyLocal(ctx context.Context, b []byte) (*fsm.Result, uint64, error) {
 	timeout := 10 * time.Second
@@ -570,14 +586,10 @@ func (n *Node) applyLocal(ctx context.Context, b []byte) (*fsm.Result, uint64, e
 		timeout = max(time.Until(dl), time.Millisecond)
 	}
 	f := n.raft.Apply(b, timeout)
-	done := make(chan struct{})
-	go func() { _ = f.Error(); close(done) }()
-	select {
-	case <-done:
-	case <-ctx.Done():
-		return nil, 0, ctx.Err()
-	}
-	if err := f.Error(); err != nil {
+	if err := awaitFuture(ctx, f); err != nil {
+		if ctx.Err() != nil {
+			return nil, 0, err
+		}
 		return nil, 0, fmt.Errorf("raft apply: %w", err)
 	}
 	res, ok := f.Response().(*fsm.Result)
