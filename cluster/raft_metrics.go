@@ -69,9 +69,6 @@ func (c *raftCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect reads the node's Raft state now.
 func (c *raftCollector) Collect(ch chan<- prometheus.Metric) {
-	if c.n == nil || c.n.raft == nil {
-		return
-	}
 	r := c.n.raft
 	st := r.State()
 	for _, s := range [...]struct {

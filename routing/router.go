@@ -449,8 +449,9 @@ type Attempt struct {
 	decision Decision
 	lease    Lease
 	ticket   *Ticket
-	// firstTicket is the first ticket's storage; a retry's ticket is allocated, since the
-	// one it replaces may still be read by a goroutine that holds it.
+	// firstTicket is the first ticket's storage, so the common attempt allocates none. A
+	// retry's ticket is allocated rather than this one reset: a finished ticket then stays
+	// finished, which is what makes its methods idempotent.
 	firstTicket Ticket
 	tried       []indexer.Worker
 	retries     int

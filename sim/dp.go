@@ -179,13 +179,8 @@ func (d *DataParallel) serveBalanced(rw http.ResponseWriter, r *http.Request) {
 	d.mu.Lock()
 	best := 0
 	for i := 1; i < len(d.ranks); i++ {
-		if refusing[i] != refusing[best] {
-			if refusing[best] {
-				best = i
-			}
-			continue
-		}
-		if d.inFlight[i] < d.inFlight[best] {
+		// A serving rank beats a refusing one; among equals, fewer in flight wins.
+		if refusing[i] == refusing[best] && d.inFlight[i] < d.inFlight[best] || refusing[best] && !refusing[i] {
 			best = i
 		}
 	}
@@ -277,7 +272,7 @@ type allFaults struct {
 	Ranks []faultsWire `json:"ranks"`
 }
 
-func (d *DataParallel) faultsAnswer(fs []Faults) allFaults {
+func faultsAnswer(fs []Faults) allFaults {
 	out := allFaults{faultsWire: fs[0].wire(), Ranks: make([]faultsWire, len(fs))}
 	for i, f := range fs {
 		out.Ranks[i] = f.wire()
@@ -290,7 +285,7 @@ func (d *DataParallel) handleGetFaults(rw http.ResponseWriter, _ *http.Request) 
 	for i, w := range d.ranks {
 		fs[i] = w.Faults()
 	}
-	writeJSON(rw, http.StatusOK, d.faultsAnswer(fs))
+	writeJSON(rw, http.StatusOK, faultsAnswer(fs))
 }
 
 // handleSetFaults applies the body's fields to every rank's faults, all or none: every
@@ -308,7 +303,7 @@ func (d *DataParallel) handleSetFaults(rw http.ResponseWriter, r *http.Request) 
 	}
 	d.log.Info("sim faults changed on every rank", "error_rate", fs[0].ErrorRate, "stall_rate", fs[0].StallRate,
 		"stall", fs[0].Stall, "refuse", fs[0].Refuse, "refuse_for", fs[0].RefuseFor)
-	writeJSON(rw, http.StatusOK, d.faultsAnswer(fs))
+	writeJSON(rw, http.StatusOK, faultsAnswer(fs))
 }
 
 func (d *DataParallel) setFaults(body []byte) ([]Faults, error) {

@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -396,20 +395,8 @@ func TestDataParallelServeRefusesOnlyWhenEveryRankRefuses(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	served := make(chan error, 1)
 	go func() { served <- d.Serve(ctx, ln) }()
-	url := "http://" + ln.Addr().String() + "/v1/completions"
 	fresh := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-	try := func() error {
-		resp, err := fresh.Post(url, "application/json", bytes.NewReader([]byte(`{"prompt":"hi","max_tokens":1}`)))
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		_, _ = io.Copy(io.Discard, resp.Body)
-		if resp.StatusCode != http.StatusOK {
-			return errors.New(resp.Status)
-		}
-		return nil
-	}
+	try := func() error { return tinyCompletion(fresh, "http://"+ln.Addr().String()) }
 	if err := d.Rank(0).SetFaults(Faults{Refuse: true}); err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"net/http"
@@ -23,6 +24,21 @@ func testConfig(cfg Config) Config {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	return cfg
+}
+
+// tinyCompletion sends a one-token completion to base with c and returns nil only for a
+// whole 200 answer: the refuse tests tell served from refused connections with it.
+func tinyCompletion(c *http.Client, base string) error {
+	resp, err := c.Post(base+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"hi","max_tokens":1}`))
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return errors.New(resp.Status)
+	}
+	return nil
 }
 
 func newTestWorker(t *testing.T, cfg Config) (*Worker, *httptest.Server) {

@@ -331,19 +331,7 @@ func TestRefuseGivesConnectionErrorsThenRecovers(t *testing.T) {
 	url := "http://" + ln.Addr().String()
 	keepAlive := &http.Client{Timeout: 10 * time.Second}
 	fresh := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-
-	try := func(c *http.Client) error {
-		resp, err := c.Post(url+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"hi","max_tokens":1}`))
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		_, _ = io.Copy(io.Discard, resp.Body)
-		if resp.StatusCode != http.StatusOK {
-			return errors.New(resp.Status)
-		}
-		return nil
-	}
+	try := func(c *http.Client) error { return tinyCompletion(c, url) }
 	if err := try(keepAlive); err != nil { // leaves an idle kept-alive connection
 		t.Fatalf("before refuse: %v", err)
 	}
