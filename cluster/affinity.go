@@ -57,7 +57,8 @@ func toRouting(b fsm.Binding) routing.Binding {
 	return routing.Binding{Session: b.Session, Worker: indexer.Worker{ID: b.Worker, DPRank: b.DPRank}, Revision: b.Revision}
 }
 
-// fence waits (up to BindWait) for the replica to be fresh enough to read at its level.
+// fence waits (up to BindWait) for the replica to be fresh enough to read at its level; a
+// bounded read made after it must still be confirmed with Node.ReadValid.
 func (a *Affinity) fence(ctx context.Context) error {
 	err := a.n.ReadFence(ctx)
 	if err == nil || !errors.Is(err, ErrStale) && !errors.Is(err, ErrNoLeader) {
@@ -130,6 +131,16 @@ func (a *Affinity) Acquire(ctx context.Context, session string, explicit *indexe
 			a.local[session] = ls
 		}
 		b, ok := a.currentLocked(session)
+		if err := a.n.ReadValid(); err != nil {
+			// The lease ended between the fence and the read (a pause, say): what was read
+			// may be older than the bound. Fence again and read again.
+			a.dropIfIdleLocked(session, ls)
+			a.mu.Unlock()
+			if err := a.fence(ctx); err != nil {
+				return nil, err
+			}
+			continue
+		}
 		if ok {
 			if explicit != nil && *explicit != b.Worker {
 				a.dropIfIdleLocked(session, ls)
@@ -180,10 +191,17 @@ func (a *Affinity) Peek(ctx context.Context, session string) (routing.Binding, b
 	if err := a.fence(ctx); err != nil {
 		return routing.Binding{}, false, err
 	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	b, ok := a.currentLocked(session)
-	return b, ok, nil
+	for {
+		a.mu.Lock()
+		b, ok := a.currentLocked(session)
+		a.mu.Unlock()
+		if a.n.ReadValid() == nil {
+			return b, ok, nil
+		}
+		if err := a.fence(ctx); err != nil {
+			return routing.Binding{}, false, err
+		}
+	}
 }
 
 // Invalidate implements routing.AffinityStore.

@@ -19,6 +19,14 @@ import (
 func TestGarbageOnRaftPortDoesNotHurtTheCluster(t *testing.T) {
 	nodes := startRealCluster(t, 3)
 	li := waitLeader(t, nodes)
+	for i, n := range nodes {
+		eventually(t, 10*time.Second, func() error {
+			if err := n.node.Ready(); err != nil {
+				return fmt.Errorf("node %d before the garbage: %w", i, err)
+			}
+			return nil
+		})
+	}
 	payloads := [][]byte{
 		[]byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
 		{0x00, 0xff, 0xfe, 0x01, 0x02, 0x03},

@@ -270,9 +270,14 @@ func TestStaleReplicaTurnsUnready(t *testing.T) {
 	c := newTestCluster(t, 3, func(cfg *Config) { cfg.BindWait = 100 * time.Millisecond })
 	li, _ := c.leader()
 	fi := (li + 1) % 3
-	if err := c.nodes[fi].Ready(); err != nil {
-		t.Fatalf("healthy follower unready: %v", err)
-	}
+	// A follower turns ready with its first read lease, one read-index round after it
+	// learned of the leader.
+	eventually(t, 10*time.Second, func() error {
+		if err := c.nodes[fi].Ready(); err != nil {
+			return fmt.Errorf("healthy follower unready: %w", err)
+		}
+		return nil
+	})
 	// Cut the follower off from both others.
 	c.net.mu.Lock()
 	tr := c.net.trans[raftAddr(fi)]

@@ -21,10 +21,13 @@ type memNet struct {
 	down      map[string]bool
 	trans     map[string]*raft.InmemTransport
 	forwarded map[string]int // Apply calls served, by peer address
+	// noReads makes the read-index calls of the node at a peer address fail, while its
+	// Raft traffic (heartbeats included) flows on.
+	noReads map[string]bool
 }
 
 func newMemNet() *memNet {
-	return &memNet{nodes: map[string]*Node{}, down: map[string]bool{}, trans: map[string]*raft.InmemTransport{}, forwarded: map[string]int{}}
+	return &memNet{nodes: map[string]*Node{}, down: map[string]bool{}, trans: map[string]*raft.InmemTransport{}, forwarded: map[string]int{}, noReads: map[string]bool{}}
 }
 
 func (m *memNet) handler(addr string) (peer.Handler, error) {
@@ -40,6 +43,7 @@ func (m *memNet) handler(addr string) (peer.Handler, error) {
 // memRemote is one node's view of the others.
 type memRemote struct {
 	net  *memNet
+	addr string // the node's own peer address
 	self func() *Node
 }
 
@@ -83,6 +87,12 @@ func (r memRemote) Apply(ctx context.Context, cmd []byte) ([]byte, uint64, error
 }
 
 func (r memRemote) ReadIndex(ctx context.Context) (uint64, error) {
+	r.net.mu.Lock()
+	blocked := r.net.noReads[r.addr]
+	r.net.mu.Unlock()
+	if blocked {
+		return 0, fmt.Errorf("read index from %s: blocked by the test", r.addr)
+	}
 	h, _, err := r.leaderHandler(ctx)
 	if err != nil {
 		return 0, err
@@ -184,7 +194,7 @@ func (c *testCluster) start(i int) *Node {
 	cfg.Transport = tr
 	var self *Node
 	var smu sync.Mutex
-	cfg.Remote = memRemote{net: c.net, self: func() *Node { smu.Lock(); defer smu.Unlock(); return self }}
+	cfg.Remote = memRemote{net: c.net, addr: peerAddr(i), self: func() *Node { smu.Lock(); defer smu.Unlock(); return self }}
 	n, err := Open(context.Background(), cfg)
 	if err != nil {
 		c.t.Fatalf("open node %d: %v", i, err)

@@ -193,6 +193,7 @@ func (l *leader) establish(ctx context.Context) error {
 	l.rearmAllLocked()
 	l.established = true
 	l.mu.Unlock()
+	l.n.lease.wake() // the term's first read lease need not wait for the next tick
 	if err := l.n.recordMembers(ctx); err != nil {
 		l.n.log.Warn("recording member addresses", "err", err)
 	}

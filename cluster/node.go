@@ -33,8 +33,9 @@ type Level int
 
 // The consistency levels.
 const (
-	// Bounded serves from the local FSM while the last contact with the leader is under
-	// Config.StaleBound; past it reads fail with ErrStale and the replica is unready.
+	// Bounded serves from the local FSM while the replica holds a read lease: a read-index
+	// round through the leader, applied locally, that started less than Config.StaleBound
+	// ago (lease.go). Without one reads fail with ErrStale and the replica is unready.
 	Bounded Level = iota
 	// Linearizable confirms the leader's commit index (read-index) before reading locally.
 	Linearizable
@@ -67,8 +68,9 @@ func (l Level) String() string {
 
 // Errors callers map to answers.
 var (
-	// ErrStale: the replica has not heard from a leader within the bound (503, Retry-After).
-	ErrStale = fmt.Errorf("replica is out of contact with the cluster leader: %w", routing.ErrUnavailable)
+	// ErrStale: the replica holds no valid read lease, so it cannot vouch that its state is
+	// within the bound (503, Retry-After).
+	ErrStale = fmt.Errorf("replica cannot vouch for its bindings (no read lease from the cluster leader): %w", routing.ErrUnavailable)
 	// ErrNoLeader: no leader could be reached in time.
 	ErrNoLeader = fmt.Errorf("no cluster leader: %w", routing.ErrUnavailable)
 	// ErrClosed: the node is shutting down.
@@ -163,6 +165,7 @@ type Node struct {
 	trans raft.Transport
 	store io.Closer // the bolt store, nil in memory
 	lead  *leader
+	lease *readLease
 
 	clusterID atomic.Pointer[string]
 	ctx       context.Context
@@ -196,6 +199,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	n := &Node{cfg: cfg, log: cfg.Logger.With("replica", cfg.ID), changed: make(chan struct{})}
 	n.lead = newLeader(n)
+	n.lease = newReadLease()
 	n.fsm = fsm.New(fsm.Options{OnChange: n.onChange, OnApplied: func(uint64) { n.notifyApplied() }})
 	n.ctx, n.cancel = context.WithCancel(context.Background())
 
@@ -295,6 +299,10 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	n.raft = r
 	n.wg.Add(1)
 	go n.watchLeadership()
+	if cfg.Level != Local {
+		n.wg.Add(1)
+		go n.keepLease()
+	}
 	if !existing {
 		n.wg.Add(1)
 		go n.bootstrapOrJoin()
@@ -401,8 +409,8 @@ func (n *Node) Leader() (id, peerAddr string, ok bool) {
 	return id, "", true
 }
 
-// Ready reports whether the replica may serve: it must have heard from a leader within
-// the stale bound (a leader counts itself). Local consistency only needs the node running.
+// Ready reports whether the replica may serve: it must hold a read lease (lease.go), the
+// same rule bounded reads follow. Local consistency only needs the node running.
 func (n *Node) Ready() error {
 	if n.closed.Load() {
 		return ErrClosed
@@ -410,58 +418,56 @@ func (n *Node) Ready() error {
 	if n.cfg.Level == Local {
 		return nil
 	}
-	return n.fresh()
-}
-
-func (n *Node) fresh() error {
-	switch n.raft.State() {
-	case raft.Leader:
-		// A new leader serves only once its Barrier has applied everything committed:
-		// before that its FSM may lack bindings acknowledged under the previous leader.
-		if !n.lead.isEstablished() {
-			return fmt.Errorf("%w: new leader still applying the log", ErrStale)
-		}
-		return nil
-	case raft.Follower:
-		if _, lid := n.raft.LeaderWithID(); lid == "" {
-			return fmt.Errorf("%w: no leader known", ErrStale)
-		}
-		if since := time.Since(n.raft.LastContact()); since > n.cfg.StaleBound {
-			return fmt.Errorf("%w: last contact %s ago (bound %s)", ErrStale, since.Round(time.Millisecond), n.cfg.StaleBound)
-		}
-		return nil
-	default:
-		return fmt.Errorf("%w: raft state %s", ErrStale, n.raft.State())
-	}
+	return n.leaseHolds()
 }
 
 // ReadFence makes a read of the local FSM valid at the configured level: nothing for
-// local, a freshness check for bounded, a read-index round for linearizable.
+// local, the read lease for bounded (a missing one is asked for at once, and the caller
+// gets ErrStale to wait on), a read-index round for linearizable. A bounded read must be
+// confirmed with ReadValid after it is made: a pause between the fence and the read would
+// otherwise let it run on a lease that ended meanwhile.
 func (n *Node) ReadFence(ctx context.Context) error {
 	switch n.cfg.Level {
 	case Local:
 		return nil
 	case Bounded:
-		return n.fresh()
+		err := n.leaseHolds()
+		if err != nil {
+			n.lease.wake()
+		}
+		return err
 	}
-	var idx uint64
-	if n.IsLeader() {
-		i, err := n.lead.readIndex(ctx)
-		if err != nil {
-			return err
-		}
-		idx = i
-	} else {
-		if n.cfg.Remote == nil {
-			return ErrNoLeader
-		}
-		i, err := n.cfg.Remote.ReadIndex(ctx)
-		if err != nil {
-			return fmt.Errorf("read index: %w", err)
-		}
-		idx = i
+	idx, err := n.readIndex(ctx, n.IsLeader())
+	if err != nil {
+		return err
 	}
 	return n.waitApplied(ctx, idx)
+}
+
+// readIndex returns an index that covers every write acknowledged before the call: the
+// leader's own (confirmed by a quorum) when leading, else the leader's, asked over the peer port.
+func (n *Node) readIndex(ctx context.Context, leading bool) (uint64, error) {
+	if leading {
+		return n.lead.readIndex(ctx)
+	}
+	if n.cfg.Remote == nil {
+		return 0, ErrNoLeader
+	}
+	i, err := n.cfg.Remote.ReadIndex(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("read index: %w", err)
+	}
+	return i, nil
+}
+
+// ReadValid reports whether a read of the local FSM made after a successful ReadFence is
+// still valid: under bounded, the lease must still hold now that the read is done; under
+// linearizable the read index already covers every write acknowledged before the fence.
+func (n *Node) ReadValid() error {
+	if n.cfg.Level != Bounded {
+		return nil
+	}
+	return n.leaseHolds()
 }
 
 // waitApplied blocks until the FSM has applied index idx.
@@ -670,8 +676,11 @@ func (n *Node) watchLeadership() {
 	defer n.wg.Done()
 	obs := make(chan raft.Observation, 16)
 	o := raft.NewObserver(obs, false, func(o *raft.Observation) bool {
-		_, ok := o.Data.(raft.LeaderObservation)
-		return ok
+		switch o.Data.(type) {
+		case raft.LeaderObservation, raft.RaftState:
+			return true
+		}
+		return false
 	})
 	n.raft.RegisterObserver(o)
 	defer n.raft.DeregisterObserver(o)
@@ -699,9 +708,14 @@ func (n *Node) watchLeadership() {
 		case <-n.ctx.Done():
 			return
 		case ob := <-obs:
+			// A new leader, none, or a change of role ends the read lease; a new one is
+			// asked for at once. (leaseHolds also checks term and role itself: observations
+			// are delivered late, or dropped when this loop falls behind.)
 			if lo, ok := ob.Data.(raft.LeaderObservation); ok {
 				n.noteLeader(&lastLeader, lo.LeaderID)
 			}
+			n.lease.reset()
+			n.lease.wake()
 			// A new leader (or none) may unblock readers waiting for freshness.
 			n.notifyApplied()
 		case <-time.After(50 * time.Millisecond):

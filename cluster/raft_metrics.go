@@ -17,7 +17,7 @@ type raftCollector struct {
 
 	state, term, commit, applied, lastLog, lastSnapshot *prometheus.Desc
 	lastContact, voters, servers, leaderChanges         *prometheus.Desc
-	bindings                                            *prometheus.Desc
+	bindings, leaseRemaining, leaseRounds               *prometheus.Desc
 	// fromStats pairs gauges with the raft.Raft.Stats key each is read from.
 	fromStats []raftStat
 }
@@ -33,8 +33,9 @@ type raftStat struct {
 // kvrouter_raft_applied_index, kvrouter_raft_last_log_index,
 // kvrouter_raft_last_snapshot_index, kvrouter_raft_last_contact_seconds (0 on the leader,
 // -1 before any contact with a leader), kvrouter_raft_voters, kvrouter_raft_servers,
-// kvrouter_raft_leader_changes_total and kvrouter_fsm_bindings. README.md's metrics table
-// says what each means.
+// kvrouter_raft_leader_changes_total, kvrouter_fsm_bindings, and the read lease's
+// kvrouter_read_lease_remaining_seconds and kvrouter_read_lease_rounds_total{result}.
+// README.md's metrics table says what each means.
 func NewRaftCollector(n *Node) prometheus.Collector {
 	c := &raftCollector{
 		n:             n,
@@ -49,6 +50,10 @@ func NewRaftCollector(n *Node) prometheus.Collector {
 		servers:       prometheus.NewDesc("kvrouter_raft_servers", "Servers (voters and non-voters) in the latest Raft configuration this replica knows.", nil, nil),
 		leaderChanges: prometheus.NewDesc("kvrouter_raft_leader_changes_total", "Leaders this replica learned of: each time the leader it knows became another one, or one after none (the first leader included).", nil, nil),
 		bindings:      prometheus.NewDesc("kvrouter_fsm_bindings", "Session bindings in this replica's state machine.", nil, nil),
+		leaseRemaining: prometheus.NewDesc("kvrouter_read_lease_remaining_seconds",
+			"Seconds left on this replica's read lease (0: none; bounded reads and /readyz fail).", nil, nil),
+		leaseRounds: prometheus.NewDesc("kvrouter_read_lease_rounds_total",
+			"Read-lease rounds by result: renewed, failed (no leader, no answer, not applied in time), discarded (the term or role changed meanwhile).", []string{"result"}, nil),
 	}
 	c.fromStats = []raftStat{
 		{c.term, "term"}, {c.commit, "commit_index"}, {c.applied, "applied_index"},
@@ -61,7 +66,7 @@ func NewRaftCollector(n *Node) prometheus.Collector {
 func (c *raftCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		c.state, c.term, c.commit, c.applied, c.lastLog, c.lastSnapshot,
-		c.lastContact, c.voters, c.servers, c.leaderChanges, c.bindings,
+		c.lastContact, c.voters, c.servers, c.leaderChanges, c.bindings, c.leaseRemaining, c.leaseRounds,
 	} {
 		ch <- d
 	}
@@ -114,4 +119,12 @@ func (c *raftCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(c.leaderChanges, prometheus.CounterValue, float64(c.n.leaderChanges.Load()))
 	ch <- prometheus.MustNewConstMetric(c.bindings, prometheus.GaugeValue, float64(c.n.fsm.Len()))
+	l := c.n.lease
+	ch <- prometheus.MustNewConstMetric(c.leaseRemaining, prometheus.GaugeValue, c.n.leaseRemaining().Seconds())
+	for _, r := range [...]struct {
+		name string
+		v    uint64
+	}{{"renewed", l.renewed.Load()}, {"failed", l.failed.Load()}, {"discarded", l.discarded.Load()}} {
+		ch <- prometheus.MustNewConstMetric(c.leaseRounds, prometheus.CounterValue, float64(r.v), r.name)
+	}
 }

@@ -132,6 +132,7 @@ func TestRaftMetricsFollowBindsAndAFailover(t *testing.T) {
 				"kvrouter_raft_last_log_index", "kvrouter_raft_last_snapshot_index",
 				"kvrouter_raft_last_contact_seconds", "kvrouter_raft_voters", "kvrouter_raft_servers",
 				"kvrouter_raft_leader_changes_total", "kvrouter_fsm_bindings",
+				"kvrouter_read_lease_remaining_seconds", `kvrouter_read_lease_rounds_total{result="renewed"}`,
 			} {
 				if _, ok := m[name]; !ok {
 					return fmt.Errorf("node %d: no %s", i, name)
@@ -139,6 +140,10 @@ func TestRaftMetricsFollowBindsAndAFailover(t *testing.T) {
 			}
 			if m["kvrouter_raft_voters"] != 3 || m["kvrouter_raft_servers"] != 3 {
 				return fmt.Errorf("node %d: voters %v servers %v, want 3 and 3", i, m["kvrouter_raft_voters"], m["kvrouter_raft_servers"])
+			}
+			if m["kvrouter_read_lease_remaining_seconds"] <= 0 || m[`kvrouter_read_lease_rounds_total{result="renewed"}`] < 1 {
+				return fmt.Errorf("node %d: read lease %vs left after %v renewals, want a lease", i,
+					m["kvrouter_read_lease_remaining_seconds"], m[`kvrouter_read_lease_rounds_total{result="renewed"}`])
 			}
 			if m["kvrouter_raft_leader_changes_total"] < 1 {
 				return fmt.Errorf("node %d: leader changes %v, want the first leader counted", i, m["kvrouter_raft_leader_changes_total"])

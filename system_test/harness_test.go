@@ -35,7 +35,9 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	binary = filepath.Join(dir, "kvrouter-ha")
-	build := exec.Command("go", "build", "-race", "-o", binary, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha")
+	// KVROUTER_SYSTEM_TEST_TAGS builds a deliberately broken binary (jepsen_broken,
+	// jepsen_broken_lease), to check that a test fails on the bug it guards against.
+	build := exec.Command("go", "build", "-race", "-tags", os.Getenv("KVROUTER_SYSTEM_TEST_TAGS"), "-o", binary, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "build kvrouter-ha:", err)
@@ -300,6 +302,11 @@ func chatVia(ctx context.Context, hc *http.Client, base, session, prompt string,
 	if session != "" {
 		req.Header.Set("X-Session-ID", session)
 	}
+	return doChat(hc, req)
+}
+
+// doChat sends a chat request and reads its answer and the X-Kvrouter-* headers.
+func doChat(hc *http.Client, req *http.Request) (answer, error) {
 	resp, err := hc.Do(req)
 	if err != nil {
 		return answer{}, err

@@ -50,7 +50,7 @@ func registerClusterFlags(fs *flag.FlagSet, c *clusterConfig) {
 	fs.IntVar(&c.BootstrapExpect, "bootstrap-expect", 1, "replicas that form a new cluster together (1: a lone replica bootstraps itself)")
 	fs.StringVar(&c.Join, "join", "", "comma-separated peer addresses of other replicas, or a DNS name resolving to them (host:port)")
 	fs.StringVar(&c.Consistency, "consistency", "bounded", "binding reads: linearizable, bounded or local")
-	fs.DurationVar(&c.StaleBound, "stale-bound", time.Second, "bounded reads: longest time without leader contact before the replica turns unready")
+	fs.DurationVar(&c.StaleBound, "stale-bound", time.Second, "bounded reads: a read reflects every binding change acknowledged longer ago than this; a replica that cannot renew its read lease through the leader within it answers 503 and turns unready")
 	fs.DurationVar(&c.BindWait, "bind-wait", 3*time.Second, "how long a request waits for a leader (new session) or for contact (bounded read) before 503")
 	fs.DurationVar(&c.Heartbeat, "raft-heartbeat-timeout", 500*time.Millisecond, "Raft heartbeat timeout")
 	fs.DurationVar(&c.Election, "raft-election-timeout", 500*time.Millisecond, "Raft election timeout")
