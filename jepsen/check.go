@@ -68,7 +68,9 @@ type ChurnStats struct {
 	ByWorkerFault int `json:"by_worker_fault"`
 	ByDrain       int `json:"by_drain"`
 	ByExpiry      int `json:"by_expiry"`
-	Unexplained   int `json:"unexplained"`
+	// ByRebind changes followed a deliberate invalidation of the old binding (the stale fault).
+	ByRebind    int `json:"by_rebind"`
+	Unexplained int `json:"unexplained"`
 }
 
 // DurabilityStats is the outcome of reading bindings back after full-cluster restarts and at
@@ -89,6 +91,19 @@ type DurabilityStats struct {
 	Late int `json:"late"`
 	// Divergent sessions read differently on different replicas at the end.
 	Divergent int `json:"divergent"`
+}
+
+// ProbeStats counts the stale fault's probes: requests sent straight to a replica back from a
+// pause or a partition, for sessions rebound while it was away.
+type ProbeStats struct {
+	Sent     int `json:"sent"`
+	Sessions int `json:"sessions"`
+	// Fresh probes saw the rebind's binding or a newer one; Old ones a lower revision (each
+	// also a revision-backwards violation); Errors saw none (503 while the replica has no
+	// read lease, a timeout).
+	Fresh  int `json:"fresh"`
+	Old    int `json:"old"`
+	Errors int `json:"errors"`
 }
 
 // Availability is the share of requests that succeeded while faults of one kind were active.
@@ -119,6 +134,7 @@ type Analysis struct {
 	Register     RegisterStats   `json:"register"`
 	Churn        ChurnStats      `json:"churn"`
 	Durability   DurabilityStats `json:"durability"`
+	Probes       ProbeStats      `json:"stale_probes"`
 	Availability []Availability  `json:"availability"`
 	// NoNewBinding is the longest stretch with no successful first binding of a session.
 	NoNewBinding Window      `json:"longest_without_new_binding"`
@@ -150,6 +166,7 @@ func Check(h *History, cfg CheckConfig) *Analysis {
 		a.checkChurn(s, ops, h, cfg)
 	}
 	a.checkDurability(h, sessions, cfg)
+	a.Probes = probeStats(sessions)
 	for _, c := range h.Crashes {
 		a.Violations = append(a.Violations, Violation{Check: "crash",
 			Message: fmt.Sprintf("replica %s exited on its own at %s", c.Replica, fmtDur(c.At))})
@@ -422,7 +439,8 @@ func idleGaps(ops []*Op) [][2]time.Duration {
 func overlaps(a0, a1, b0, b1 time.Duration) bool { return a0 <= b1 && b0 <= a1 }
 
 // checkChurn explains every change of the session's binding (each new revision after the
-// first) by a fault of the old worker, a drain of it, or an idle expiry.
+// first) by a fault of the old worker, a drain of it, an idle expiry, or the nemesis's own
+// invalidation of that binding.
 func (a *Analysis) checkChurn(session string, ops []*Op, h *History, cfg CheckConfig) {
 	spans := revisionSpans(ops)
 	gaps := idleGaps(ops)
@@ -459,6 +477,16 @@ func (a *Analysis) checkChurn(session string, ops []*Op, h *History, cfg CheckCo
 				}
 			}
 		}
+		if why == "" {
+			for _, rb := range h.Rebinds {
+				// The nemesis dropped exactly this binding before the next one was seen (a
+				// request whose answer was lost may have done it too).
+				if rb.Session == session && rb.Revision == prev.rev && rb.Result != ResultFail && rb.Invoke <= hi {
+					why = "rebind"
+					break
+				}
+			}
+		}
 		if why == "" && cfg.SessionTTL > 0 {
 			for _, g := range gaps {
 				if g[1]-g[0] >= cfg.SessionTTL-slack && overlaps(g[0]+cfg.SessionTTL-slack, g[1]+cfg.Grace, lo, hi) {
@@ -474,16 +502,52 @@ func (a *Analysis) checkChurn(session string, ops []*Op, h *History, cfg CheckCo
 			a.Churn.ByDrain++
 		case "expiry":
 			a.Churn.ByExpiry++
+		case "rebind":
+			a.Churn.ByRebind++
 		default:
 			a.Churn.Unexplained++
 			a.Violations = append(a.Violations, Violation{
 				Check: "churn", Session: session, Ops: []int{prev.lastOp, next.firstOp},
 				Faults: faultsDuring(h, lo, hi),
-				Message: fmt.Sprintf("binding moved %s@%d -> %s@%d between %s and %s with no fault of %s, no drain and no idle expiry",
+				Message: fmt.Sprintf("binding moved %s@%d -> %s@%d between %s and %s with no fault of %s, no drain, no idle expiry and no invalidation",
 					prev.worker, prev.rev, next.worker, next.rev, fmtDur(lo), fmtDur(hi), prev.worker),
 			})
 		}
 	}
+}
+
+// probeStats compares each probe with the newest rebind of its session acknowledged before
+// the probe was sent.
+func probeStats(sessions map[string][]*Op) ProbeStats {
+	var p ProbeStats
+	for _, ops := range sessions {
+		probed := false
+		for _, op := range ops {
+			if op.Nemesis != "probe" {
+				continue
+			}
+			p.Sent++
+			probed = true
+			var want uint64
+			for _, rb := range ops {
+				if rb.Nemesis == "rebind" && rb.Observed() && rb.Headers < op.Invoke {
+					want = max(want, rb.Revision)
+				}
+			}
+			switch {
+			case !op.Observed():
+				p.Errors++
+			case op.Revision < want:
+				p.Old++
+			default:
+				p.Fresh++
+			}
+		}
+		if probed {
+			p.Sessions++
+		}
+	}
+	return p
 }
 
 func faultsDuring(h *History, from, to time.Duration) []int {

@@ -46,6 +46,19 @@ func (b *hist) fault(kind FaultKind, target string, start, end int) *hist {
 	return b
 }
 
+// rebind adds the nemesis's invalidation of s at rev, invoked at inv ms, ended with res.
+func (b *hist) rebind(s string, inv int, rev uint64, res Result) *hist {
+	b.h.Rebinds = append(b.h.Rebinds, Rebind{Fault: 1, Session: s, Replica: "r1",
+		Invoke: time.Duration(inv) * ms, Complete: time.Duration(inv+2) * ms, Revision: rev, Result: res})
+	return b
+}
+
+// nemesis marks the last operation as the stale fault's own (rebind or probe).
+func (b *hist) nemesis(kind string) *hist {
+	b.h.Ops[len(b.h.Ops)-1].Nemesis = kind
+	return b
+}
+
 func (b *hist) read(fault int, s, replica string, at int, worker string, rev uint64) *hist {
 	b.h.Reads = append(b.h.Reads, Read{Fault: fault, Session: s, Replica: replica, At: time.Duration(at) * ms,
 		Found: worker != "", Worker: worker, Revision: rev})
@@ -92,6 +105,12 @@ func TestCheckerAcceptsLegalHistories(t *testing.T) {
 		{"absent after restart, but its worker failed", (&hist{}).saw("a", 0, 10, "w0", 5).fault(FaultWorkerCrash, "w0", 20, 50).
 			fault(FaultRestart, "all", 100, 200).read(2, "a", "r1", 300, "", 0)},
 		{"replicas agree at the end", (&hist{}).saw("a", 0, 10, "w0", 5).read(0, "a", "r0", 100, "w0", 5).read(0, "a", "r1", 100, "w0", 5)},
+		{"move explained by the nemesis's invalidation", (&hist{}).saw("a", 0, 10, "w0", 5).rebind("a", 20, 5, ResultOK).
+			saw("a", 25, 30, "w1", 9).nemesis("rebind").saw("a", 300, 310, "w1", 9).nemesis("probe")},
+		{"an invalidation whose answer was lost may explain a move", (&hist{}).saw("a", 0, 10, "w0", 5).rebind("a", 20, 5, ResultUnknown).
+			saw("a", 25, 30, "w2", 9)},
+		{"a probe within the bound may still see the old binding", (&hist{}).saw("a", 0, 10, "w0", 5).rebind("a", 20, 5, ResultOK).
+			saw("a", 25, 30, "w1", 9).nemesis("rebind").saw("a", 80, 90, "w0", 5).nemesis("probe")},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -143,6 +162,15 @@ func TestCheckerCatchesBrokenPromises(t *testing.T) {
 			[]string{"durability"}},
 		{"replicas disagree at the end", (&hist{}).saw("a", 0, 10, "w0", 5).read(0, "a", "r0", 100, "w0", 5).read(0, "a", "r2", 100, "", 0),
 			[]string{"convergence", "durability"}},
+		{"a probe past the bound sees the binding from before the rebind", (&hist{}).saw("a", 0, 10, "w0", 5).rebind("a", 20, 5, ResultOK).
+			saw("a", 25, 30, "w1", 9).nemesis("rebind").saw("a", 200, 4000, "w0", 5).nemesis("probe"),
+			[]string{"register", "revision-backwards"}},
+		{"a refused invalidation explains nothing", (&hist{}).saw("a", 0, 10, "w0", 5).rebind("a", 20, 5, ResultFail).
+			saw("a", 25, 30, "w1", 9),
+			[]string{"churn"}},
+		{"an invalidation of another revision explains nothing", (&hist{}).saw("a", 0, 10, "w0", 5).rebind("a", 20, 4, ResultOK).
+			saw("a", 25, 30, "w1", 9),
+			[]string{"churn"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -156,6 +184,16 @@ func TestCheckerCatchesBrokenPromises(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestProbeStatsCountOldAnswers(t *testing.T) {
+	h := (&hist{}).saw("a", 0, 10, "w0", 5).rebind("a", 20, 5, ResultOK).saw("a", 25, 30, "w1", 9).nemesis("rebind").
+		saw("a", 200, 210, "w0", 5).nemesis("probe").saw("a", 220, 230, "w1", 9).nemesis("probe").
+		lost("a", 240, 250, ResultFail).nemesis("probe")
+	p := Check(&h.h, testCheck).Probes
+	if want := (ProbeStats{Sent: 3, Sessions: 1, Fresh: 1, Old: 1, Errors: 1}); p != want {
+		t.Fatalf("probe stats %+v, want %+v", p, want)
 	}
 }
 

@@ -28,6 +28,8 @@ const (
 	headerWorker   = "X-Kvrouter-Worker"
 	headerReplica  = "X-Kvrouter-Replica"
 	headerRevision = "X-Kvrouter-Binding-Revision"
+	// headerTargetWorker places a new session on a named worker.
+	headerTargetWorker = "X-Target-Worker"
 )
 
 // proc is one child process the harness starts, signals and kills by its pid. Its output goes

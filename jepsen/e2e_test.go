@@ -167,3 +167,27 @@ func TestCheckerCatchesABuildThatOverwritesBindings(t *testing.T) {
 		t.Fatal("the checker found nothing wrong with a build that overwrites live bindings")
 	}
 }
+
+// TestCheckerCatchesAReplicaServingBindingsOlderThanTheBound runs the stale fault against a
+// build that keeps the freshness rule the read lease replaced (the jepsen_broken_lease tag,
+// never in a release): a replica is fresh on contact, so one resumed from SIGSTOP answers
+// with the bindings it held before the pause. The probes must see it and the checker must
+// report revisions going backwards.
+func TestCheckerCatchesAReplicaServingBindingsOlderThanTheBound(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a cluster for about 40 seconds")
+	}
+	bin := buildBinary(t, "jepsen_broken_lease")
+	cfg := Config{
+		Binary: bin, Replicas: 3, Workers: 3, Clients: 6, Duration: 35 * time.Second, Seed: 2,
+		Faults: []FaultKind{FaultStale}, OutDir: t.TempDir(), Netns: "off", SessionTTL: 30 * time.Second,
+	}
+	rep := runLogged(t, cfg)
+	a := rep.Analysis
+	if a.Probes.Sent == 0 {
+		t.Fatalf("no stale probe was sent (skipped: %v)", rep.Skipped)
+	}
+	if a.Probes.Old == 0 || a.Register.Backwards == 0 {
+		t.Fatalf("the checker found no old binding on a replica back from a pause: probes %+v, register %+v", a.Probes, a.Register)
+	}
+}

@@ -49,6 +49,9 @@ type Op struct {
 	Revision uint64 `json:"revision,omitempty"`
 	Replica  string `json:"replica,omitempty"`
 	Error    string `json:"error,omitempty"`
+	// Nemesis marks the stale fault's own requests: "rebind" (a new binding on a named worker,
+	// through the leader) or "probe" (asking the replica back from the fault); "" for clients.
+	Nemesis string `json:"nemesis,omitempty"`
 }
 
 // reachedRouter reports whether the operation may have reached a replica: everything but a
@@ -76,6 +79,10 @@ const (
 	FaultWorkerCrash FaultKind = "worker-crash"
 	FaultWorkerStop  FaultKind = "worker-stop"
 	FaultDrain       FaultKind = "drain"
+	// FaultStale pauses (SIGSTOP) or cuts off one replica, rebinds sessions through the
+	// others meanwhile, and probes it directly as it resumes or heals: it must not answer
+	// with a binding older than the stale bound.
+	FaultStale FaultKind = "stale"
 )
 
 // Fault is one injected fault: Start when it began, End when it was healed (the process
@@ -122,6 +129,23 @@ type Read struct {
 	Attempts int `json:"attempts,omitempty"`
 }
 
+// Rebind is one binding the nemesis dropped on purpose (the admin API's DELETE
+// /admin/sessions/{id}, through the leader), so that the session's next request binds anew.
+// It explains the change from Revision to whatever comes next.
+type Rebind struct {
+	Fault    int           `json:"fault"`
+	Session  string        `json:"session"`
+	Replica  string        `json:"replica"`
+	Invoke   time.Duration `json:"invoke_ns"`
+	Complete time.Duration `json:"complete_ns"`
+	// Revision is the binding invalidated (the admin API's invalidated_revision, or the one
+	// asked for when the answer was lost).
+	Revision uint64 `json:"revision"`
+	// Result is ok (invalidated), fail (refused: nothing changed) or unknown (no answer).
+	Result Result `json:"result"`
+	Error  string `json:"error,omitempty"`
+}
+
 // Note is something the harness saw without causing it: a leader change, a replica marking a
 // worker unhealthy. Notes explain nothing to the checker; they help a reader of a violation.
 type Note struct {
@@ -142,7 +166,9 @@ type History struct {
 	Ops    []Op    `json:"ops"`
 	Faults []Fault `json:"faults"`
 	Reads  []Read  `json:"reads,omitempty"`
-	Notes  []Note  `json:"notes,omitempty"`
+	// Rebinds are the nemesis's deliberate invalidations (the stale fault).
+	Rebinds []Rebind `json:"rebinds,omitempty"`
+	Notes   []Note   `json:"notes,omitempty"`
 	// Crashes are replicas that died on their own: a broken promise in itself.
 	Crashes []Crash `json:"crashes,omitempty"`
 	// End is when recording stopped.
@@ -243,6 +269,12 @@ func (r *recorder) addRead(rd Read) {
 	r.mu.Unlock()
 }
 
+func (r *recorder) addRebind(rb Rebind) {
+	r.mu.Lock()
+	r.h.Rebinds = append(r.h.Rebinds, rb)
+	r.mu.Unlock()
+}
+
 func (r *recorder) note(replica, format string, args ...any) {
 	n := Note{At: r.now(), Replica: replica, Text: fmt.Sprintf(format, args...)}
 	r.mu.Lock()
@@ -272,15 +304,16 @@ func (r *recorder) sessionsBefore(t time.Duration) map[string]time.Duration {
 	return out
 }
 
-// acked returns, per session, the highest revision a client saw before t.
-func (r *recorder) acked(t time.Duration) map[string]uint64 {
+// latest returns, per session, the observed operation with the highest revision that was
+// acknowledged before t.
+func (r *recorder) latest(t time.Duration) map[string]Op {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := map[string]uint64{}
+	out := map[string]Op{}
 	for i := range r.h.Ops {
-		op := &r.h.Ops[i]
-		if op.Observed() && op.Headers < t && op.Revision > out[op.Session] {
-			out[op.Session] = op.Revision
+		op := r.h.Ops[i]
+		if op.Observed() && op.Headers < t && op.Revision > out[op.Session].Revision {
+			out[op.Session] = op
 		}
 	}
 	return out
@@ -291,11 +324,12 @@ func (r *recorder) snapshot() *History {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	h := History{
-		Ops:    append([]Op(nil), r.h.Ops...),
-		Faults: append([]Fault(nil), r.h.Faults...),
-		Reads:  append([]Read(nil), r.h.Reads...),
-		Notes:  append([]Note(nil), r.h.Notes...),
-		End:    time.Since(r.start),
+		Ops:     append([]Op(nil), r.h.Ops...),
+		Faults:  append([]Fault(nil), r.h.Faults...),
+		Reads:   append([]Read(nil), r.h.Reads...),
+		Rebinds: append([]Rebind(nil), r.h.Rebinds...),
+		Notes:   append([]Note(nil), r.h.Notes...),
+		End:     time.Since(r.start),
 	}
 	sort.SliceStable(h.Ops, func(i, j int) bool { return h.Ops[i].Invoke < h.Ops[j].Invoke })
 	return &h

@@ -22,7 +22,7 @@ type Step struct {
 	// Index is the replica (kill, stop) or worker (worker faults) hit when Leader is false.
 	Index int `json:"index"`
 	// Mode is "crash" or "hang" for a worker fault; "minority", "isolate-leader" or "bridge"
-	// for a partition.
+	// for a partition; "stop" or "partition" for a stale step (how the replica is taken away).
 	Mode string `json:"mode,omitempty"`
 	// Perm is a seeded order of the replicas from which a partition takes its sides.
 	Perm []int `json:"perm,omitempty"`
@@ -44,6 +44,8 @@ func (s Step) String() string {
 		return fmt.Sprintf("worker %s w%d for %s", s.Mode, s.Index, s.Hold.Round(time.Millisecond))
 	case FaultPartition:
 		return fmt.Sprintf("partition %s %v for %s", s.Mode, s.Perm, s.Hold.Round(time.Millisecond))
+	case FaultStale:
+		return fmt.Sprintf("stale: %s %s, rebind, probe (at least %s)", s.Mode, target, s.Hold.Round(time.Millisecond))
 	}
 	return fmt.Sprintf("%s %s for %s", s.Kind, target, s.Hold.Round(time.Millisecond))
 }
@@ -59,7 +61,7 @@ type PlanConfig struct {
 }
 
 // nemesisKinds are the fault kinds a plan may hold, as --faults names them (read only).
-var nemesisKinds = []FaultKind{FaultKill, FaultStop, FaultRestart, FaultPartition, FaultWorker}
+var nemesisKinds = []FaultKind{FaultKill, FaultStop, FaultRestart, FaultPartition, FaultWorker, FaultStale}
 
 // ParseFaults reads a comma-separated list of fault kinds ("all" for every kind).
 func ParseFaults(s string) ([]FaultKind, error) {
@@ -74,7 +76,7 @@ func ParseFaults(s string) ([]FaultKind, error) {
 		case slices.Contains(nemesisKinds, FaultKind(f)):
 			out = append(out, FaultKind(f))
 		default:
-			return nil, fmt.Errorf("unknown fault %q (want some of kill, stop, restart, partition, worker, or all)", f)
+			return nil, fmt.Errorf("unknown fault %q (want some of kill, stop, restart, partition, worker, stale, or all)", f)
 		}
 	}
 	slices.Sort(out)
@@ -104,6 +106,9 @@ func holdRange(k FaultKind) (time.Duration, time.Duration) {
 		return 500 * time.Millisecond, 2 * time.Second
 	case FaultPartition:
 		return 4 * time.Second, 8 * time.Second
+	case FaultStale:
+		// A floor: the step lasts as long as its rebinds and the bound take.
+		return 2 * time.Second, 4 * time.Second
 	}
 	return 3 * time.Second, 6 * time.Second
 }
@@ -165,6 +170,10 @@ func Plan(cfg PlanConfig) ([]Step, error) {
 			s.Mode = []string{"minority", "isolate-leader", "bridge"}[r.IntN(3)]
 			s.Perm = r.Perm(cfg.Replicas)
 			s.Leader = s.Mode == "isolate-leader"
+		case FaultStale:
+			s.Mode = []string{"stop", "partition"}[r.IntN(2)]
+			s.Leader = r.IntN(2) == 0
+			s.Index = r.IntN(cfg.Replicas)
 		}
 		if i > 0 && used+s.Gap+s.Hold+recoveryEstimate > window {
 			break
@@ -385,6 +394,8 @@ func (n *nemesis) step(ctx context.Context, s Step) error {
 		if err := f.waitWorkerHealthy(ctx, w.id, 30*time.Second); err != nil {
 			n.rec.faultError(id, err)
 		}
+	case FaultStale:
+		return n.staleStep(ctx, s)
 	default:
 		return fmt.Errorf("unknown fault kind %q", s.Kind)
 	}
@@ -407,7 +418,10 @@ func (n *nemesis) recover(ctx context.Context, id int) {
 func (n *nemesis) readBack(ctx context.Context, id int) {
 	var start time.Duration
 	n.rec.updateFault(id, func(f *Fault) { start = f.Start })
-	acked := n.rec.acked(start)
+	acked := map[string]uint64{}
+	for sess, op := range n.rec.latest(start) {
+		acked[sess] = op.Revision
+	}
 	var sessions []string
 	for s, last := range n.rec.sessionsBefore(start) {
 		if start-last <= n.cfg.SessionTTL/2 {

@@ -106,8 +106,12 @@ func (r *Report) WriteText(w io.Writer) error {
 		g.Sessions, g.Linearizable, g.Illegal, g.TimedOut)
 	fmt.Fprintf(&b, "revisions:   %d went backwards, %d named two workers\n", g.Backwards, g.RevisionTwoWorkers)
 	c := a.Churn
-	fmt.Fprintf(&b, "churn:       %d binding changes (%d to another worker): %d by a worker fault, %d by a drain, %d by expiry, %d unexplained\n",
-		c.Changes, c.WorkerChanges, c.ByWorkerFault, c.ByDrain, c.ByExpiry, c.Unexplained)
+	fmt.Fprintf(&b, "churn:       %d binding changes (%d to another worker): %d by a worker fault, %d by a drain, %d by expiry, %d by the nemesis's rebinds, %d unexplained\n",
+		c.Changes, c.WorkerChanges, c.ByWorkerFault, c.ByDrain, c.ByExpiry, c.ByRebind, c.Unexplained)
+	if p := a.Probes; p.Sent > 0 {
+		fmt.Fprintf(&b, "stale:       %d probes of a replica back from a pause or a partition, %d rebound sessions: %d answered with the new binding (or newer), %d with an older one, %d errors\n",
+			p.Sent, p.Sessions, p.Fresh, p.Old, p.Errors)
+	}
 	d := a.Durability
 	fmt.Fprintf(&b, "durability:  %d full restarts; %d acknowledged bindings read back: %d lost, %d regressed; %d excused (worker failed since); %d reads failed; %d sessions diverged at the end\n",
 		d.Restarts, d.Checked, d.Lost, d.Regressed, d.Excused, d.Unverified, d.Divergent)

@@ -87,7 +87,7 @@ func (c *client) loop(ctx context.Context, until time.Time) {
 		} else {
 			s := active[c.rng.IntN(len(active))]
 			stream, body := c.request(s)
-			c.w.rec.addOp(c.send(ctx, s, c.target(), 0, false, stream, body))
+			c.w.rec.addOp(c.send(ctx, s, c.target(), "", 0, false, stream, body))
 			s.turns++
 			if park && len(active) > 1 && c.rng.Float64() < parkShare {
 				// Half the parked sessions idle out; the other half come back within the TTL,
@@ -147,7 +147,7 @@ func (c *client) first(ctx context.Context, s *session) {
 	}
 	var wg sync.WaitGroup
 	for lane := range lanes {
-		wg.Go(func() { c.w.rec.addOp(c.send(ctx, s, targets[lane], lane, true, streams[lane], bodies[lane])) })
+		wg.Go(func() { c.w.rec.addOp(c.send(ctx, s, targets[lane], "", lane, true, streams[lane], bodies[lane])) })
 	}
 	wg.Wait()
 	s.turns++
@@ -209,9 +209,10 @@ func (f *fleet) clientAddr(target string) string {
 	return f.replicas[i].client
 }
 
-// send makes one request and returns it as an operation. It draws nothing from the client's
-// random source, so raced lanes may run it at once.
-func (c *client) send(ctx context.Context, s *session, target string, lane int, first, stream bool, body []byte) Op {
+// send makes one request and returns it as an operation; pin, when set, names the worker a
+// new binding must take (X-Target-Worker). It draws nothing from the client's random
+// source, so raced lanes may run it at once.
+func (c *client) send(ctx context.Context, s *session, target, pin string, lane int, first, stream bool, body []byte) Op {
 	op := Op{Client: c.id, Session: s.name, Lane: lane, Stream: stream, First: first, Target: target}
 	rec := c.w.rec
 	ctx, cancel := context.WithTimeout(ctx, c.w.cfg.RequestTimeout)
@@ -227,6 +228,9 @@ func (c *client) send(ctx context.Context, s *session, target string, lane int, 
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set(headerSession, s.name)
+	if pin != "" {
+		req.Header.Set(headerTargetWorker, pin)
+	}
 	resp, err := c.w.f.client.Do(req)
 	if err != nil {
 		op.Complete, op.Error = rec.now(), err.Error()
