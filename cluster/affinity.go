@@ -105,7 +105,11 @@ func (a *Affinity) currentLocked(session string) (routing.Binding, bool) {
 	return routing.Binding{}, false
 }
 
-// Acquire implements routing.AffinityStore.
+// Acquire implements routing.AffinityStore. Under the bounded level what it reads is served
+// only under a valid read lease, checked again after the read: a pause between the fence
+// and the read must not let an old binding through. A new session waits for the lease too,
+// though its absent-only Bind goes through the leader anyway: a replica that cannot vouch
+// for its state should not send a new session's request to a worker it may not bind.
 func (a *Affinity) Acquire(ctx context.Context, session string, explicit *indexer.Worker) (routing.Lease, error) {
 	if err := fsm.ValidSession(session); err != nil {
 		return nil, err

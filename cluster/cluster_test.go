@@ -10,6 +10,7 @@ import (
 
 	"github.com/hashicorp/raft"
 
+	"github.com/kvrouter-ha/kvrouter-ha/fsm"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
@@ -350,5 +351,27 @@ func TestApplyRejectsGarbageCommandFromPeer(t *testing.T) {
 	// applied index cannot be compared: the leader appends entries of its own meanwhile.)
 	if err := ln.Raft().Barrier(5 * time.Second).Error(); err != nil {
 		t.Fatalf("barrier after the garbage: %v", err)
+	}
+}
+
+// TestLoneNodeAnswersACommandSentBeforeItLeads: a lone node's command issued before it has
+// elected itself waits for that and answers with the result (it used to answer nothing,
+// which a caller reading the result then dereferenced).
+func TestLoneNodeAnswersACommandSentBeforeItLeads(t *testing.T) {
+	_, tr := raft.NewInmemTransport("solo")
+	n, err := Open(context.Background(), Config{ID: "solo", RaftBind: "solo", PeerAddr: "solo-peer", InMemory: true, Transport: tr,
+		HeartbeatTimeout: 100 * time.Millisecond, ElectionTimeout: 100 * time.Millisecond, LeaderLeaseTimeout: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Kill()
+	if n.IsLeader() {
+		t.Skip("the node led before the command could be sent")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res, err := n.Apply(ctx, &fsm.Bind{Session: "early", Worker: "w1", TTL: time.Minute})
+	if err != nil || res == nil || res.Status != fsm.Created || res.Binding.Worker != "w1" {
+		t.Fatalf("Apply before leading: %+v %v, want a created binding", res, err)
 	}
 }

@@ -193,7 +193,8 @@ func (l *leader) establish(ctx context.Context) error {
 	l.rearmAllLocked()
 	l.established = true
 	l.mu.Unlock()
-	l.n.lease.wake() // the term's first read lease need not wait for the next tick
+	l.n.notifyApplied() // read-index callers waiting for the term to be established
+	l.n.lease.wake()    // the term's first read lease need not wait for the next tick
 	if err := l.n.recordMembers(ctx); err != nil {
 		l.n.log.Warn("recording member addresses", "err", err)
 	}
@@ -298,11 +299,8 @@ func (l *leader) checkpoint(ctx context.Context) {
 // readIndex confirms leadership and returns the commit index to read at. Concurrent callers
 // share a round; a caller arriving while a round runs waits for the next one.
 func (l *leader) readIndex(ctx context.Context) (uint64, error) {
-	l.mu.Lock()
-	ok := l.established
-	l.mu.Unlock()
-	if !ok {
-		return 0, fmt.Errorf("%w: leadership not established yet", ErrNoLeader)
+	if err := l.waitEstablished(ctx); err != nil {
+		return 0, err
 	}
 	l.rmu.Lock()
 	r := l.next
@@ -320,6 +318,30 @@ func (l *leader) readIndex(ctx context.Context) (uint64, error) {
 		return r.idx, r.err
 	case <-ctx.Done():
 		return 0, ctx.Err()
+	}
+}
+
+// waitEstablished waits, while this node leads, until its term is established (Barrier
+// applied): a read index taken earlier could miss what the previous leader acknowledged. A
+// new leader's first readers (followers renewing their read leases) wait a few milliseconds
+// here rather than fail and ask again.
+func (l *leader) waitEstablished(ctx context.Context) error {
+	for {
+		ch := l.n.changeCh()
+		if l.isEstablished() {
+			return nil
+		}
+		if !l.n.IsLeader() {
+			return fmt.Errorf("%w: leadership lost before it was established", ErrNoLeader)
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return fmt.Errorf("%w: leadership not established yet: %w", ErrNoLeader, ctx.Err())
+		case <-l.n.ctx.Done():
+			return ErrClosed
+		case <-time.After(50 * time.Millisecond): // a missed notification costs at most this
+		}
 	}
 }
 

@@ -519,7 +519,7 @@ func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) 
 		}
 	}
 	if n.cfg.Remote == nil {
-		return nil, n.waitLocalLeader(ctx, b)
+		return n.waitLocalLeader(ctx, b)
 	}
 	out, err := n.forward(ctx, b)
 	if err != nil {
@@ -553,18 +553,18 @@ func (n *Node) forward(ctx context.Context, b []byte) ([]byte, error) {
 }
 
 // waitLocalLeader is a lone node's path while it elects itself.
-func (n *Node) waitLocalLeader(ctx context.Context, b []byte) error {
+func (n *Node) waitLocalLeader(ctx context.Context, b []byte) (*fsm.Result, error) {
 	for {
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("%w: %w", ErrNoLeader, ctx.Err())
+			return nil, fmt.Errorf("%w: %w", ErrNoLeader, ctx.Err())
 		case <-n.ctx.Done():
-			return ErrClosed
+			return nil, ErrClosed
 		case <-time.After(10 * time.Millisecond):
 		}
 		if n.IsLeader() {
-			_, _, err := n.applyLocal(ctx, b)
-			return err
+			res, _, err := n.applyLocal(ctx, b)
+			return res, err
 		}
 	}
 }

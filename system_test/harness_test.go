@@ -91,14 +91,26 @@ type replica struct {
 
 // cluster is n replica processes that bootstrap together.
 type cluster struct {
-	t        *testing.T
+	t        testing.TB
+	bin      string // the kvrouter-ha binary the replicas run
 	replicas []*replica
 }
 
-// startCluster starts n replicas in front of the fleet, bootstrapped together.
+// startCluster starts n replicas of the race-detector build in front of the fleet,
+// bootstrapped together.
 func startCluster(t *testing.T, n int, fl *fleet, extra ...string) *cluster {
 	t.Helper()
-	c := &cluster{t: t}
+	var workers []string
+	for i, u := range fl.urls {
+		workers = append(workers, fl.ids[i]+"="+u)
+	}
+	return startClusterOf(t, binary, n, workers, extra...)
+}
+
+// startClusterOf starts n replicas of bin in front of workers (id=url specs).
+func startClusterOf(t testing.TB, bin string, n int, workers []string, extra ...string) *cluster {
+	t.Helper()
+	c := &cluster{t: t, bin: bin}
 	base := t.TempDir()
 	var peers, gossipSeeds []string
 	for i := range n {
@@ -111,10 +123,6 @@ func startCluster(t *testing.T, n int, fl *fleet, extra ...string) *cluster {
 		peers = append(peers, r.p)
 		gossipSeeds = append(gossipSeeds, r.gossip)
 		c.replicas = append(c.replicas, r)
-	}
-	var workers []string
-	for i, u := range fl.urls {
-		workers = append(workers, fl.ids[i]+"="+u)
 	}
 	for _, r := range c.replicas {
 		r.args = append([]string{"serve",
@@ -168,7 +176,7 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 // start runs the replica's process (again, after a kill, on the same data directory).
 func (c *cluster) start(r *replica) {
 	c.t.Helper()
-	cmd := exec.Command(binary, r.args...)
+	cmd := exec.Command(c.bin, r.args...)
 	if r.log == nil {
 		r.log = &bytes.Buffer{}
 	}
@@ -325,7 +333,7 @@ func doChat(hc *http.Client, req *http.Request) (answer, error) {
 }
 
 // eventually polls cond until it returns nil or the deadline passes.
-func eventually(t *testing.T, within time.Duration, cond func() error) {
+func eventually(t testing.TB, within time.Duration, cond func() error) {
 	t.Helper()
 	deadline := time.Now().Add(within)
 	for {

@@ -16,26 +16,30 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 )
 
-// releaseBinary is kvrouter-ha built without the race detector, for benchmarks.
+// releaseBuilds are kvrouter-ha built without the race detector, for benchmarks, by build
+// tags ("" for the release itself).
 var (
-	releaseOnce sync.Once
-	releasePath string
-	releaseErr  error
+	releaseMu     sync.Mutex
+	releaseBuilds = map[string]string{}
 )
 
-func releaseBinary(b *testing.B) string {
+func releaseBinary(b *testing.B) string { return releaseBuild(b, "") }
+
+// releaseBuild builds kvrouter-ha with tags once per test binary.
+func releaseBuild(b *testing.B, tags string) string {
 	b.Helper()
-	releaseOnce.Do(func() {
-		releasePath = filepath.Join(filepath.Dir(binary), "kvrouter-ha-release")
-		out, err := exec.Command("go", "build", "-o", releasePath, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha").CombinedOutput()
-		if err != nil {
-			releaseErr = fmt.Errorf("build: %v\n%s", err, out)
-		}
-	})
-	if releaseErr != nil {
-		b.Fatal(releaseErr)
+	releaseMu.Lock()
+	defer releaseMu.Unlock()
+	if p, ok := releaseBuilds[tags]; ok {
+		return p
 	}
-	return releasePath
+	p := filepath.Join(filepath.Dir(binary), "kvrouter-ha-release"+strings.ReplaceAll(tags, ",", "-"))
+	out, err := exec.Command("go", "build", "-tags", tags, "-o", p, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha").CombinedOutput()
+	if err != nil {
+		b.Fatalf("build kvrouter-ha (tags %q): %v\n%s", tags, err, out)
+	}
+	releaseBuilds[tags] = p
+	return p
 }
 
 // process runs a command until the benchmark ends.
