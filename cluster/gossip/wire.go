@@ -12,7 +12,7 @@ type Kind byte
 
 // Allocated kinds.
 const (
-	// KindHealth carries a replica's worker health observations (cluster.HealthView).
+	// KindHealth carries a replica's worker health observations (hints.HealthView).
 	KindHealth Kind = 1
 	// KindDecisions carries routing decisions for the shared approximate index.
 	KindDecisions Kind = 2

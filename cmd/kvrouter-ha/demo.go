@@ -18,7 +18,7 @@ import (
 
 	"github.com/peterbourgon/ff/v3/ffcli"
 
-	"github.com/kvrouter-ha/kvrouter-ha/cluster"
+	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
@@ -223,8 +223,8 @@ func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataD
 			// as the TTLs do: a load report every 150 ms of simulated time.
 			Gossip: gossipConfig{Listen: a.gossip, MaxBytesPerSecond: defaultGossipBudget, JoinWait: 100 * time.Millisecond,
 				HealthInterval: 200 * time.Millisecond, SnapshotDiscovery: time.Second, MinQuorum: 3, CleanupInterval: 5 * time.Minute,
-				LoadInterval:  scaled(cluster.DefaultLoadInterval, speedup),
-				DecisionFlush: scaled(cluster.DefaultDecisionFlush, speedup)},
+				LoadInterval:  scaled(hints.DefaultLoadInterval, speedup),
+				DecisionFlush: scaled(hints.DefaultDecisionFlush, speedup)},
 		}
 		if tp.Replicas > 1 {
 			cfg.Cluster.Join = strings.Join(seeds, ",")

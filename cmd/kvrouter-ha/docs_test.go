@@ -156,7 +156,7 @@ func documentedCommands() []docCommand {
 				{"TLS and secrets", "All optional. Certificate files are read at start (a new certificate takes a restart), and a bad one stops the start with a message naming the flag. Secrets are never logged; give them through the `-file` flags or the environment, since flags show in `ps`.",
 					[]string{"tls-cert-file", "tls-key-file", "peer-tls-cert-file", "peer-tls-key-file", "peer-tls-ca-file",
 						"gossip-key", "gossip-key-file", "admin-token", "admin-token-file"}},
-				{"Worker health", "Each replica probes every worker; with gossip the replicas' views are merged (see `cluster/health.go`).",
+				{"Worker health", "Each replica probes every worker; with gossip the replicas' views are merged (see `cluster/hints/health.go`).",
 					[]string{"health-interval", "health-timeout", "health-fail-threshold", "health-rise-threshold"}},
 				{"Shutdown", "On SIGTERM or SIGINT: `/readyz` fails at once, the port keeps serving for `--shutdown-delay`, leadership moves to a follower if this replica leads, then in-flight requests get `--shutdown-timeout` to finish. A second signal cuts the delay short.",
 					[]string{"shutdown-delay", "shutdown-timeout"}},

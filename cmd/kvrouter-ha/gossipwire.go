@@ -20,6 +20,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster"
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/gossip"
+	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
@@ -59,10 +60,10 @@ func registerGossipFlags(fs *flag.FlagSet, c *gossipConfig, noGossip *bool) {
 	fs.IntVar(&c.MaxBytesPerSecond, "gossip-max-bytes-per-second", defaultGossipBudget, "outbound gossip budget of this replica; past it hints are dropped and counted (decisions dominate: about 8 bytes per new prompt block per peer)")
 	fs.IntVar(&c.MinQuorum, "min-quorum", 3, "reconciliation never removes a dead replica's vote below this many voters")
 	fs.DurationVar(&c.CleanupInterval, "cleanup-interval", 5*time.Minute, "a replica dead this long (and unreachable by Raft) loses its vote")
-	fs.DurationVar(&c.LoadInterval, "load-share-interval", cluster.DefaultLoadInterval, "how often this replica publishes its per-worker in-flight load")
-	fs.DurationVar(&c.DecisionFlush, "decision-flush-interval", cluster.DefaultDecisionFlush, "how often this replica's routing decisions go to the others, batched")
+	fs.DurationVar(&c.LoadInterval, "load-share-interval", hints.DefaultLoadInterval, "how often this replica publishes its per-worker in-flight load")
+	fs.DurationVar(&c.DecisionFlush, "decision-flush-interval", hints.DefaultDecisionFlush, "how often this replica's routing decisions go to the others, batched")
 	fs.DurationVar(&c.HealthInterval, "health-gossip-interval", 200*time.Millisecond, "how often worker health changes are gossiped")
-	fs.DurationVar(&c.SnapshotDiscovery, "index-snapshot-discovery", cluster.DefaultSnapshotDiscovery, "how long a starting replica waits for a peer to pull the index from before it starts empty")
+	fs.DurationVar(&c.SnapshotDiscovery, "index-snapshot-discovery", hints.DefaultSnapshotDiscovery, "how long a starting replica waits for a peer to pull the index from before it starts empty")
 	fs.Int64Var(&c.SnapshotMaxBytes, "index-snapshot-max-bytes", peer.DefaultMaxSnapshotBytes, "largest index snapshot accepted from a peer")
 	fs.DurationVar(&c.JoinWait, "gossip-join-wait", 5*time.Second, "how long start waits for a gossip seed before it goes on and keeps trying in the background")
 }
@@ -71,19 +72,19 @@ func registerGossipFlags(fs *flag.FlagSet, c *gossipConfig, noGossip *bool) {
 // and index snapshots.
 type sharing struct {
 	g         *gossip.Gossip
-	health    *cluster.HealthView
-	decisions *cluster.Decisions
+	health    *hints.HealthView
+	decisions *hints.Decisions
 	remote    *routing.RemoteLoad
-	load      *cluster.LoadShare
-	sync      *cluster.IndexSync
+	load      *hints.LoadShare
+	sync      *hints.IndexSync
 	seeds     bool                  // whether there were seeds to join
-	metrics   *cluster.ShareMetrics // the sharing counters, for the demo's summary
+	metrics   *hints.Metrics // the sharing counters, for the demo's summary
 	cfg       gossipConfig
 }
 
 // lazySnapshots serves index snapshots once the sync exists; the peer port starts before.
 type lazySnapshots struct {
-	s atomic.Pointer[cluster.IndexSync]
+	s atomic.Pointer[hints.IndexSync]
 }
 
 func (l *lazySnapshots) WriteIndexSnapshot(ctx context.Context, w io.Writer) error {
@@ -198,7 +199,7 @@ func (r *replica) startSharing(ctx context.Context, promReg prometheus.Registere
 			log.Warn("no gossip seed answered yet; trying in the background", "seeds", seeds, "err", err)
 		}
 	}
-	metrics, err := cluster.NewShareMetrics(promReg)
+	metrics, err := hints.NewMetrics(promReg)
 	if err != nil {
 		return fail(err)
 	}
@@ -207,10 +208,10 @@ func (r *replica) startSharing(ctx context.Context, promReg prometheus.Registere
 		spec, ok := r.registry.Lookup(w.ID)
 		return ok && int(w.DPRank) < max(spec.DPSize, 1)
 	}
-	s.health = cluster.NewHealthView(r.cfg.ReplicaID, cluster.HealthViewOptions{
+	s.health = hints.NewHealthView(r.cfg.ReplicaID, hints.HealthViewOptions{
 		FailThreshold: r.cfg.Health.FailThreshold, RiseThreshold: r.cfg.Health.RiseThreshold, Alive: g.IsAlive,
 	})
-	s.decisions, err = cluster.NewDecisions(cluster.DecisionsConfig{
+	s.decisions, err = hints.NewDecisions(hints.DecisionsConfig{
 		Messenger: g, Index: r.approx, TTL: approxTTL, Known: known, FlushInterval: gc.DecisionFlush,
 		Metrics: metrics, Logger: log.With("part", "decisions"),
 	})
@@ -219,10 +220,10 @@ func (r *replica) startSharing(ctx context.Context, promReg prometheus.Registere
 	}
 	interval := gc.LoadInterval
 	if interval <= 0 {
-		interval = cluster.DefaultLoadInterval
+		interval = hints.DefaultLoadInterval
 	}
 	s.remote = routing.NewRemoteLoad(r.tracker, 3*interval)
-	s.load, err = cluster.NewLoadShare(cluster.LoadShareConfig{
+	s.load, err = hints.NewLoadShare(hints.LoadShareConfig{
 		Messenger: g, Local: r.tracker, Remote: s.remote, Interval: interval, Known: known, Metrics: metrics, Logger: log.With("part", "load"),
 	})
 	if err != nil {
@@ -234,13 +235,13 @@ func (r *replica) startSharing(ctx context.Context, promReg prometheus.Registere
 		// and nothing to wait for.
 		discovery = time.Nanosecond
 	}
-	var engine cluster.EngineMaps
+	var engine hints.EngineMaps
 	if len(r.subs) > 0 {
 		engine = subscriberMaps(r.subs)
 	}
-	s.sync, err = cluster.NewIndexSync(cluster.IndexSyncConfig{
+	s.sync, err = hints.NewIndexSync(hints.IndexSyncConfig{
 		Self: r.cfg.ReplicaID, Approx: r.approx, Precise: r.precise, EngineMaps: engine,
-		Peers: cluster.GossipPeers(g), Fetch: cluster.PoolFetcher(r.cluster.pool, r.cfg.ReplicaID, gc.SnapshotMaxBytes),
+		Peers: hints.GossipPeers(g), Fetch: hints.PoolFetcher(r.cluster.pool, r.cfg.ReplicaID, gc.SnapshotMaxBytes),
 		DiscoveryWait: discovery, Metrics: metrics, Logger: log.With("part", "index-sync"),
 	})
 	if err != nil {

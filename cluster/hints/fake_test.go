@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"context"
@@ -198,7 +198,7 @@ type shareReplica struct {
 	remote    *routing.RemoteLoad
 	decisions *Decisions
 	load      *LoadShare
-	metrics   *ShareMetrics
+	metrics   *Metrics
 	router    *routing.Router
 	cancel    context.CancelFunc
 	wg        sync.WaitGroup
@@ -218,7 +218,7 @@ func newShareReplica(t testing.TB, fn *fakeNet, name string, opts shareOptions) 
 		opts.loadTTL = 300 * time.Millisecond
 	}
 	r := &shareReplica{name: name, msgr: fn.join(name, ""), tracker: routing.NewTracker()}
-	r.metrics, _ = NewShareMetrics(nil)
+	r.metrics, _ = NewMetrics(nil)
 	r.index = indexer.New(indexer.Options{TTL: time.Minute})
 	r.remote = routing.NewRemoteLoad(r.tracker, opts.loadTTL)
 	var err error

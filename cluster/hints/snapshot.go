@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"bytes"
@@ -97,7 +97,7 @@ type IndexSyncConfig struct {
 	// refused as unavailable, and the asking replica tries another peer.
 	MaxServing int
 	// Metrics receives the counters (nil: a private set).
-	Metrics *ShareMetrics
+	Metrics *Metrics
 	// Logger logs (nil: discarded).
 	Logger *slog.Logger
 
@@ -109,7 +109,7 @@ type IndexSyncConfig struct {
 type IndexSync struct {
 	cfg     IndexSyncConfig
 	log     *slog.Logger
-	m       *ShareMetrics
+	m       *Metrics
 	warm    atomic.Bool
 	warmed  chan struct{}
 	serving chan struct{} // a semaphore of MaxServing

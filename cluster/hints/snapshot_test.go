@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"bytes"
@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
@@ -75,7 +76,7 @@ func TestSnapshotCutMidwayIsRetriedElsewhere(t *testing.T) {
 
 	pool := peer.NewPool(peer.ClientOptions{})
 	defer pool.Close()
-	m, _ := NewShareMetrics(nil)
+	m, _ := NewMetrics(nil)
 	dst := indexer.New(indexer.Options{TTL: time.Hour})
 	s, err := NewIndexSync(IndexSyncConfig{
 		Self: "new", Approx: dst, Fetch: PoolFetcher(pool, "new", 0), MinBackoff: 10 * time.Millisecond, Metrics: m,
@@ -96,7 +97,7 @@ func TestSnapshotCutMidwayIsRetriedElsewhere(t *testing.T) {
 	done := make(chan struct{})
 	go func() { defer close(done); s.Run(ctx) }()
 
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if b, g := broken.calls.Load(), gated.calls.Load(); b < 2 || g < 1 {
 			return fmt.Errorf("broken peer tried %d times, good peer %d", b, g)
 		}
@@ -145,7 +146,7 @@ func TestStartingAloneOrAmongColdPeersEndsCold(t *testing.T) {
 		{"only cold peers", []SnapshotPeer{{ID: "c", Addr: coldAddr}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			m, _ := NewShareMetrics(nil)
+			m, _ := NewMetrics(nil)
 			s, err := NewIndexSync(IndexSyncConfig{
 				Self: "new", Approx: indexer.New(indexer.Options{}), Metrics: m,
 				Peers: func() []SnapshotPeer { return tc.peers }, Fetch: PoolFetcher(pool, "new", 0),

@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"context"
@@ -45,7 +45,7 @@ type LoadShareConfig struct {
 	// Known, when set, accepts only reports of workers this replica routes to.
 	Known func(indexer.Worker) bool
 	// Metrics receives the counters (nil: a private set).
-	Metrics *ShareMetrics
+	Metrics *Metrics
 	// Logger logs (nil: discarded).
 	Logger *slog.Logger
 
@@ -56,7 +56,7 @@ type LoadShareConfig struct {
 type LoadShare struct {
 	cfg   LoadShareConfig
 	log   *slog.Logger
-	m     *ShareMetrics
+	m     *Metrics
 	self  string
 	epoch uint64
 	now   func() time.Time

@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"sync"
@@ -60,9 +60,9 @@ const (
 
 var snapshotResults = [...]string{SnapshotOK, SnapshotCold, SnapshotBroken, SnapshotBad, SnapshotError}
 
-// ShareMetrics counts what the sharing of decisions, load and index snapshots sends,
+// Metrics counts what the sharing of decisions, load and index snapshots sends,
 // receives and drops. One value serves all three; its methods are safe for concurrent use.
-type ShareMetrics struct {
+type Metrics struct {
 	now     func() time.Time
 	bytes   [numShareKinds][2]atomic.Uint64 // [kind][0 in, 1 out]
 	msgs    [numShareKinds][2]atomic.Uint64
@@ -77,8 +77,8 @@ type ShareMetrics struct {
 	remoteReplicas      atomic.Int64
 }
 
-// ShareStats is a snapshot of ShareMetrics (tests, benchmarks, the admin API).
-type ShareStats struct {
+// Stats is a snapshot of Metrics (tests, benchmarks, the admin API).
+type Stats struct {
 	// BytesIn, BytesOut, MessagesIn and MessagesOut are by kind: "decisions", "load",
 	// "snapshot". Payload bytes only (the gossip layer's framing is its own metric).
 	BytesIn, BytesOut       map[string]uint64
@@ -102,9 +102,9 @@ type ShareStats struct {
 	RemoteLoadReplicas int64
 }
 
-// NewShareMetrics returns the counters, registered with reg unless it is nil.
-func NewShareMetrics(reg prometheus.Registerer) (*ShareMetrics, error) {
-	m := &ShareMetrics{now: time.Now}
+// NewMetrics returns the counters, registered with reg unless it is nil.
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	m := &Metrics{now: time.Now}
 	if reg != nil {
 		if err := reg.Register(newShareCollector(m)); err != nil {
 			return nil, err
@@ -114,28 +114,28 @@ func NewShareMetrics(reg prometheus.Registerer) (*ShareMetrics, error) {
 }
 
 // orNewMetrics is m, or an unregistered set when m is nil.
-func orNewMetrics(m *ShareMetrics) *ShareMetrics {
+func orNewMetrics(m *Metrics) *Metrics {
 	if m != nil {
 		return m
 	}
-	return &ShareMetrics{now: time.Now}
+	return &Metrics{now: time.Now}
 }
 
-func (m *ShareMetrics) in(k shareKind, n int) {
+func (m *Metrics) in(k shareKind, n int) {
 	m.bytes[k][0].Add(uint64(n))
 	m.msgs[k][0].Add(1)
 	m.rates[k][0].add(m.now(), n)
 }
 
-func (m *ShareMetrics) out(k shareKind, n int) {
+func (m *Metrics) out(k shareKind, n int) {
 	m.bytes[k][1].Add(uint64(n))
 	m.msgs[k][1].Add(1)
 	m.rates[k][1].add(m.now(), n)
 }
 
-func (m *ShareMetrics) drop(k shareKind, reason string) { m.dropN(k, reason, 1) }
+func (m *Metrics) drop(k shareKind, reason string) { m.dropN(k, reason, 1) }
 
-func (m *ShareMetrics) dropN(k shareKind, reason string, n int) {
+func (m *Metrics) dropN(k shareKind, reason string, n int) {
 	for i, r := range shareDropReasons {
 		if r == reason {
 			m.dropped[k][i].Add(uint64(n))
@@ -145,7 +145,7 @@ func (m *ShareMetrics) dropN(k shareKind, reason string, n int) {
 	m.dropped[k][0].Add(uint64(n))
 }
 
-func (m *ShareMetrics) snapshot(result string) {
+func (m *Metrics) snapshot(result string) {
 	for i, r := range snapshotResults {
 		if r == result {
 			m.snapshots[i].Add(1)
@@ -155,9 +155,9 @@ func (m *ShareMetrics) snapshot(result string) {
 }
 
 // Stats returns the current values.
-func (m *ShareMetrics) Stats() ShareStats {
+func (m *Metrics) Stats() Stats {
 	now := m.now()
-	s := ShareStats{
+	s := Stats{
 		BytesIn: map[string]uint64{}, BytesOut: map[string]uint64{},
 		MessagesIn: map[string]uint64{}, MessagesOut: map[string]uint64{},
 		BytesPerSecondIn: map[string]uint64{}, BytesPerSecondOut: map[string]uint64{},
@@ -217,14 +217,14 @@ func (r *rateMeter) perSecond(now time.Time) uint64 {
 	return r.prev
 }
 
-// shareCollector exposes ShareMetrics to Prometheus.
+// shareCollector exposes Metrics to Prometheus.
 type shareCollector struct {
-	m                                                   *ShareMetrics
+	m                                                   *Metrics
 	bytes, msgs, rate, dropped, blocks, gaps, snapshots *prometheus.Desc
 	late, snapshotBytes, warm, replicas                 *prometheus.Desc
 }
 
-func newShareCollector(m *ShareMetrics) *shareCollector {
+func newShareCollector(m *Metrics) *shareCollector {
 	kd := []string{"kind", "direction"}
 	return &shareCollector{
 		m:             m,

@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"context"
@@ -100,7 +100,7 @@ type DecisionsConfig struct {
 	// SendTimeout bounds one TCP send (default 2 s).
 	SendTimeout time.Duration
 	// Metrics receives the counters (nil: a private set).
-	Metrics *ShareMetrics
+	Metrics *Metrics
 	// Logger logs (nil: discarded).
 	Logger *slog.Logger
 
@@ -112,7 +112,7 @@ type DecisionsConfig struct {
 type Decisions struct {
 	cfg   DecisionsConfig
 	log   *slog.Logger
-	m     *ShareMetrics
+	m     *Metrics
 	self  string
 	epoch uint64
 	now   func() time.Time

@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"bytes"
@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/gossip"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // healthHarness drives one view (replica "r1", thresholds fail 3 / rise 2, confirm 2) with
@@ -354,7 +355,7 @@ func TestDeadWorkerLeavesEveryReplica(t *testing.T) {
 	defer wg.Wait()
 	defer cancel()
 	for i, g := range gs {
-		eventually(t, 10*time.Second, func() error {
+		poll.Until(t, 10*time.Second, func() error {
 			if n := len(g.Members()); n != 3 {
 				return fmt.Errorf("%s sees %d members", g.Name(), n)
 			}
@@ -368,7 +369,7 @@ func TestDeadWorkerLeavesEveryReplica(t *testing.T) {
 		v.Observe("w", true)
 		v.Observe("w", false) // one failure each: below every replica's own threshold
 	}
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		for i, v := range views {
 			if ok, _ := v.Routable("w"); ok {
 				return fmt.Errorf("r%d still routes to the dead worker", i+1)
@@ -384,7 +385,7 @@ func TestDeadWorkerLeavesEveryReplica(t *testing.T) {
 		v.Observe("w", true)
 		v.Observe("w", true)
 	}
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		for i, v := range views {
 			if ok, why := v.Routable("w"); !ok {
 				return fmt.Errorf("r%d keeps the recovered worker out: %s", i+1, why)

@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"context"
@@ -202,7 +202,7 @@ func appendHeader(b []byte, self string) []byte {
 // admitShare counts a received message of kind k and lets it through only when it comes from
 // another live member, decodes, and names the replica that sent it; each refusal is counted
 // under its reason, so no receive path applies what it should not.
-func admitShare[M any](m *ShareMetrics, log *slog.Logger, k shareKind, self, from string, alive func(string) bool,
+func admitShare[M any](m *Metrics, log *slog.Logger, k shareKind, self, from string, alive func(string) bool,
 	payload []byte, decode func([]byte) (M, error), sender func(M) string) (M, bool) {
 	var zero M
 	m.in(k, len(payload))

@@ -1,4 +1,4 @@
-package cluster
+package hints
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/gossip"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
@@ -48,7 +49,7 @@ func TestDecisionsOnOneReplicaReachTheOthers(t *testing.T) {
 	prompt := sharePrompt(1, 64)
 	d := routeAndCommit(t, rs[0], prompt)
 	w := d.Target.Worker
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		for _, r := range rs[1:] {
 			if got := r.overlap(prompt, w); got != len(prompt) {
 				return fmt.Errorf("%s credits %s with %d of %d blocks", r.name, w, got, len(prompt))
@@ -64,7 +65,7 @@ func TestDecisionsOnOneReplicaReachTheOthers(t *testing.T) {
 	if d2.Target.Worker != w || d2.Overlap != len(prompt) {
 		t.Fatalf("follow-up on r1 went to %s with overlap %d; want %s with %d", d2.Target.Worker, d2.Overlap, w, len(prompt))
 	}
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		for _, r := range []*shareReplica{rs[0], rs[2]} {
 			if got := r.overlap(next, w); got != len(next) {
 				return fmt.Errorf("%s credits %s with %d of %d blocks", r.name, w, got, len(next))
@@ -75,14 +76,14 @@ func TestDecisionsOnOneReplicaReachTheOthers(t *testing.T) {
 	// r1 had the 64-block prefix from r0, not from its own sending, so it sends the whole
 	// chain once; a third turn on r1 then sends only its 16 new blocks to each peer.
 	third := append(append([]uint64(nil), next...), sharePrompt(3, 16)...)
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		if got := rs[1].metrics.Stats().DecisionBlocksOut - before; got != 2*80 {
 			return fmt.Errorf("r1 sent %d blocks for its first decision, want 160", got)
 		}
 		return nil
 	})
 	routeAndCommit(t, rs[1], third)
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		if got := rs[1].metrics.Stats().DecisionBlocksOut - before; got != 2*80+2*16 {
 			return fmt.Errorf("r1 sent %d blocks in all, want 192 (the third turn's 16 new blocks to each of 2 peers)", got)
 		}
@@ -119,7 +120,7 @@ func TestLoadPublishedByOneChangesAnothersChoice(t *testing.T) {
 		tk := rs[0].tracker.Start(w0, 2048, 128)
 		defer tk.Finish()
 	}
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		if got := rs[1].remote.Remote(w0); got.Requests != 4 {
 			return fmt.Errorf("r1 sees %+v of r0's load on w0", got)
 		}
@@ -148,7 +149,7 @@ func TestKilledReplicasLoadShareExpires(t *testing.T) {
 			w1 := indexer.Worker{ID: "w1"}
 			tk := rs[0].tracker.Start(w1, 512, 32)
 			defer tk.Finish()
-			eventually(t, 5*time.Second, func() error {
+			poll.Until(t, 5*time.Second, func() error {
 				for _, r := range rs[1:] {
 					if got := r.remote.Load(w1); got.Requests != 1 {
 						return fmt.Errorf("%s sees load %+v on w1", r.name, got)
@@ -162,7 +163,7 @@ func TestKilledReplicasLoadShareExpires(t *testing.T) {
 			if tc.declare {
 				fn.kill("r0")
 			}
-			eventually(t, 5*time.Second, func() error {
+			poll.Until(t, 5*time.Second, func() error {
 				for _, r := range rs[1:] {
 					if got := r.remote.Load(w1); got != (routing.Load{}) {
 						return fmt.Errorf("%s still counts %+v on w1", r.name, got)
@@ -217,7 +218,7 @@ func TestRestartedReplicaIsWarmBeforeReady(t *testing.T) {
 	fn, rs := threeReplicas(t, shareOptions{})
 	prompt := sharePrompt(7, 40)
 	w := routeAndCommit(t, rs[0], prompt).Target.Worker
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		if got := rs[1].overlap(prompt, w); got != len(prompt) {
 			return fmt.Errorf("r1 credits %s with %d blocks", w, got)
 		}

@@ -1,0 +1,36 @@
+// Package poll is the one retry helper of the project's tests: wait, with a deadline, for a
+// condition that something else brings about, instead of sleeping for a guessed time.
+package poll
+
+import (
+	"testing"
+	"time"
+)
+
+// Interval is how often Until asks again.
+const Interval = 10 * time.Millisecond
+
+// Until calls cond until it returns nil, and fails t with cond's last error once within has
+// passed. cond may itself call t.Fatal to stop at once on a state that waiting cannot fix.
+func Until(t testing.TB, within time.Duration, cond func() error) {
+	t.Helper()
+	if err := Wait(within, cond); err != nil {
+		t.Fatalf("condition not met within %s: %v", within, err)
+	}
+}
+
+// Wait calls cond until it returns nil or within has passed, and returns cond's last error
+// in the second case (benchmarks and helpers that report failure their own way).
+func Wait(within time.Duration, cond func() error) error {
+	deadline := time.Now().Add(within)
+	for {
+		err := cond()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(Interval)
+	}
+}
