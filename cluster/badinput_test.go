@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
@@ -20,7 +21,7 @@ func TestGarbageOnRaftPortDoesNotHurtTheCluster(t *testing.T) {
 	nodes := startRealCluster(t, 3)
 	li := waitLeader(t, nodes)
 	for i, n := range nodes {
-		eventually(t, 10*time.Second, func() error {
+		poll.Until(t, 10*time.Second, func() error {
 			if err := n.node.Ready(); err != nil {
 				return fmt.Errorf("node %d before the garbage: %w", i, err)
 			}
@@ -127,7 +128,7 @@ func TestDataDirectoryOfAnotherClusterRefusesToJoin(t *testing.T) {
 	// It must not become a member: it gave up (the background joiner stopped) and the
 	// leader's configuration never lists it.
 	li := waitLeader(t, nodes)
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if stray.node.ClusterID() != "some-other-cluster" {
 			return fmt.Errorf("stray node adopted cluster %q", stray.node.ClusterID())
 		}

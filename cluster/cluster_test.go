@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
@@ -37,7 +38,7 @@ func bindVia(t *testing.T, a *Affinity, session string, w indexer.Worker) routin
 func TestClusterBootstrapsAndElectsOneLeader(t *testing.T) {
 	c := newTestCluster(t, 3, nil)
 	li, _ := c.leader()
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		ids := map[string]bool{}
 		for _, n := range c.nodes {
 			ids[n.ClusterID()] = true
@@ -48,7 +49,7 @@ func TestClusterBootstrapsAndElectsOneLeader(t *testing.T) {
 		return nil
 	})
 	// Every member's peer address reaches every replica's FSM.
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		for i, n := range c.nodes {
 			if got := len(n.FSM().Members()); got != 3 {
 				return fmt.Errorf("node %d knows %d members", i, got)
@@ -74,7 +75,7 @@ func TestFollowerForwardsBindToLeader(t *testing.T) {
 	if served == 0 {
 		t.Fatal("the follower's bind was not served by the leader")
 	}
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		for i, n := range c.nodes {
 			got, ok := n.FSM().Get("s1")
 			if !ok || got.Revision != b.Revision || got.Worker != "w1" {
@@ -138,7 +139,7 @@ func TestLeaderLossKeepsBindingsAndElectsAnother(t *testing.T) {
 	if err := check(nli); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		for i, n := range c.nodes {
 			if n != nil {
 				if err := check(i); err != nil {
@@ -155,7 +156,7 @@ func TestLeaderLossKeepsBindingsAndElectsAnother(t *testing.T) {
 	}
 	// The old leader comes back and catches up.
 	c.start(li)
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if got, ok := c.nodes[li].FSM().Get("after-failover"); !ok || got.Revision != b.Revision {
 			return errors.New("restarted node has not caught up")
 		}
@@ -178,7 +179,7 @@ func TestNewLeaderRearmsTimersAndExpiresOnce(t *testing.T) {
 		t.Fatalf("new leader armed %d timers for %d bindings", got, nl.FSM().Len())
 	}
 	// Every binding idles out, each through exactly one Expire from the new leader.
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if n := nl.FSM().Len(); n != 0 {
 			return fmt.Errorf("%d bindings left", n)
 		}
@@ -206,7 +207,7 @@ func TestActiveSessionIsNotExpired(t *testing.T) {
 	bindVia(t, a, "short", indexer.Worker{ID: "w2"})
 	// Wait for the idle one to expire: by then the held one has outlived its TTL several
 	// times over and must still be bound (its keep-alive touches the leader every ttl/3).
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if _, ok := nl.FSM().Get("short"); ok {
 			return errors.New("idle session not expired yet")
 		}
@@ -216,7 +217,7 @@ func TestActiveSessionIsNotExpired(t *testing.T) {
 		t.Fatalf("active session lost its binding: %+v %v", got, ok)
 	}
 	held.Release()
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if _, ok := nl.FSM().Get("long"); ok {
 			return errors.New("released session not expired yet")
 		}
@@ -239,7 +240,7 @@ func TestInvalidateIsRevisionGuarded(t *testing.T) {
 	if err := a.Invalidate(ctx, "s", b.Revision); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		if _, ok, _ := a.Peek(ctx, "s"); ok {
 			return errors.New("still bound")
 		}
@@ -273,7 +274,7 @@ func TestStaleReplicaTurnsUnready(t *testing.T) {
 	fi := (li + 1) % 3
 	// A follower turns ready with its first read lease, one read-index round after it
 	// learned of the leader.
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if err := c.nodes[fi].Ready(); err != nil {
 			return fmt.Errorf("healthy follower unready: %w", err)
 		}
@@ -289,7 +290,7 @@ func TestStaleReplicaTurnsUnready(t *testing.T) {
 			c.net.trans[raftAddr(i)].Disconnect(raft.ServerAddress(raftAddr(fi)))
 		}
 	}
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if err := c.nodes[fi].Ready(); err == nil {
 			return errors.New("cut-off follower still ready")
 		}
@@ -327,7 +328,7 @@ func TestOneNodeBindingsSurviveRestart(t *testing.T) {
 	}
 	n = open()
 	defer n.Close()
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		got, ok := n.FSM().Get("durable")
 		if !ok || got.Revision != b.Revision || got.Worker != "w3" || got.DPRank != 1 {
 			return fmt.Errorf("after restart: %+v %v", got, ok)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/hashicorp/raft"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
@@ -233,7 +234,7 @@ func (c *testCluster) leader() (int, *Node) {
 	c.t.Helper()
 	var idx int
 	var ln *Node
-	eventually(c.t, 10*time.Second, func() error {
+	poll.Until(c.t, 10*time.Second, func() error {
 		for i, n := range c.nodes {
 			if n != nil && n.IsLeader() && n.lead.isEstablished() {
 				idx, ln = i, n
@@ -243,20 +244,4 @@ func (c *testCluster) leader() (int, *Node) {
 		return errors.New("no established leader")
 	})
 	return idx, ln
-}
-
-// eventually polls cond until it returns nil or the deadline passes.
-func eventually(t testing.TB, within time.Duration, cond func() error) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		err := cond()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("condition not met within %s: %v", within, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }

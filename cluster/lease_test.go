@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // TestHeartbeatsAloneRenewNoReadLease cuts a follower's read-index calls while its Raft
@@ -20,7 +21,7 @@ func TestHeartbeatsAloneRenewNoReadLease(t *testing.T) {
 	li, _ := c.leader()
 	fi := (li + 1) % 3
 	f := c.nodes[fi]
-	eventually(t, 10*time.Second, func() error { return f.Ready() })
+	poll.Until(t, 10*time.Second, func() error { return f.Ready() })
 	a := NewAffinity(f)
 	ctx := context.Background()
 	bindVia(t, NewAffinity(c.nodes[li]), "kept", indexer.Worker{ID: "w1"})
@@ -29,7 +30,7 @@ func TestHeartbeatsAloneRenewNoReadLease(t *testing.T) {
 	c.net.noReads[peerAddr(fi)] = true
 	c.net.mu.Unlock()
 	cut := time.Now()
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if err := f.Ready(); err == nil {
 			return errors.New("still ready without a read-index round")
 		}
@@ -46,7 +47,7 @@ func TestHeartbeatsAloneRenewNoReadLease(t *testing.T) {
 	c.net.mu.Lock()
 	c.net.noReads[peerAddr(fi)] = false
 	c.net.mu.Unlock()
-	eventually(t, 10*time.Second, func() error { return f.Ready() })
+	poll.Until(t, 10*time.Second, func() error { return f.Ready() })
 	if b, ok, err := a.Peek(ctx, "kept"); err != nil || !ok || b.Worker.ID != "w1" {
 		t.Fatalf("after the lease returned: %+v %v %v", b, ok, err)
 	}
@@ -57,7 +58,7 @@ func TestHeartbeatsAloneRenewNoReadLease(t *testing.T) {
 func TestReadLeaseEndsWithItsTermRoleOrTime(t *testing.T) {
 	c := newTestCluster(t, 1, nil)
 	_, n := c.leader()
-	eventually(t, 10*time.Second, func() error { return n.Ready() })
+	poll.Until(t, 10*time.Second, func() error { return n.Ready() })
 	term, st := n.raft.CurrentTerm(), n.raft.State()
 	far := n.lease.now() + time.Hour
 	cases := []struct {
@@ -96,10 +97,10 @@ func TestLeaseRoundsStayOffTheRequestPath(t *testing.T) {
 	c := newTestCluster(t, 3, nil)
 	li, _ := c.leader()
 	f := c.nodes[(li+1)%3]
-	eventually(t, 10*time.Second, func() error { return f.Ready() })
+	poll.Until(t, 10*time.Second, func() error { return f.Ready() })
 	a := NewAffinity(f)
 	bindVia(t, NewAffinity(c.nodes[li]), "hot", indexer.Worker{ID: "w2"})
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if _, ok, err := a.Peek(context.Background(), "hot"); err != nil || !ok {
 			return fmt.Errorf("not yet applied: %v %v", ok, err)
 		}

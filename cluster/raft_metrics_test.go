@@ -14,6 +14,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // scrapeRaft gathers n's Raft collector through a registry of its own, as /metrics would,
@@ -117,7 +118,7 @@ func TestRaftMetricsFollowBindsAndAFailover(t *testing.T) {
 	li, _ := c.leader()
 
 	// One leader, every series present (the state's four: raftStateOf), three voters everywhere.
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		got, err := leadersAmong(t, c.nodes)
 		if err != nil {
 			return err
@@ -167,7 +168,7 @@ func TestRaftMetricsFollowBindsAndAFailover(t *testing.T) {
 	}
 	fi := (li + 1) % 3
 	bindVia(t, NewAffinity(c.nodes[fi]), "metrics-session", indexer.Worker{ID: "w1"})
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		for i, n := range c.nodes {
 			m := scrapeRaft(t, n)
 			applied := m["kvrouter_raft_applied_index"]
@@ -197,7 +198,7 @@ func TestRaftMetricsFollowBindsAndAFailover(t *testing.T) {
 	old := c.nodes[li]
 	c.kill(li)
 	nli, _ := c.leader()
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		got, err := leadersAmong(t, c.nodes)
 		if err != nil {
 			return err

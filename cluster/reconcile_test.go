@@ -10,6 +10,7 @@ import (
 	"github.com/hashicorp/raft"
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/gossip"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // fakeMembers is a MemberSource the test writes.
@@ -136,7 +137,7 @@ func TestReconcileAddsAliveMembersAsVotersOnlyOnTheLeader(t *testing.T) {
 			n.ReconcileMembers(ctx, src, ReconcileConfig{Interval: 20 * time.Millisecond})
 		}()
 	}
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if s := servers(t, ln); s["r3"] != raft.Voter {
 			return fmt.Errorf("r3 is not a voter: %v", s)
 		}
@@ -175,7 +176,7 @@ func reconcilerOn(t *testing.T, ln *Node, src MemberSource, cfg ReconcileConfig)
 // (manual) time.
 func untilUnreachable(t *testing.T, r *reconciler, id string) {
 	t.Helper()
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		if !r.raftUnreachable(id, r.cfg.Now()) {
@@ -306,7 +307,7 @@ func TestReconcileDoesNothingOnAFollower(t *testing.T) {
 	li, ln := c.leader()
 	fi := c.followers(li)[0]
 	// A follower learns the configuration from the leader's first entries.
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if s := servers(t, c.nodes[fi]); len(s) != 3 {
 			return fmt.Errorf("the follower sees %v", s)
 		}

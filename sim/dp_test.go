@@ -12,6 +12,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // newTestDP returns a front over n ranks made from cfg (each its own Worker), served by a
@@ -143,7 +145,7 @@ func TestDataParallelWithoutRankBalancesOnRequestsInFlight(t *testing.T) {
 	}
 	waitIdle := func() {
 		t.Helper()
-		eventually(t, "no request in flight", func() bool {
+		poll.Holds(t, 10*time.Second, "no request in flight", func() bool {
 			d.mu.Lock()
 			defer d.mu.Unlock()
 			return d.inFlight[0] == 0 && d.inFlight[1] == 0

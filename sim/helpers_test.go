@@ -12,7 +12,6 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
-	"time"
 )
 
 // testConfig fills in a fast, quiet configuration for tests.
@@ -141,18 +140,6 @@ func parseSSE(t *testing.T, body []byte) (chunks []testResponse, done bool) {
 		chunks = append(chunks, c)
 	}
 	return chunks, done
-}
-
-// eventually polls cond until it holds or the deadline passes.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
 }
 
 func seqTokens(start, n int) []uint32 {

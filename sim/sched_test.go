@@ -3,6 +3,9 @@ package sim
 import (
 	"context"
 	"testing"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 func TestFIFOSemGrantsInArrivalOrder(t *testing.T) {
@@ -19,7 +22,7 @@ func TestFIFOSemGrantsInArrivalOrder(t *testing.T) {
 			}
 		}()
 		// Queue them one at a time so arrival order is known.
-		eventually(t, "waiter queued", func() bool { _, w := s.counts(); return w == i+1 })
+		poll.Holds(t, 10*time.Second, "waiter queued", func() bool { _, w := s.counts(); return w == i+1 })
 	}
 	for want := range n {
 		s.release()
@@ -41,7 +44,7 @@ func TestFIFOSemWaiterLeavesOnCancel(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
 	go func() { errc <- s.acquire(ctx) }()
-	eventually(t, "waiter queued", func() bool { _, w := s.counts(); return w == 1 })
+	poll.Holds(t, 10*time.Second, "waiter queued", func() bool { _, w := s.counts(); return w == 1 })
 	cancel()
 	if err := <-errc; err == nil {
 		t.Fatal("cancelled acquire succeeded")

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // completeOnce sends one generation request and returns its text and usage, decoding a
@@ -236,15 +238,15 @@ func TestClientDisconnectFreesSlotAndPins(t *testing.T) {
 		}
 		errc <- err
 	}()
-	eventually(t, "second request waiting", func() bool { return w.Stats().Waiting == 1 })
+	poll.Holds(t, 10*time.Second, "second request waiting", func() bool { return w.Stats().Waiting == 1 })
 	cancel2()
 	if err := <-errc; err == nil {
 		t.Fatal("cancelled request succeeded")
 	}
-	eventually(t, "waiting queue empty", func() bool { return w.Stats().Waiting == 0 })
+	poll.Holds(t, 10*time.Second, "waiting queue empty", func() bool { return w.Stats().Waiting == 0 })
 
 	cancel()
-	eventually(t, "slot and pins freed", func() bool {
+	poll.Holds(t, 10*time.Second, "slot and pins freed", func() bool {
 		st, cs := w.Stats(), w.Cache()
 		return st.Running == 0 && cs.Pinned == 0 && st.Aborted == 2
 	})
@@ -302,12 +304,12 @@ func TestStallHoldsFirstByteUntilClientLeaves(t *testing.T) {
 		}
 		errc <- err
 	}()
-	eventually(t, "request stalled", func() bool { return strings.Contains(scrape(t, srv.URL), `outcome="fault_stall"} 1`) })
+	poll.Holds(t, 10*time.Second, "request stalled", func() bool { return strings.Contains(scrape(t, srv.URL), `outcome="fault_stall"} 1`) })
 	cancel()
 	if err := <-errc; !errors.Is(err, context.Canceled) {
 		t.Fatalf("stalled request ended with %v, want context.Canceled", err)
 	}
-	eventually(t, "stalled request counted aborted", func() bool { return w.Stats().Aborted == 1 })
+	poll.Holds(t, 10*time.Second, "stalled request counted aborted", func() bool { return w.Stats().Aborted == 1 })
 
 	// A bounded stall answers once it is over.
 	if err := w.SetFaults(Faults{StallRate: 1, Stall: time.Millisecond}); err != nil {
@@ -360,7 +362,7 @@ func TestRefuseGivesConnectionErrorsThenRecovers(t *testing.T) {
 	if status != http.StatusOK {
 		t.Fatalf("set faults: %d %s", status, body)
 	}
-	eventually(t, "refusal over", func() bool { return try(fresh) == nil })
+	poll.Holds(t, 10*time.Second, "refusal over", func() bool { return try(fresh) == nil })
 
 	cancel()
 	if err := <-served; err != nil {

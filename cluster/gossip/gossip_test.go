@@ -16,6 +16,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // testTimings detect failures fast but tolerate a loaded 2-core machine running -race.
@@ -95,25 +97,9 @@ func cluster3(t *testing.T, tweak func(*Config)) []*Gossip {
 	return gs
 }
 
-// eventually polls cond until it returns nil or the deadline passes.
-func eventually(t testing.TB, within time.Duration, cond func() error) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		err := cond()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("condition not met within %s: %v", within, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func waitAlive(t testing.TB, g *Gossip, names ...string) {
 	t.Helper()
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		for _, n := range names {
 			if !g.IsAlive(n) {
 				return fmt.Errorf("%s does not see %s alive: %v", g.Name(), n, g.Members())
@@ -126,7 +112,7 @@ func waitAlive(t testing.TB, g *Gossip, names ...string) {
 func waitState(t *testing.T, g *Gossip, name string, want State) Member {
 	t.Helper()
 	var m Member
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		var ok bool
 		m, ok = g.Member(name)
 		if !ok || m.State != want {
@@ -219,7 +205,7 @@ func TestBroadcastAndSendsReachEveryMember(t *testing.T) {
 	if err := gs[1].SendBestEffort("r3", KindHealth, []byte("udp")); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		for _, want := range []struct {
 			in  *inbox
 			msg string
@@ -259,7 +245,7 @@ func TestLargestBroadcastFitsAPacketWithEncryption(t *testing.T) {
 	if err := gs[0].Broadcast(KindLoad, payload); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, func() error { return in.has("r1:" + string(payload)) })
+	poll.Until(t, 10*time.Second, func() error { return in.has("r1:" + string(payload)) })
 }
 
 func TestKeyedBroadcastReplacesTheQueuedOne(t *testing.T) {
@@ -288,7 +274,7 @@ func TestSharedStateTravelsOnJoinAndPushPull(t *testing.T) {
 	g2.ShareState(KindHealth, func() []byte { return []byte("state-of-r2") })
 	in1 := listen(g1, KindHealth)
 	join(t, g2)
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		if err := in2.has("r1:state-of-r1"); err != nil {
 			return err
 		}
@@ -328,7 +314,7 @@ func TestWrongKeyCannotJoinAndSaysSo(t *testing.T) {
 			if seed.IsAlive("joiner") || len(seed.Members()) != 1 {
 				t.Errorf("the seed let the joiner in: %v", seed.Members())
 			}
-			eventually(t, 5*time.Second, func() error {
+			poll.Until(t, 5*time.Second, func() error {
 				if seed.Stats().Dropped[DropKey] == 0 {
 					return errors.New("the seed did not count the undecryptable traffic")
 				}
@@ -345,7 +331,7 @@ func TestSameKeyJoins(t *testing.T) {
 	if err := gs[0].Broadcast(KindHealth, []byte("secret")); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, func() error { return in.has("r1:secret") })
+	poll.Until(t, 10*time.Second, func() error { return in.has("r1:secret") })
 }
 
 func TestKilledReplicaBecomesDeadAndLeaverLeft(t *testing.T) {
@@ -375,7 +361,7 @@ func TestKilledReplicaBecomesDeadAndLeaverLeft(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitState(t, gs[0], "r2", Left)
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		mu.Lock()
 		defer mu.Unlock()
 		var dead, left bool
@@ -478,7 +464,7 @@ func TestGarbageOnThePortIsDroppedAndCounted(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, 10*time.Second, func() error {
+	poll.Until(t, 10*time.Second, func() error {
 		s := g.Stats()
 		want := map[string]uint64{DropDecode: 6, DropSize: 1, DropNonMember: 2, DropUnknownKind: 1}
 		for r, n := range want {
@@ -496,7 +482,7 @@ func TestGarbageOnThePortIsDroppedAndCounted(t *testing.T) {
 	if err := g.Broadcast(KindHealth, []byte("still here")); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, func() error { return in.has("r1:still here") })
+	poll.Until(t, 10*time.Second, func() error { return in.has("r1:still here") })
 	for _, o := range gs[1:] {
 		if !o.IsAlive("r1") {
 			t.Errorf("%s lost r1 after the garbage", o.Name())
@@ -537,7 +523,7 @@ func TestBudgetDropsMessagesOverIt(t *testing.T) {
 	if got := g1.Stats().Dropped[DropBudget]; got != uint64(dropped) {
 		t.Errorf("dropped[budget] = %d, want %d", got, dropped)
 	}
-	eventually(t, 10*time.Second, func() error { return in.has("r1:" + string(payload) + "0") })
+	poll.Until(t, 10*time.Second, func() error { return in.has("r1:" + string(payload) + "0") })
 	// Broadcasts queue up to a second's worth, then drop.
 	var bdrop int
 	for range 10 {
@@ -564,7 +550,7 @@ func TestMetricsAreExported(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	g := start(t, "r1", func(c *Config) { c.Registerer = reg })
 	rawSend(t, g.Addr(), true, []byte{0xff, 1, 2, 3})
-	eventually(t, 5*time.Second, func() error {
+	poll.Until(t, 5*time.Second, func() error {
 		mfs, err := reg.Gather()
 		if err != nil {
 			return err

@@ -3,6 +3,7 @@
 package poll
 
 import (
+	"errors"
 	"testing"
 	"time"
 )
@@ -17,6 +18,17 @@ func Until(t testing.TB, within time.Duration, cond func() error) {
 	if err := Wait(within, cond); err != nil {
 		t.Fatalf("condition not met within %s: %v", within, err)
 	}
+}
+
+// Holds is Until for a condition that is true or not: what names it in the failure.
+func Holds(t testing.TB, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	Until(t, within, func() error {
+		if !cond() {
+			return errors.New(what)
+		}
+		return nil
+	})
 }
 
 // Wait calls cond until it returns nil or within has passed, and returns cond's last error

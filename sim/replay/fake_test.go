@@ -177,15 +177,3 @@ func writeEvent(w http.ResponseWriter, data string) {
 		fl.Flush()
 	}
 }
-
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(deadline time.Duration, cond func() bool) bool {
-	end := time.Now().Add(deadline)
-	for time.Now().Before(end) {
-		if cond() {
-			return true
-		}
-		time.Sleep(time.Millisecond)
-	}
-	return cond()
-}

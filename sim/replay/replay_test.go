@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
@@ -225,9 +226,11 @@ func TestRunRespectsConcurrencyBound(t *testing.T) {
 		// one more, so one that does is caught in the act. A client within
 		// the bound never satisfies the condition; the probe then gives up.
 		fs.gate = func(r *http.Request) {
-			waitFor(100*time.Millisecond, func() bool {
-				inflight, done := f.state()
-				return inflight >= min(limit+1, n-done) || r.Context().Err() != nil
+			_ = poll.Wait(100*time.Millisecond, func() error {
+				if inflight, done := f.state(); inflight < min(limit+1, n-done) && r.Context().Err() == nil {
+					return errors.New("no client over the bound yet")
+				}
+				return nil
 			})
 		}
 	})
@@ -451,9 +454,7 @@ func TestRunCancelReturnsPartialSummary(t *testing.T) {
 		sum, err := replay.Run(ctx, cfg)
 		done <- out{sum, err}
 	}()
-	if !waitFor(10*time.Second, func() bool { return len(f.requests()) == 3 }) {
-		t.Fatal("third request never reached the server")
-	}
+	poll.Holds(t, 10*time.Second, "the third request to reach the server", func() bool { return len(f.requests()) == 3 })
 	cancel()
 	var o out
 	select {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // The subscriber is what cmd/ hands cluster as its EngineMaps (this package may not import
@@ -64,14 +65,14 @@ func (c engineMapsCase) start(t *testing.T, sink Sink, before func(*Subscriber))
 		s := newTestSub(t, cfg)
 		before(s)
 		stop := runSub(t, s)
-		eventually(t, "the subscription", pub.hasSubscriber)
+		poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 		return s, pub, stop
 	}
 	cfg.Endpoint = "tcp://127.0.0.1:0"
 	s := newTestSub(t, cfg)
 	before(s)
 	stop := runSub(t, s)
-	eventually(t, "the bind", func() bool { return s.Addr() != nil })
+	poll.Holds(t, 15*time.Second, "the bind", func() bool { return s.Addr() != nil })
 	// The publisher moves its port up by its rank, as vLLM does; aim below to land on ours.
 	ep, err := OffsetPort(tcp(s.Addr()), -pcfg.DPRank)
 	if err != nil {
@@ -79,7 +80,7 @@ func (c engineMapsCase) start(t *testing.T, sink Sink, before func(*Subscriber))
 	}
 	pcfg.Endpoint = ep
 	pub := startPub(t, pcfg)
-	eventually(t, "the publisher connected", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the publisher connected", pub.hasSubscriber)
 	return s, pub, stop
 }
 
@@ -100,7 +101,7 @@ func TestEngineMapsTravelWithTheIndexSnapshot(t *testing.T) {
 				cpu := p0
 				cpu.Medium = "CPU" // the same engine hashes: the medium's salt keeps them apart
 				publish(t, pubA, p0, p1, p2, cpu)
-				eventually(t, "A applied the events", func() bool { return value(t, a.m.events) == 4 })
+				poll.Holds(t, 15*time.Second, "A applied the events", func() bool { return value(t, a.m.events) == 4 })
 				stopA() // a stopped subscriber is read directly
 				snap, err := a.SnapshotEngineMaps(context.Background())
 				if err != nil {
@@ -140,7 +141,7 @@ func TestEngineMapsTravelWithTheIndexSnapshot(t *testing.T) {
 				rmCPU := remove(p0.BlockHashes...)
 				rmCPU.Medium = "CPU"
 				publish(t, pubB, remove(p1.BlockHashes[1]), remove(p0.BlockHashes...), rmCPU)
-				eventually(t, "B applied the removals", func() bool { return value(t, b.m.events) == 3 })
+				poll.Holds(t, 15*time.Second, "B applied the removals", func() bool { return value(t, b.m.events) == 3 })
 				want := map[int]int{0: 0, 1: 1, 2: 2} // prompt -> blocks left in B's index
 				unknown := 0.0
 				if !restore {
@@ -265,7 +266,7 @@ func TestSnapshotEngineMapsWhileEventsFlow(t *testing.T) {
 	pub := startPub(t, PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Bind: true, ReplayEndpoint: "tcp://127.0.0.1:0"})
 	sink := newSink()
 	sub := startSub(t, Config{Endpoint: tcp(pub.Addr()), Replay: tcp(pub.ReplayAddr()), Worker: w0, Sink: sink})
-	eventually(t, "the subscription", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 
 	// Batch i stores prompt i (two blocks) and removes prompt i-window: a consistent copy
 	// holds both blocks of a prompt or neither.
@@ -406,7 +407,7 @@ func TestSnapshotEngineMapsHonoursTheContext(t *testing.T) {
 	var releaseOnce sync.Once
 	release := func() { releaseOnce.Do(func() { close(sink.release) }) }
 	t.Cleanup(release) // runs before runSub's cleanup, which waits for Run
-	eventually(t, "the subscription", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 	var e engine
 	publish(t, pub, e.stored(promptN(0)))
 	select {

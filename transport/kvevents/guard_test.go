@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // zmtpGreetingBytes is a ZMTP 3.0 greeting for the NULL mechanism, as a client sends it.
@@ -93,7 +94,7 @@ func TestGuardFailsASilentHandshake(t *testing.T) {
 func TestHugeFrameDoesNotCrashTheSubscriber(t *testing.T) {
 	sink := newSink()
 	sub := startSub(t, Config{Endpoint: "tcp://127.0.0.1:0", Mode: Bind, Topics: map[string]indexer.Worker{"t": w0}, Sink: sink})
-	eventually(t, "the bind", func() bool { return sub.Addr() != nil })
+	poll.Holds(t, 15*time.Second, "the bind", func() bool { return sub.Addr() != nil })
 	c, err := net.Dial("tcp", sub.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -109,10 +110,10 @@ func TestHugeFrameDoesNotCrashTheSubscriber(t *testing.T) {
 	}
 	// ...and goes on serving real publishers.
 	pub := startPub(t, PublisherConfig{Endpoint: tcp(sub.Addr()), Topic: "t"})
-	eventually(t, "the publisher connected", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the publisher connected", pub.hasSubscriber)
 	var e engine
 	publish(t, pub, e.stored(promptN(0)))
-	eventually(t, "the prompt", func() bool { return matched(sink.Index, w0, promptN(0), "") == 2 })
+	poll.Holds(t, 15*time.Second, "the prompt", func() bool { return matched(sink.Index, w0, promptN(0), "") == 2 })
 }
 
 func TestGuardedRewritesOnlyTCP(t *testing.T) {

@@ -14,6 +14,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // recordingSink is a real index that also records which workers were purged.
@@ -36,18 +37,6 @@ func (s *recordingSink) purged() []indexer.Worker {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return slices.Clone(s.removed)
-}
-
-// eventually polls cond until it holds or a generous deadline passes.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // value sums the counters or gauges c collects.
@@ -204,16 +193,16 @@ func TestConnectModeAppliesEventsFromABoundPublisher(t *testing.T) {
 				MapEncoding: c.format.Map, BytesHashes: c.format.BytesHashes, DPRank: int(c.rank)})
 			sink := newSink()
 			sub := startSub(t, Config{Endpoint: tcp(pub.Addr()), Worker: w, Sink: sink})
-			eventually(t, "the subscription", pub.hasSubscriber)
+			poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 
 			var e engine
 			first := e.stored(promptN(1))
 			publish(t, pub, first, e.stored(promptN(2)))
-			eventually(t, "both prompts indexed", func() bool {
+			poll.Holds(t, 15*time.Second, "both prompts indexed", func() bool {
 				return matched(sink.Index, w, promptN(1), "") == 2 && matched(sink.Index, w, promptN(2), "") == 2
 			})
 			publish(t, pub, remove(first.BlockHashes[1]))
-			eventually(t, "the removal", func() bool { return matched(sink.Index, w, promptN(1), "") == 1 })
+			poll.Holds(t, 15*time.Second, "the removal", func() bool { return matched(sink.Index, w, promptN(1), "") == 1 })
 			if got := value(t, sub.m.events); got != 3 {
 				t.Fatalf("events applied %v, want 3", got)
 			}
@@ -234,7 +223,7 @@ func TestBindModeTellsPublishersApartByTopic(t *testing.T) {
 		Topics:       map[string]indexer.Worker{"explicit": {ID: "wc"}},
 		Sink:         sink,
 	})
-	eventually(t, "the bind", func() bool { return sub.Addr() != nil })
+	poll.Holds(t, 15*time.Second, "the bind", func() bool { return sub.Addr() != nil })
 	ep := tcp(sub.Addr())
 	topics := map[string]string{"wa": "kv@10.0.0.1:8000@llama", "wb": "kv@10.0.0.2:8000@llama", "wc": "explicit", "": "kv@10.9.9.9:1@x"}
 	pubs := map[string]*Publisher{}
@@ -242,7 +231,7 @@ func TestBindModeTellsPublishersApartByTopic(t *testing.T) {
 		pubs[id] = startPub(t, PublisherConfig{Endpoint: ep, Topic: topic}) // a host: they connect
 	}
 	for id, p := range pubs {
-		eventually(t, "publisher "+id+" connected", p.hasSubscriber)
+		poll.Holds(t, 15*time.Second, "publisher "+id+" connected", p.hasSubscriber)
 	}
 	var e engine
 	for i, id := range []string{"wa", "wb", "wc", ""} {
@@ -250,14 +239,14 @@ func TestBindModeTellsPublishersApartByTopic(t *testing.T) {
 	}
 	for i, id := range []string{"wa", "wb", "wc"} {
 		w := indexer.Worker{ID: id}
-		eventually(t, id+"'s prompt", func() bool { return matched(sink.Index, w, promptN(i), "") == 2 })
+		poll.Holds(t, 15*time.Second, id+"'s prompt", func() bool { return matched(sink.Index, w, promptN(i), "") == 2 })
 		for j := range 3 {
 			if j != i && matched(sink.Index, w, promptN(j), "") != 0 {
 				t.Fatalf("worker %s got prompt %d", id, j)
 			}
 		}
 	}
-	eventually(t, "the unknown publisher counted", func() bool { return value(t, sub.m.unknownPublisher) == 1 })
+	poll.Holds(t, 15*time.Second, "the unknown publisher counted", func() bool { return value(t, sub.m.unknownPublisher) == 1 })
 	if got := len(sink.Workers()); got != 3 {
 		t.Fatalf("index knows %d workers, want 3 (the unknown publisher must not be guessed)", got)
 	}
@@ -271,10 +260,10 @@ func TestLateSubscriberRecoversThroughReplay(t *testing.T) {
 	}
 	sink := newSink()
 	sub := startSub(t, Config{Endpoint: tcp(pub.Addr()), Replay: tcp(pub.ReplayAddr()), Worker: w0, Sink: sink})
-	eventually(t, "the subscription", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 	publish(t, pub, e.stored(promptN(5)))
 	for i := range 6 {
-		eventually(t, "every prompt", func() bool { return matched(sink.Index, w0, promptN(i), "") == 2 })
+		poll.Holds(t, 15*time.Second, "every prompt", func() bool { return matched(sink.Index, w0, promptN(i), "") == 2 })
 	}
 	// The subscriber asks for the replay buffer as soon as it connects; the sixth message may
 	// already be in it (then its live copy is skipped as a duplicate) or not yet.
@@ -310,13 +299,13 @@ func TestGapInSequence(t *testing.T) {
 				scfg.Replay = tcp(pub.ReplayAddr())
 			}
 			sub := startSub(t, scfg)
-			eventually(t, "the subscription", pub.hasSubscriber)
+			poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 			var e engine
 			publish(t, pub, e.stored(promptN(0)))
-			eventually(t, "prompt 0", func() bool { return matched(sink.Index, w0, promptN(0), "") == 2 })
+			poll.Holds(t, 15*time.Second, "prompt 0", func() bool { return matched(sink.Index, w0, promptN(0), "") == 2 })
 			pub.lose(t, []Event{e.stored(promptN(1))})
 			publish(t, pub, e.stored(promptN(2)))
-			eventually(t, "prompt 2", func() bool { return matched(sink.Index, w0, promptN(2), "") == 2 })
+			poll.Holds(t, 15*time.Second, "prompt 2", func() bool { return matched(sink.Index, w0, promptN(2), "") == 2 })
 
 			wantLost := 0
 			if withReplay {
@@ -353,18 +342,18 @@ func TestPublisherThatComesBackIsReconnectedAndKept(t *testing.T) {
 	pub := startPub(t, PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Bind: true})
 	sink := newSink()
 	sub := startSub(t, Config{Endpoint: tcp(pub.Addr()), Worker: w0, Sink: sink})
-	eventually(t, "the subscription", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 	var e engine
 	publish(t, pub, e.stored(promptN(0)))
-	eventually(t, "prompt 0", func() bool { return matched(sink.Index, w0, promptN(0), "") == 2 })
+	poll.Holds(t, 15*time.Second, "prompt 0", func() bool { return matched(sink.Index, w0, promptN(0), "") == 2 })
 
 	pub = restartPublisher(t, pub, pub.NextSeq()) // the same engine, its sequence going on
-	eventually(t, "the lost connection noticed", func() bool {
+	poll.Holds(t, 15*time.Second, "the lost connection noticed", func() bool {
 		return value(t, sub.m.connects.WithLabelValues(tcp(pub.Addr()), "lost")) >= 1
 	})
-	eventually(t, "the resubscription", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the resubscription", pub.hasSubscriber)
 	publish(t, pub, e.stored(promptN(1)))
-	eventually(t, "prompt 1", func() bool { return matched(sink.Index, w0, promptN(1), "") == 2 })
+	poll.Holds(t, 15*time.Second, "prompt 1", func() bool { return matched(sink.Index, w0, promptN(1), "") == 2 })
 	if matched(sink.Index, w0, promptN(0), "") != 2 {
 		t.Fatal("a reconnect purged the worker")
 	}
@@ -377,17 +366,17 @@ func TestRestartedPublisherPurgesTheWorker(t *testing.T) {
 	pub := startPub(t, PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Bind: true})
 	sink := newSink()
 	sub := startSub(t, Config{Endpoint: tcp(pub.Addr()), Worker: w0, Sink: sink})
-	eventually(t, "the subscription", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 	var e engine
 	publish(t, pub, e.stored(promptN(0)))
 	publish(t, pub, e.stored(promptN(1)))
-	eventually(t, "prompt 1", func() bool { return matched(sink.Index, w0, promptN(1), "") == 2 })
+	poll.Holds(t, 15*time.Second, "prompt 1", func() bool { return matched(sink.Index, w0, promptN(1), "") == 2 })
 
 	pub = restartPublisher(t, pub, 0) // a restarted engine counts from 0 again
-	eventually(t, "the resubscription", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the resubscription", pub.hasSubscriber)
 	var fresh engine
 	publish(t, pub, fresh.stored(promptN(2)))
-	eventually(t, "prompt 2", func() bool { return matched(sink.Index, w0, promptN(2), "") == 2 })
+	poll.Holds(t, 15*time.Second, "prompt 2", func() bool { return matched(sink.Index, w0, promptN(2), "") == 2 })
 	if got := value(t, sub.m.restarts); got != 1 {
 		t.Fatalf("restarts %v, want 1", got)
 	}
@@ -412,17 +401,17 @@ func TestConnectingPublisherFindsARestartedSubscriber(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() { done <- s.Run(ctx) }()
-		eventually(t, "the bind", func() bool { return s.Addr() != nil })
+		poll.Holds(t, 15*time.Second, "the bind", func() bool { return s.Addr() != nil })
 		return s, cancel, done
 	}
 	sink1 := newSink()
 	sub1, stop1, done1 := run("tcp://127.0.0.1:0", sink1)
 	ep := tcp(sub1.Addr())
 	pub := startPub(t, PublisherConfig{Endpoint: ep, Topic: "t"})
-	eventually(t, "the publisher connected", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the publisher connected", pub.hasSubscriber)
 	var e engine
 	publish(t, pub, e.stored(promptN(0)))
-	eventually(t, "prompt 0 at the first subscriber", func() bool { return matched(sink1.Index, w0, promptN(0), "") == 2 })
+	poll.Holds(t, 15*time.Second, "prompt 0 at the first subscriber", func() bool { return matched(sink1.Index, w0, promptN(0), "") == 2 })
 	stop1()
 	if err := <-done1; err != nil {
 		t.Fatal(err)
@@ -432,7 +421,7 @@ func TestConnectingPublisherFindsARestartedSubscriber(t *testing.T) {
 	_, stop2, done2 := run(ep, sink2)
 	defer func() { stop2(); <-done2 }()
 	n := 1
-	eventually(t, "a prompt at the second subscriber", func() bool {
+	poll.Holds(t, 15*time.Second, "a prompt at the second subscriber", func() bool {
 		publish(t, pub, e.stored(promptN(n))) // until the publisher has reconnected
 		n++
 		return sink2.Blocks(w0) > 0
@@ -443,10 +432,10 @@ func TestSilentWorkerIsReportedNotPurged(t *testing.T) {
 	pub := startPub(t, PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Bind: true})
 	sink := newSink()
 	sub := startSub(t, Config{Endpoint: tcp(pub.Addr()), Worker: w0, Sink: sink, SilenceAfter: 40 * time.Millisecond})
-	eventually(t, "the subscription", pub.hasSubscriber)
+	poll.Holds(t, 15*time.Second, "the subscription", pub.hasSubscriber)
 	var e engine
 	publish(t, pub, e.stored(promptN(0)))
-	eventually(t, "the silence gauge past the limit", func() bool { return value(t, sub.m.silence) > 0.04 })
+	poll.Holds(t, 15*time.Second, "the silence gauge past the limit", func() bool { return value(t, sub.m.silence) > 0.04 })
 	if matched(sink.Index, w0, promptN(0), "") != 2 {
 		t.Fatal("a silent worker was purged")
 	}
@@ -460,7 +449,7 @@ func TestBadMessagesAreDroppedByCauseAndTheStreamGoesOn(t *testing.T) {
 	}
 	sink := newSink()
 	sub := startSub(t, Config{Endpoint: tcp(raw.Addr()), Worker: w0, Sink: sink})
-	eventually(t, "the subscription", func() bool { return len(raw.(zmq4.Topics).Topics()) > 0 })
+	poll.Holds(t, 15*time.Second, "the subscription", func() bool { return len(raw.(zmq4.Topics).Topics()) > 0 })
 	seq := func(n uint64) []byte { return binary.BigEndian.AppendUint64(nil, n) }
 	var e engine
 	good, err := Encode(Batch{Events: []Event{e.stored(promptN(0))}}, false)
@@ -481,7 +470,7 @@ func TestBadMessagesAreDroppedByCauseAndTheStreamGoesOn(t *testing.T) {
 	if err := raw.Send(zmq4.NewMsgFrom([]byte("t"), seq(0), good)); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the good message", func() bool { return matched(sink.Index, w0, promptN(0), "") == 2 })
+	poll.Holds(t, 15*time.Second, "the good message", func() bool { return matched(sink.Index, w0, promptN(0), "") == 2 })
 	for cause, want := range map[string]float64{"frame": 2, "wrong_type": 1, "malformed": 1} {
 		if got := value(t, sub.m.decodeErrors.WithLabelValues(w0.String(), cause)); got != want {
 			t.Errorf("dropped for %s: %v, want %v", cause, got, want)

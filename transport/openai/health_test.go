@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
@@ -144,9 +145,9 @@ func TestHealthCheckerRunTakesOutAndPutsBack(t *testing.T) {
 		h.Run(ctx)
 	}()
 	status.Store(http.StatusInternalServerError)
-	waitFor(t, "the failing worker to be taken out", func() bool { return len(workers.Routable()) == 0 })
+	poll.Holds(t, 10*time.Second, "the failing worker to be taken out", func() bool { return len(workers.Routable()) == 0 })
 	status.Store(http.StatusOK)
-	waitFor(t, "the worker to be put back", func() bool { return len(workers.Routable()) == 1 })
+	poll.Holds(t, 10*time.Second, "the worker to be put back", func() bool { return len(workers.Routable()) == 1 })
 	cancel()
 	select {
 	case <-done:

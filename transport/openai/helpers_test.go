@@ -20,18 +20,6 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // mapIndex is a prefix index and decision recorder over a plain map.
 type mapIndex struct {
 	mu     sync.Mutex

@@ -5,7 +5,9 @@ import (
 	"net/http"
 	"strconv"
 	"testing"
+	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
@@ -49,7 +51,7 @@ func TestPredictionErrorIsMeasured(t *testing.T) {
 			t.Fatalf("status %d", resp.StatusCode)
 		}
 		// Nothing was predicted (the index was empty): the error is the 48 cached tokens.
-		waitFor(t, "the prediction error to be observed", func() bool {
+		poll.Holds(t, 10*time.Second, "the prediction error to be observed", func() bool {
 			return rg.metric("kvrouter_kv_prediction_error_tokens", nil) == 1
 		})
 		if sum := rg.metricSum("kvrouter_kv_prediction_error_tokens"); sum != 48 {

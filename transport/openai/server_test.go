@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
@@ -355,7 +356,7 @@ func TestStreamPassesChunksThroughOneByOne(t *testing.T) {
 	if got := next(); got != "data: [DONE]" {
 		t.Fatalf("last chunk %q", got)
 	}
-	waitFor(t, "load to be released", rg.idle)
+	poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
 	if got := rg.metric("kvrouter_ttft_seconds", nil); got != 1 {
 		t.Fatalf("ttft observations %v, want 1", got)
 	}
@@ -395,7 +396,7 @@ func TestClientCancelCancelsUpstreamAndFreesLoad(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatal("request never reached the worker")
 			}
-			waitFor(t, "load to be counted", func() bool { return !rg.idle() })
+			poll.Holds(t, 10*time.Second, "load to be counted", func() bool { return !rg.idle() })
 			cancel()
 			select {
 			case <-upstreamDone:
@@ -405,8 +406,8 @@ func TestClientCancelCancelsUpstreamAndFreesLoad(t *testing.T) {
 			if err := <-errc; err == nil {
 				t.Fatal("client finished without error after cancelling")
 			}
-			waitFor(t, "load to return to zero", rg.idle)
-			waitFor(t, "the cancel to be counted", func() bool {
+			poll.Holds(t, 10*time.Second, "load to return to zero", rg.idle)
+			poll.Holds(t, 10*time.Second, "the cancel to be counted", func() bool {
 				return rg.metric("kvrouter_errors_total", map[string]string{"cause": "client_cancel"}) >= 1
 			})
 			if !rg.healthy("w0") {
@@ -481,7 +482,7 @@ func TestRetryLandsOnAnotherWorker(t *testing.T) {
 			if tried != nil && tried() == 0 {
 				t.Fatal("the bad worker was never tried")
 			}
-			waitFor(t, "load to be released", rg.idle)
+			poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
 		})
 	}
 }
@@ -531,7 +532,7 @@ func TestWorkerClientErrorPassesThrough(t *testing.T) {
 	if !rg.healthy("w0") {
 		t.Fatal("a client error marked the worker unhealthy")
 	}
-	waitFor(t, "load to be released", rg.idle)
+	poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
 }
 
 func TestGarbageEverywhereIs502AndMarksWorkersUnhealthy(t *testing.T) {
@@ -560,7 +561,7 @@ func TestGarbageEverywhereIs502AndMarksWorkersUnhealthy(t *testing.T) {
 	if got := rg.metric("kvrouter_errors_total", map[string]string{"cause": "upstream_garbage"}); got != 2 {
 		t.Fatalf("garbage counted %v times, want 2", got)
 	}
-	waitFor(t, "load to be released", rg.idle)
+	poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
 
 	// With every worker out, the fleet is unavailable rather than broken.
 	resp, _ = rg.post("/v1/completions", completionBody, nil)
@@ -588,7 +589,7 @@ func TestStreamBrokenMidwayAbortsClientAndMarksWorker(t *testing.T) {
 	if rg.healthy("w0") {
 		t.Fatal("worker still healthy after breaking a stream")
 	}
-	waitFor(t, "load to be released", rg.idle)
+	poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
 }
 
 func TestIdleStreamIsCutAndFirstByteTimeoutRetries(t *testing.T) {
@@ -634,7 +635,7 @@ func TestIdleStreamIsCutAndFirstByteTimeoutRetries(t *testing.T) {
 	if rg.metric("kvrouter_errors_total", map[string]string{"cause": "upstream_timeout"}) < 2 {
 		t.Fatal("idle and header timeouts not counted")
 	}
-	waitFor(t, "load to be released", rg.idle)
+	poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
 }
 
 func TestRouteQueryChangesNothing(t *testing.T) {
@@ -783,7 +784,7 @@ func TestMetricsAreExported(t *testing.T) {
 	rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL)}, rigOptions{})
 	rg.post("/v1/completions", completionBody, nil)
 	// The answer is flushed to the client before the handler's bookkeeping ends.
-	waitFor(t, "requests_total to count the request", func() bool {
+	poll.Holds(t, 10*time.Second, "requests_total to count the request", func() bool {
 		return rg.metric("kvrouter_requests_total", map[string]string{"endpoint": "completions", "code": "200"}) == 1
 	})
 	if got := rg.metric("kvrouter_selection_seconds", nil); got != 1 {

@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // connCounter counts the connections a test server accepts and closes.
@@ -169,7 +171,7 @@ func TestUpstreamRetriesOnceWhenAPooledConnectionWasClosed(t *testing.T) {
 	send(t, u, srv.URL, post("{}"))
 	// The worker drops its idle connections, as at a keep-alive timeout or a restart.
 	srv.CloseClientConnections()
-	waitFor(t, "the worker to close its side", func() bool { return cc.closed.Load() == 1 })
+	poll.Holds(t, 10*time.Second, "the worker to close its side", func() bool { return cc.closed.Load() == 1 })
 	if _, body := send(t, u, srv.URL, post("{}")); body != "ok" {
 		t.Fatalf("body %q", body)
 	}
@@ -342,7 +344,7 @@ func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
 		t.Fatal("a read after cancel ended cleanly")
 	}
 	resp.Body.Close()
-	waitFor(t, "the worker to see the connection close", func() bool { return cc.closed.Load() == 1 })
+	poll.Holds(t, 10*time.Second, "the worker to see the connection close", func() bool { return cc.closed.Load() == 1 })
 	if n := idleConns(t, u, srv.URL); n != 0 {
 		t.Fatalf("%d connections pooled after a cancel, want 0", n)
 	}
@@ -360,7 +362,7 @@ func TestUpstreamClosesIdleConnectionsAfterTheTimeout(t *testing.T) {
 	u := testUpstream(t)
 	u.idleTimeout = 20 * time.Millisecond
 	send(t, u, srv.URL, post("{}"))
-	waitFor(t, "the idle connection to be closed", func() bool {
+	poll.Holds(t, 10*time.Second, "the idle connection to be closed", func() bool {
 		return cc.closed.Load() == 1 && idleConns(t, u, srv.URL) == 0
 	})
 	// The pool works on after a sweep.
