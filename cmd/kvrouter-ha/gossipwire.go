@@ -77,7 +77,7 @@ type sharing struct {
 	remote    *routing.RemoteLoad
 	load      *hints.LoadShare
 	sync      *hints.IndexSync
-	seeds     bool                  // whether there were seeds to join
+	seeds     bool           // whether there were seeds to join
 	metrics   *hints.Metrics // the sharing counters, for the demo's summary
 	cfg       gossipConfig
 }
