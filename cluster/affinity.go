@@ -219,12 +219,13 @@ func (a *Affinity) Invalidate(ctx context.Context, session string, revision uint
 	return err
 }
 
-// bind proposes an absent-only Bind through the leader, waiting up to BindWait for one.
-func (a *Affinity) bind(ctx context.Context, session string, w indexer.Worker) (*fsm.Result, error) {
+// bind proposes a Bind through the leader, waiting up to BindWait for one: absent-only with
+// expect 0, else a compare-and-set on that revision.
+func (a *Affinity) bind(ctx context.Context, session string, w indexer.Worker, expect uint64) (*fsm.Result, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.n.cfg.BindWait)
 	defer cancel()
 	res, err := a.n.Apply(ctx, &fsm.Bind{
-		Session: session, Worker: w.ID, DPRank: w.DPRank,
+		Session: session, Worker: w.ID, DPRank: w.DPRank, ExpectRevision: expect,
 		TTL: a.n.cfg.SessionTTL, MaxBindings: uint64(max(a.n.cfg.MaxBindings, 0)),
 	})
 	if err != nil {
@@ -352,6 +353,26 @@ type lease struct {
 	bound   bool
 	binding routing.Binding
 	done    bool
+	// replaces is the revision a reopened lease's Commit replaces (0: a first binding).
+	replaces uint64
+}
+
+// Reopen implements routing.Lease: this replica's other requests for the session wait for
+// this one, whose Commit is a compare-and-set on the old revision.
+func (l *lease) Reopen() bool {
+	if l.done || !l.bound || l.binding.Revision == 0 {
+		return false
+	}
+	a := l.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if l.ls.initDone != nil {
+		return false // another request is replacing it already
+	}
+	l.ls.initDone = make(chan struct{})
+	l.replaces = l.binding.Revision
+	l.bound, l.binding = false, routing.Binding{Session: l.session}
+	return true
 }
 
 func (l *lease) Binding() (routing.Binding, bool) { return l.binding, l.bound }
@@ -363,7 +384,11 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, 
 	if l.done || l.bound {
 		return routing.Binding{}, fmt.Errorf("commit of session %q: lease is not an open initializer", l.session)
 	}
-	res, err := l.a.bind(ctx, l.session, w)
+	res, err := l.a.bind(ctx, l.session, w, l.replaces)
+	if err == nil && res.Status == fsm.Conflict && !res.Found {
+		// The binding this one replaces is gone (expired, invalidated): bind afresh.
+		res, err = l.a.bind(ctx, l.session, w, 0)
+	}
 	a := l.a
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -374,13 +399,15 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, 
 		return routing.Binding{}, err
 	}
 	switch res.Status {
-	case fsm.Created, fsm.Exists:
+	case fsm.Created, fsm.Exists, fsm.Conflict:
+		// Exists or Conflict: another request (on any replica) bound or replaced it first;
+		// its binding wins.
 		b := toRouting(res.Binding)
 		l.ls.bound = b
 		// No touch here: the leader arms the new binding's timer when it applies the Bind,
 		// and Release touches it when the request ends.
-		l.bound, l.binding = true, b
-		if res.Status == fsm.Exists && b.Worker != w {
+		l.bound, l.binding, l.replaces = true, b, 0
+		if res.Status != fsm.Created && b.Worker != w {
 			return b, fmt.Errorf("session %q: %w", l.session, routing.ErrBoundElsewhere)
 		}
 		return b, nil
@@ -391,14 +418,19 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, 
 	}
 }
 
-// Invalidate drops the lease's binding (revision-guarded) or gives up an initialization.
+// Invalidate drops the lease's binding (revision-guarded) or gives up an initialization; a
+// reopened lease that gives up drops the binding it was to replace.
 func (l *lease) Invalidate(ctx context.Context) {
 	if l.done {
 		return
 	}
-	if l.bound && l.binding.Revision != 0 {
-		if err := l.a.Invalidate(ctx, l.session, l.binding.Revision); err != nil {
-			l.a.log.Warn("invalidate binding", "session", l.session, "revision", l.binding.Revision, "err", err)
+	rev := l.replaces
+	if l.bound {
+		rev = l.binding.Revision
+	}
+	if rev != 0 {
+		if err := l.a.Invalidate(ctx, l.session, rev); err != nil {
+			l.a.log.Warn("invalidate binding", "session", l.session, "revision", rev, "err", err)
 		}
 	}
 	l.end()

@@ -90,10 +90,10 @@ func TestCorruptSnapshotRefusesToStart(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if err := n.node.Raft().Snapshot().Error(); err != nil {
+			if err := n.node.raft.Snapshot().Error(); err != nil {
 				t.Fatal(err)
 			}
-			n.stop(false)
+			n.stop()
 			states, err := filepath.Glob(filepath.Join(dir, "snapshots", "*", "state.bin"))
 			if err != nil || len(states) != 1 {
 				t.Fatalf("snapshot files %v %v", states, err)
@@ -124,7 +124,7 @@ func TestDataDirectoryOfAnotherClusterRefusesToJoin(t *testing.T) {
 	}
 	stray := startRealNode(t, Config{ID: "stray", DataDir: dir, RaftBind: loopbacktest.Addr(t), PeerAddr: loopbacktest.Addr(t),
 		BootstrapExpect: 3, Join: seeds})
-	defer stray.stop(true)
+	defer stray.stop()
 	// It must not become a member: it gave up (the background joiner stopped) and the
 	// leader's configuration never lists it.
 	li := waitLeader(t, nodes)
@@ -138,7 +138,7 @@ func TestDataDirectoryOfAnotherClusterRefusesToJoin(t *testing.T) {
 		}
 		return nil
 	})
-	f := nodes[li].node.Raft().GetConfiguration()
+	f := nodes[li].node.raft.GetConfiguration()
 	if err := f.Error(); err != nil {
 		t.Fatal(err)
 	}

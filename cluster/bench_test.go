@@ -27,12 +27,9 @@ type realNode struct {
 	peerL net.Listener
 }
 
-func (r *realNode) stop(kill bool) {
-	if kill {
-		_ = r.node.Kill()
-	} else {
-		_ = r.node.Close()
-	}
+// stop stops the node without handing leadership over, as a crash would.
+func (r *realNode) stop() {
+	_ = r.node.Close()
 	r.srv.Stop()
 	r.pool.Close()
 }
@@ -45,20 +42,11 @@ func startRealNode(tb testing.TB, cfg Config) *realNode {
 		tb.Fatal(err)
 	}
 	r := &realNode{cfg: cfg, peerL: pl, pool: peer.NewPool(peer.ClientOptions{})}
-	var np atomic.Pointer[Node]
-	cfg.Remote = NewPeerRemote(r.pool, func() (string, bool) {
-		n := np.Load()
-		if n == nil {
-			return "", false
-		}
-		_, addr, ok := n.Leader()
-		return addr, ok && addr != ""
-	}, nil)
+	cfg.Peers = r.pool
 	n, err := Open(context.Background(), cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	np.Store(n)
 	r.node = n
 	r.srv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{})
 	go r.srv.Serve(pl)
@@ -87,7 +75,7 @@ func startRealCluster(tb testing.TB, size int) []*realNode {
 	tb.Cleanup(func() {
 		for _, n := range nodes {
 			if n != nil {
-				n.stop(true)
+				n.stop()
 			}
 		}
 	})
@@ -193,7 +181,7 @@ func BenchmarkFailover(b *testing.B) {
 		li := waitLeader(b, nodes)
 		survivor := nodes[(li+1)%3]
 		killed := nodes[li]
-		killed.stop(true)
+		killed.stop()
 		nodes[li] = nil
 		start := time.Now()
 		for {

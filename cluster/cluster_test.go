@@ -319,7 +319,7 @@ func TestOneNodeBindingsSurviveRestart(t *testing.T) {
 	a := NewAffinity(n)
 	b := bindVia(t, a, "durable", indexer.Worker{ID: "w3", DPRank: 1})
 	// Half the bindings come back from a snapshot, half from the log after it.
-	if err := n.Raft().Snapshot().Error(); err != nil {
+	if err := n.raft.Snapshot().Error(); err != nil {
 		t.Fatal(err)
 	}
 	b2 := bindVia(t, a, "after-snapshot", indexer.Worker{ID: "w1"})
@@ -350,7 +350,7 @@ func TestApplyRejectsGarbageCommandFromPeer(t *testing.T) {
 	// Had it reached the log, applying it would panic every replica's FSM (an unknown type
 	// without the 0x80 flag): everything the leader appended so far applies cleanly. (The
 	// applied index cannot be compared: the leader appends entries of its own meanwhile.)
-	if err := ln.Raft().Barrier(5 * time.Second).Error(); err != nil {
+	if err := ln.raft.Barrier(5 * time.Second).Error(); err != nil {
 		t.Fatalf("barrier after the garbage: %v", err)
 	}
 }
@@ -365,7 +365,7 @@ func TestLoneNodeAnswersACommandSentBeforeItLeads(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer n.Kill()
+	defer n.Close()
 	if n.IsLeader() {
 		t.Skip("the node led before the command could be sent")
 	}
@@ -374,5 +374,65 @@ func TestLoneNodeAnswersACommandSentBeforeItLeads(t *testing.T) {
 	res, err := n.Apply(ctx, &fsm.Bind{Session: "early", Worker: "w1", TTL: time.Minute})
 	if err != nil || res == nil || res.Status != fsm.Created || res.Binding.Worker != "w1" {
 		t.Fatalf("Apply before leading: %+v %v, want a created binding", res, err)
+	}
+}
+
+// TestRebindIsOneCompareAndSet: a lease reopened because its worker failed replaces the
+// binding with one compare-and-set Bind on its revision (one log entry, no Invalidate
+// first), and of two replicas replacing it at once, the first wins and the second is told
+// where the session went.
+func TestRebindIsOneCompareAndSet(t *testing.T) {
+	c := newTestCluster(t, 3, func(cfg *Config) { cfg.CheckpointInterval = time.Hour })
+	li, ln := c.leader()
+	a := NewAffinity(ln)
+	other := NewAffinity(c.nodes[(li+1)%3])
+	old := bindVia(t, a, "moving", indexer.Worker{ID: "w1"})
+	poll.Until(t, 10*time.Second, func() error {
+		if b, ok, err := other.Peek(context.Background(), "moving"); err != nil || !ok || b != old {
+			return fmt.Errorf("the follower reads %+v %v %v", b, ok, err)
+		}
+		return nil
+	})
+	ctx := context.Background()
+	first, err := a.Acquire(ctx, "moving", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, err := other.Acquire(ctx, "moving", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !first.Reopen() || !second.Reopen() {
+		t.Fatal("a bound lease did not reopen")
+	}
+	if _, bound := first.Binding(); bound {
+		t.Fatal("a reopened lease still reports its old binding")
+	}
+	before := ln.fsm.AppliedIndex()
+	nb, err := first.Commit(ctx, indexer.Worker{ID: "w2"})
+	if err != nil || nb.Worker.ID != "w2" || nb.Revision <= old.Revision {
+		t.Fatalf("first replacement: %+v %v", nb, err)
+	}
+	if got := ln.fsm.AppliedIndex() - before; got != 1 {
+		t.Fatalf("the replacement took %d log entries, want 1", got)
+	}
+	lost, err := second.Commit(ctx, indexer.Worker{ID: "w3"})
+	if !errors.Is(err, routing.ErrBoundElsewhere) || lost != nb {
+		t.Fatalf("second replacement: %+v %v, want the first's %+v and ErrBoundElsewhere", lost, err, nb)
+	}
+	first.Release()
+	second.Release()
+	if b, _ := ln.fsm.Get("moving"); b.Worker != "w2" || b.Revision != nb.Revision {
+		t.Fatalf("binding after both: %+v, want %+v", b, nb)
+	}
+
+	// A reopened lease that gives up drops the binding it was to replace.
+	l, err := a.Acquire(ctx, "moving", nil)
+	if err != nil || !l.Reopen() {
+		t.Fatalf("acquire and reopen: %v", err)
+	}
+	l.Invalidate(ctx)
+	if _, ok := ln.fsm.Get("moving"); ok {
+		t.Fatal("the binding outlived a reopened lease that gave up")
 	}
 }

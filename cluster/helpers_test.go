@@ -170,7 +170,7 @@ func newTestCluster(t *testing.T, size int, tweak func(*Config)) *testCluster {
 	t.Cleanup(func() {
 		for _, n := range c.nodes {
 			if n != nil {
-				_ = n.Kill()
+				_ = n.Close()
 			}
 		}
 	})
@@ -223,7 +223,7 @@ func (c *testCluster) kill(i int) {
 	}
 	c.net.mu.Unlock()
 	tr.DisconnectAll()
-	if err := c.nodes[i].Kill(); err != nil {
+	if err := c.nodes[i].Close(); err != nil {
 		c.t.Logf("kill node %d: %v", i, err)
 	}
 	c.nodes[i] = nil

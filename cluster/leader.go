@@ -16,9 +16,17 @@ import (
 
 // leader holds the duties of the node while it leads: an idle timer per binding (touched
 // by every replica's requests, never through the log), Expire proposed once per timer,
-// periodic Checkpoints of remaining TTLs, and batched read-index rounds.
+// periodic Checkpoints of remaining TTLs, batched read-index rounds, and the duties others
+// registered (AddDuty: voter reconciliation, worker-grace invalidation). Every one of them
+// starts when a term is established and stops when it ends, from run alone, as Consul's
+// establishLeadership and revokeLeadership do.
 type leader struct {
 	n *Node
+
+	dmu     sync.Mutex
+	duties  []duty
+	termCtx context.Context // set while a term's duties run
+	termWG  sync.WaitGroup
 
 	mu          sync.Mutex
 	established bool // Barrier done and timers armed in this term
@@ -153,8 +161,58 @@ func (l *leader) touch(session string, revision uint64) {
 	}
 }
 
-// run is the leader's loop for one term: establish, then serve timers and checkpoints
-// until leadership ends (ctx).
+// duty is work that runs only while this node leads (Node.AddDuty).
+type duty struct {
+	name string
+	run  func(ctx context.Context)
+}
+
+// AddDuty registers work that runs only while this node leads: run starts once each term is
+// established (its Barrier applied, its timers armed) and its context ends with the term;
+// the term's end waits for it to return. A duty added while the node leads starts at once.
+func (n *Node) AddDuty(name string, run func(ctx context.Context)) {
+	n.lead.addDuty(duty{name: name, run: run})
+}
+
+func (l *leader) addDuty(d duty) {
+	l.dmu.Lock()
+	defer l.dmu.Unlock()
+	l.duties = append(l.duties, d)
+	if l.termCtx != nil {
+		l.goDuty(l.termCtx, d)
+	}
+}
+
+func (l *leader) goDuty(ctx context.Context, d duty) {
+	l.termWG.Add(1)
+	go func() {
+		defer l.termWG.Done()
+		l.n.log.Debug("leader duty started", "duty", d.name)
+		d.run(ctx)
+		l.n.log.Debug("leader duty stopped", "duty", d.name)
+	}()
+}
+
+// startDuties starts every registered duty for the term whose context is ctx.
+func (l *leader) startDuties(ctx context.Context) {
+	l.dmu.Lock()
+	defer l.dmu.Unlock()
+	l.termCtx = ctx
+	for _, d := range l.duties {
+		l.goDuty(ctx, d)
+	}
+}
+
+// stopDuties waits for the term's duties, whose context has ended, to return.
+func (l *leader) stopDuties() {
+	l.dmu.Lock()
+	l.termCtx = nil
+	l.dmu.Unlock()
+	l.termWG.Wait()
+}
+
+// run is the leader's loop for one term: establish, start every duty, then serve timers
+// and checkpoints until leadership ends (ctx), and stop them all.
 func (l *leader) run(ctx context.Context) {
 	log := l.n.log
 	if err := l.establish(ctx); err != nil {
@@ -164,6 +222,8 @@ func (l *leader) run(ctx context.Context) {
 	}
 	log.Info("leadership established", "bindings", l.n.fsm.Len())
 	defer l.revoke()
+	l.startDuties(ctx)
+	defer l.stopDuties()
 	checkpoint := time.NewTicker(l.n.cfg.CheckpointInterval)
 	defer checkpoint.Stop()
 	for {

@@ -31,9 +31,6 @@ type Remote interface {
 	JoinAt(ctx context.Context, addr string, req peer.JoinRequest) error
 }
 
-// Version is reported in the status of this replica.
-const Version = "0.4.0"
-
 // Status reports this node for the peer Status call and the admin API.
 func (n *Node) Status() peer.Status {
 	st := peer.Status{
@@ -45,7 +42,7 @@ func (n *Node) Status() peer.Status {
 		CommitIndex:  n.raft.CommitIndex(),
 		AppliedIndex: n.fsm.AppliedIndex(),
 		ClusterID:    n.ClusterID(),
-		Version:      Version,
+		Version:      n.cfg.Version,
 	}
 	if id, addr, ok := n.Leader(); ok {
 		st.LeaderID, st.LeaderPeerAddr = id, addr

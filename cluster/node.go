@@ -26,6 +26,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
 // Level is how fresh a binding read on the hot path must be (DESIGN.md section 5).
@@ -83,7 +84,11 @@ type Config struct {
 	ID string
 	// DataDir holds the Raft log, stable store, snapshots and the cluster id.
 	DataDir string
-	// RaftBind is the Raft TCP listen address; RaftAdvertise what peers dial (default RaftBind).
+	// RaftListener, when set, is the Raft port, bound by the caller (so its address is known,
+	// and can be advertised, before anything dials it); the node takes it over. Without it
+	// the node binds RaftBind itself. RaftAdvertise is what peers dial (default: the
+	// listener's address).
+	RaftListener            net.Listener
 	RaftBind, RaftAdvertise string
 	// PeerAddr is the advertised address of this replica's peer gRPC port.
 	PeerAddr string
@@ -124,9 +129,14 @@ type Config struct {
 	Transport raft.Transport
 	InMemory  bool
 
-	// Remote reaches other replicas' peer ports (nil: a lone node).
+	// Peers reaches other replicas' peer ports: the node forwards leader-only calls through
+	// it to the leader its own Raft view names. Remote replaces it in tests (nil both: a
+	// lone node).
+	Peers  *peer.Pool
 	Remote Remote
-	Logger *slog.Logger
+	// Version is the software version this replica reports in its status.
+	Version string
+	Logger  *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -144,7 +154,7 @@ func (c *Config) defaults() {
 	setDefault(&c.BindWait, 3*time.Second)
 	setDefault(&c.CheckpointInterval, 30*time.Second)
 	setDefault(&c.TouchFlush, 20*time.Millisecond)
-	setDefault(&c.RaftAdvertise, c.RaftBind)
+	setDefault(&c.Version, "unknown")
 	setDefault(&c.Logger, slog.New(slog.DiscardHandler))
 }
 
@@ -181,6 +191,8 @@ type Node struct {
 	// changes tells waiters (linearizable reads, bind waits) that something was applied.
 	changeMu sync.Mutex
 	changed  chan struct{}
+	// workers receives a value (coalesced) when the FSM's worker registry changed.
+	workers chan struct{}
 
 	// leaderChanges counts the leaders this node learned of (raft_metrics.go): each time
 	// the leader it knows becomes a known one other than the one before (none included).
@@ -197,7 +209,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if cfg.ID == "" {
 		return nil, errors.New("cluster: a replica id is required")
 	}
-	n := &Node{cfg: cfg, log: cfg.Logger.With("replica", cfg.ID), changed: make(chan struct{})}
+	n := &Node{cfg: cfg, log: cfg.Logger.With("replica", cfg.ID), changed: make(chan struct{}), workers: make(chan struct{}, 1)}
 	n.lead = newLeader(n)
 	n.lease = newReadLease()
 	n.fsm = fsm.New(fsm.Options{OnChange: n.onChange, OnApplied: func(uint64) { n.notifyApplied() }})
@@ -261,7 +273,14 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 			return nil, fmt.Errorf("cluster: snapshot store: %w", err)
 		}
 	}
+	// fail unwinds what Open made so far: a failed start leaves no port or file open.
 	fail := func(err error) (*Node, error) {
+		switch {
+		case n.trans != nil && cfg.Transport == nil:
+			n.closeTransport()
+		case n.trans == nil && cfg.RaftListener != nil:
+			_ = cfg.RaftListener.Close() // taken over: closed on every way out
+		}
 		if n.store != nil {
 			_ = n.store.Close()
 		}
@@ -270,33 +289,42 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	if err := restoreSnapshot(snaps, n.fsm); err != nil {
 		return fail(err)
 	}
-	n.trans = cfg.Transport
-	if n.trans == nil {
-		addr, err := net.ResolveTCPAddr("tcp", cfg.RaftAdvertise)
-		if err != nil {
-			return fail(fmt.Errorf("cluster: raft advertise address %q: %w", cfg.RaftAdvertise, err))
+	if cfg.Transport != nil {
+		n.trans = cfg.Transport
+	} else {
+		var adv net.Addr
+		if cfg.RaftAdvertise != "" {
+			a, err := net.ResolveTCPAddr("tcp", cfg.RaftAdvertise)
+			if err != nil {
+				return fail(fmt.Errorf("cluster: raft advertise address %q: %w", cfg.RaftAdvertise, err))
+			}
+			adv = a
 		}
 		var tt *raft.NetworkTransport
-		if cfg.RaftTLS != nil {
-			tt, err = newTLSTransport(cfg.RaftBind, addr, cfg.RaftTLS, 4, 10*time.Second, rc.Logger)
+		if cfg.RaftListener != nil {
+			tt, err = newTransport(cfg.RaftListener, adv, cfg.RaftTLS, 4, 10*time.Second, rc.Logger)
 		} else {
-			tt, err = raft.NewTCPTransportWithLogger(cfg.RaftBind, addr, 4, 10*time.Second, rc.Logger)
+			tt, err = listenTransport(cfg.RaftBind, adv, cfg.RaftTLS, 4, 10*time.Second, rc.Logger)
 		}
 		if err != nil {
-			return fail(fmt.Errorf("cluster: raft listen %s: %w", cfg.RaftBind, err))
+			return fail(fmt.Errorf("cluster: raft port %s: %w", cfg.RaftBind, err))
 		}
 		n.trans = tt
 	}
+	// What peers dial is what the transport tells them, whoever bound the port.
+	n.cfg.RaftAdvertise = string(n.trans.LocalAddr())
 	existing, err := raft.HasExistingState(logs, stable, snaps)
 	if err != nil {
 		return fail(fmt.Errorf("cluster: read raft state: %w", err))
 	}
 	r, err := raft.NewRaft(rc, n.fsm, logs, stable, snaps, n.trans)
 	if err != nil {
-		n.closeTransport()
 		return fail(fmt.Errorf("cluster: start raft (a corrupt snapshot or log refuses to start rather than serve partial state): %w", err))
 	}
 	n.raft = r
+	if n.cfg.Remote == nil && cfg.Peers != nil {
+		n.cfg.Remote = newPeerRemote(cfg.Peers, n.leaderPeerAddr, n.log)
+	}
 	n.wg.Add(1)
 	go n.watchLeadership()
 	if cfg.Level != Local {
@@ -307,7 +335,7 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 		n.wg.Add(1)
 		go n.bootstrapOrJoin()
 	}
-	n.log.Info("raft node started", "raft", cfg.RaftAdvertise, "peer", cfg.PeerAddr, "existing_state", existing,
+	n.log.Info("raft node started", "raft", n.cfg.RaftAdvertise, "peer", cfg.PeerAddr, "existing_state", existing,
 		"bootstrap_expect", cfg.BootstrapExpect, "join", cfg.Join)
 	return n, nil
 }
@@ -340,6 +368,11 @@ func (n *Node) closeTransport() {
 		_ = c.Close()
 	}
 }
+
+// DataDirClusterID is the cluster a data directory belongs to ("" for a new one, or one that
+// does not exist yet): a replica tells the others in its gossip metadata before it opens
+// its node.
+func DataDirClusterID(dir string) (string, error) { return readClusterID(dir) }
 
 func readClusterID(dir string) (string, error) {
 	b, err := os.ReadFile(filepath.Join(dir, clusterIDFile))
@@ -387,8 +420,8 @@ func (n *Node) ID() string { return n.cfg.ID }
 // FSM is the node's state machine (read-only use).
 func (n *Node) FSM() *fsm.FSM { return n.fsm }
 
-// Raft exposes the raft instance (admin and tests).
-func (n *Node) Raft() *raft.Raft { return n.raft }
+// RaftAddr is the Raft address this replica advertises.
+func (n *Node) RaftAddr() string { return n.cfg.RaftAdvertise }
 
 // IsLeader reports whether this node leads.
 func (n *Node) IsLeader() bool { return n.raft.State() == raft.Leader }
@@ -407,6 +440,13 @@ func (n *Node) Leader() (id, peerAddr string, ok bool) {
 		return id, m.PeerAddr, true
 	}
 	return id, "", true
+}
+
+// leaderPeerAddr is the leader's peer address as this node's Raft view knows it (the
+// forwarder's view of where leader-only calls go).
+func (n *Node) leaderPeerAddr() (string, bool) {
+	_, addr, ok := n.Leader()
+	return addr, ok && addr != ""
 }
 
 // Ready reports whether the replica may serve: it must hold a read lease (lease.go), the
@@ -503,7 +543,22 @@ func (n *Node) notifyApplied() {
 // onChange runs inside the FSM's Apply: it must not block.
 func (n *Node) onChange(c fsm.Change) {
 	n.lead.observe(c)
+	if c.Kind == fsm.WorkersChanged || c.Kind == fsm.Reset {
+		select {
+		case n.workers <- struct{}{}:
+		default: // one pending signal stands for any number of changes
+		}
+	}
 }
+
+// Workers lists the cluster registry's workers (the FSM's, sorted by id).
+func (n *Node) Workers() []fsm.Worker { return n.fsm.Workers() }
+
+// WorkersChanged receives a value after the FSM's worker registry changed (an AddWorker,
+// DrainWorker or RemoveWorker applied, or a snapshot restored): read FSM().Workers() again.
+// Signals coalesce, so one value may stand for many changes; it is meant for one consumer
+// (the replica's worker lifecycle).
+func (n *Node) WorkersChanged() <-chan struct{} { return n.workers }
 
 // Apply proposes cmd through the leader: locally when this node leads, else forwarded over
 // the peer port. It waits for the result until ctx ends.
@@ -632,16 +687,14 @@ func (n *Node) HandOverLeadership() (bool, error) {
 	return true, nil
 }
 
-// Close leaves gracefully: leadership is transferred when this node leads, then Raft stops.
+// Close stops the node: Raft shuts down and the log and stable store close. It does not
+// hand leadership over first (a replica leaving gracefully calls HandOverLeadership before,
+// at the point of its shutdown where that belongs), so it is also what a crash looks like
+// to the others.
 func (n *Node) Close() error {
 	var err error
 	n.closeOnce.Do(func() {
 		n.closed.Store(true)
-		if handed, terr := n.HandOverLeadership(); terr != nil {
-			n.log.Warn("leadership transfer before shutdown failed", "err", terr)
-		} else if handed {
-			n.log.Info("leadership transferred before shutdown")
-		}
 		n.cancel()
 		err = n.raft.Shutdown().Error()
 		n.wg.Wait()
@@ -655,23 +708,8 @@ func (n *Node) Close() error {
 	return err
 }
 
-// Kill stops the node without a leadership transfer (tests of a crash).
-func (n *Node) Kill() error {
-	var err error
-	n.closeOnce.Do(func() {
-		n.closed.Store(true)
-		n.cancel()
-		err = n.raft.Shutdown().Error()
-		n.wg.Wait()
-		n.closeTransport()
-		if n.store != nil {
-			_ = n.store.Close()
-		}
-	})
-	return err
-}
-
-// watchLeadership runs the leader's duties while this node leads.
+// watchLeadership runs the leader's loop (and with it every leader duty) while this node
+// leads, following raft's state and leader observations.
 func (n *Node) watchLeadership() {
 	defer n.wg.Done()
 	obs := make(chan raft.Observation, 16)
@@ -718,7 +756,9 @@ func (n *Node) watchLeadership() {
 			n.lease.wake()
 			// A new leader (or none) may unblock readers waiting for freshness.
 			n.notifyApplied()
-		case <-time.After(50 * time.Millisecond):
+		case <-time.After(time.Second):
+			// Raft drops an observation when this loop is behind; a change of role is
+			// picked up here at the latest.
 		}
 		leading := n.raft.State() == raft.Leader
 		switch {

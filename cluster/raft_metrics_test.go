@@ -241,7 +241,7 @@ func TestRaftMetricsOfANodeThatNeverReachedALeader(t *testing.T) {
 	if err != nil {
 		t.Fatalf("open: %v", err)
 	}
-	t.Cleanup(func() { _ = n.Kill() })
+	t.Cleanup(func() { _ = n.Close() })
 
 	tests := []struct {
 		name   string
@@ -250,7 +250,7 @@ func TestRaftMetricsOfANodeThatNeverReachedALeader(t *testing.T) {
 	}{
 		{name: "running", before: func(*testing.T) {}, state: "follower"},
 		{name: "shut down", before: func(t *testing.T) {
-			if err := n.Kill(); err != nil {
+			if err := n.Close(); err != nil {
 				t.Fatalf("kill: %v", err)
 			}
 		}, state: "shutdown"},

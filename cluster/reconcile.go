@@ -47,9 +47,9 @@ func (c *ReconcileConfig) defaults() {
 	}
 }
 
-// ReconcileMembers makes the Raft configuration follow gossip membership until ctx ends.
-// It runs on every replica and acts only while this node leads (after its term is
-// established):
+// ReconcileMembers makes the Raft configuration follow gossip membership: a leader duty
+// (AddDuty), so it runs while this node leads, each term from a clean slate (what an earlier
+// term saw of the followers says nothing about this one), and stops with the term:
 //
 //   - an Alive member that advertises a Raft address, names itself consistently and
 //     belongs to no other cluster, and is not a voter (absent, a non-voter, or at another
@@ -59,21 +59,23 @@ func (c *ReconcileConfig) defaults() {
 //     CleanupInterval, is removed only if Raft cannot reach it either (the leader's
 //     heartbeats to it are failing), so a gossip-only fault never costs a healthy voter;
 //   - no removal leaves fewer than MinQuorum voters, and the leader never removes itself.
-func (n *Node) ReconcileMembers(ctx context.Context, src MemberSource, cfg ReconcileConfig) {
-	r := newReconciler(n, src, cfg)
-	r.watch(ctx)
-	t := time.NewTicker(r.cfg.Interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
+func (n *Node) ReconcileMembers(src MemberSource, cfg ReconcileConfig) {
+	n.AddDuty("reconcile raft voters with gossip members", func(ctx context.Context) {
+		r := newReconciler(n, src, cfg)
+		r.watch(ctx)
+		t := time.NewTicker(r.cfg.Interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			if err := r.once(ctx); err != nil && ctx.Err() == nil {
+				n.log.Warn("reconciling raft voters with gossip members", "err", err)
+			}
 		}
-		if err := r.once(ctx); err != nil && ctx.Err() == nil {
-			n.log.Warn("reconciling raft voters with gossip members", "err", err)
-		}
-	}
+	})
 }
 
 // reconciler is one replica's reconciliation state; it is reset whenever leadership moves

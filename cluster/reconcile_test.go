@@ -94,7 +94,7 @@ func (c *testCluster) startLoose(i int) *Node {
 // servers is the leader's raft configuration as id -> suffrage.
 func servers(t *testing.T, n *Node) map[string]raft.ServerSuffrage {
 	t.Helper()
-	f := n.Raft().GetConfiguration()
+	f := n.raft.GetConfiguration()
 	if err := f.Error(); err != nil {
 		t.Fatal(err)
 	}
@@ -126,16 +126,8 @@ func TestReconcileAddsAliveMembersAsVotersOnlyOnTheLeader(t *testing.T) {
 	src.put(gossip.Member{Name: "r5", State: gossip.Alive, Meta: gossip.Meta{ID: "r5"}})
 	src.put(gossip.Member{Name: "r6", State: gossip.Alive, Meta: gossip.Meta{ID: "r7", RaftAddr: "raft-6"}})
 	src.put(gossip.Member{Name: "r8", State: gossip.Dead, Meta: gossip.Meta{ID: "r8", RaftAddr: "raft-8"}})
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	defer cancel()
 	for _, n := range c.nodes[:3] {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			n.ReconcileMembers(ctx, src, ReconcileConfig{Interval: 20 * time.Millisecond})
-		}()
+		n.ReconcileMembers(src, ReconcileConfig{Interval: 20 * time.Millisecond})
 	}
 	poll.Until(t, 10*time.Second, func() error {
 		if s := servers(t, ln); s["r3"] != raft.Voter {

@@ -16,9 +16,9 @@ type peerRemote struct {
 	reads *peer.ReadIndexBatcher
 }
 
-// NewPeerRemote returns the Remote that reaches other replicas through pool; leader names
+// newPeerRemote returns the Remote that reaches other replicas through pool; leader names
 // the current leader's peer address as this replica's Raft view knows it.
-func NewPeerRemote(pool *peer.Pool, leader peer.LeaderFunc, log *slog.Logger) Remote {
+func newPeerRemote(pool *peer.Pool, leader peer.LeaderFunc, log *slog.Logger) Remote {
 	// A short backoff: while a new leader is elected, a bind should go through the moment it exists.
 	fwd := peer.NewForwarder(pool, leader, peer.ForwarderOptions{Logger: log, MaxBackoff: 40 * time.Millisecond})
 	return &peerRemote{pool: pool, fwd: fwd, reads: peer.NewReadIndexBatcher(fwd.ReadIndex)}

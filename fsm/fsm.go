@@ -319,12 +319,18 @@ func (c *Checkpoint) apply(f *FSM, _ uint64) *Result {
 	return &Result{Status: OK, Count: n}
 }
 
-func (c *AddWorker) apply(f *FSM, _ uint64) *Result {
+func (c *AddWorker) apply(f *FSM, index uint64) *Result {
 	r := f.reg.Load().clone()
 	_, found := r.workers[c.ID]
 	r.workers[c.ID] = Worker{ID: c.ID, Spec: slices.Clip(slices.Clone(c.Spec))}
 	f.reg.Store(r)
+	f.noteWorkers(c.ID, index)
 	return &Result{Status: OK, Found: found}
+}
+
+// noteWorkers reports a change of the worker registry.
+func (f *FSM) noteWorkers(id string, index uint64) {
+	f.note(Change{Kind: WorkersChanged, Binding: Binding{Worker: id}, Index: index})
 }
 
 // DrainWorker and RemoveWorker remove the worker's bindings even when the registry does
@@ -340,6 +346,7 @@ func (c *DrainWorker) apply(f *FSM, index uint64) *Result {
 			w.Draining = true
 			r.workers[c.ID] = w
 			f.reg.Store(r)
+			f.noteWorkers(c.ID, index)
 		}
 	}
 	res.Count = f.unbindWorker(c.ID, Drained, index)
@@ -353,6 +360,7 @@ func (c *RemoveWorker) apply(f *FSM, index uint64) *Result {
 		r := f.reg.Load().clone()
 		delete(r.workers, c.ID)
 		f.reg.Store(r)
+		f.noteWorkers(c.ID, index)
 	}
 	res.Count = f.unbindWorker(c.ID, WorkerRemoved, index)
 	return res

@@ -151,10 +151,25 @@ func TestWorkerCommandsRemoveBindings(t *testing.T) {
 				}
 				return true
 			})
-			if len(n.changes) != 100 {
-				t.Fatalf("%d changes, want 100", len(n.changes))
-			}
+			// The registry's own change comes as one WorkersChanged, when the registry changed.
+			unbound, registry := n.changes[:0:0], 0
 			for _, c := range n.changes {
+				if c.Kind == WorkersChanged {
+					if c.Binding.Worker != "w1" || c.Index != n.index {
+						t.Fatalf("registry change %+v", c)
+					}
+					registry++
+					continue
+				}
+				unbound = append(unbound, c)
+			}
+			if want := map[bool]int{true: 1, false: 0}[tc.reason != WorkerInvalidated]; registry != want {
+				t.Fatalf("%d registry changes, want %d", registry, want)
+			}
+			if len(unbound) != 100 {
+				t.Fatalf("%d changes, want 100", len(unbound))
+			}
+			for _, c := range unbound {
 				if c.Kind != Unbound || c.Reason != tc.reason || c.Binding.Worker != "w1" || c.Index != n.index {
 					t.Fatalf("change %+v", c)
 				}

@@ -105,6 +105,9 @@ const (
 	Unbound
 	// Reset: the whole state was replaced by Restore; re-read it.
 	Reset
+	// WorkersChanged: the worker registry changed (AddWorker, DrainWorker or RemoveWorker of
+	// Binding.Worker); re-read Workers. Bindings the command removed come as Unbound.
+	WorkersChanged
 )
 
 // String names the kind.
@@ -116,6 +119,8 @@ func (k ChangeKind) String() string {
 		return "unbound"
 	case Reset:
 		return "reset"
+	case WorkersChanged:
+		return "workers changed"
 	}
 	return fmt.Sprintf("change(%d)", uint8(k))
 }

@@ -178,14 +178,35 @@ func (l *memoryLease) Invalidate(_ context.Context) {
 	if cur != l.s {
 		return // already replaced: a newer binding is not ours to drop
 	}
-	if !l.s.bound {
+	if !l.bound {
+		// An initializer (of a first binding, or of a reopened one) gives up: the session's
+		// binding, if it had one, goes with it.
 		close(l.s.initDone)
 		delete(m.sessions, l.s.binding.Session)
 		return
 	}
+	if !l.s.bound {
+		return // another request is replacing the binding: its outcome decides
+	}
 	if l.s.binding.Revision == l.binding.Revision {
 		delete(m.sessions, l.s.binding.Session)
 	}
+}
+
+// Reopen implements Lease: the session becomes unbound-while-initialising, as for a first
+// request, and this lease its initializer.
+func (l *memoryLease) Reopen() bool {
+	m := l.store
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if l.done || !l.bound || m.sessions[l.s.binding.Session] != l.s || !l.s.bound || l.s.binding.Revision != l.binding.Revision {
+		return false
+	}
+	l.s.bound = false
+	l.s.initDone = make(chan struct{})
+	l.bound = false
+	l.binding = Binding{Session: l.s.binding.Session}
+	return true
 }
 
 func (l *memoryLease) Release() {
@@ -197,7 +218,7 @@ func (l *memoryLease) Release() {
 	}
 	l.done = true
 	l.s.active--
-	if !l.s.bound {
+	if !l.bound {
 		// The initializer never committed: give up so a waiter initialises instead.
 		close(l.s.initDone)
 		if m.sessions[l.s.binding.Session] == l.s {

@@ -106,6 +106,13 @@ type Lease interface {
 	Binding() (Binding, bool)
 	// Commit binds the session to w (initializer only) and returns the new binding.
 	Commit(ctx context.Context, w indexer.Worker) (Binding, error)
+	// Reopen turns a bound lease into the initializer of the binding's replacement (its
+	// worker failed): concurrent Acquires of the session wait for it as for a first request,
+	// Commit replaces the binding in one compare-and-set on its revision (a binding another
+	// replica made first wins, as with ErrBoundElsewhere), and giving up (Invalidate) drops
+	// the old binding, revision-guarded. It reports false, changing nothing, when the lease
+	// is not bound or another request of this replica is replacing the binding already.
+	Reopen() bool
 	// Invalidate drops the lease's binding (revision-guarded) or, for an initializer, gives
 	// up so that waiters proceed. The lease is released.
 	Invalidate(ctx context.Context)

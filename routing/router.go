@@ -234,14 +234,11 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 	}
 	if a.lease != nil {
 		if _, bound := a.lease.Binding(); bound && req.Target == nil {
-			// The bound worker cannot take it: drop the binding and choose once more, freely.
-			a.lease.Invalidate(ctx)
-			lease, aerr := r.deps.Affinity.Acquire(ctx, req.Session, nil)
-			if aerr != nil {
-				a.lease = nil
+			// The bound worker cannot take it: the binding is replaced (one compare-and-set
+			// when the worker accepts) and the worker chosen once more, freely.
+			if aerr := a.reopen(ctx); aerr != nil {
 				return nil, aerr
 			}
-			a.lease = lease
 			if err = a.selectAndStart(ctx); err == nil {
 				return a, nil
 			}
@@ -517,22 +514,18 @@ func (a *Attempt) Retry(ctx context.Context, cause error) error {
 		return fmt.Errorf("%w after %d tries: %w", ErrRetriesExhausted, len(a.tried), cause)
 	}
 	a.retries++
-	// The bound worker failed: its binding goes, and the session is chosen afresh. A racing
-	// request may meanwhile have bound the session to a worker this request already saw fail;
-	// that binding goes too (once), rather than spending the retry on it.
+	// The bound worker failed: its binding is replaced, and the session chosen afresh. A
+	// racing request may meanwhile have bound the session to a worker this request already
+	// saw fail; that binding is replaced too (once), rather than spending the retry on it.
 	for round := 0; a.lease != nil && round < 2; round++ {
 		b, bound := a.lease.Binding()
 		if !bound || (round > 0 && !slices.Contains(a.tried, b.Worker)) {
 			break
 		}
-		a.lease.Invalidate(ctx)
-		lease, err := a.router.deps.Affinity.Acquire(ctx, a.req.Session, nil)
-		if err != nil {
-			a.lease = nil
+		if err := a.reopen(ctx); err != nil {
 			a.finished = true
 			return err
 		}
-		a.lease = lease
 	}
 	if err := a.selectAndStart(ctx); err != nil {
 		if errors.Is(err, errPreferredGone) && a.lease != nil {
@@ -543,6 +536,23 @@ func (a *Attempt) Retry(ctx context.Context, cause error) error {
 		a.fail(ctx)
 		return err
 	}
+	return nil
+}
+
+// reopen makes the attempt's bound lease the initializer of its binding's replacement. When
+// another request of this replica is replacing it already, the lease waits for that one's
+// outcome instead (a new Acquire), and the loop in Retry looks again.
+func (a *Attempt) reopen(ctx context.Context) error {
+	if a.lease.Reopen() {
+		return nil
+	}
+	a.lease.Release()
+	lease, err := a.router.deps.Affinity.Acquire(ctx, a.req.Session, nil)
+	if err != nil {
+		a.lease = nil
+		return err
+	}
+	a.lease = lease
 	return nil
 }
 

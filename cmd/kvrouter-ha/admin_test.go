@@ -6,60 +6,97 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
+	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/admin"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
+	"github.com/kvrouter-ha/kvrouter-ha/replica"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/sim"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 )
 
-func adminDo(t *testing.T, rep *replica, method, path, token string) (int, []byte) {
+// startSimWorkers serves n fast simulated workers on loopback until the test ends.
+func startSimWorkers(t *testing.T, n int) []routing.WorkerSpec {
 	t.Helper()
-	req, err := http.NewRequest(method, "http://"+rep.AdminAddr()+path, nil)
+	var specs []routing.WorkerSpec
+	for i := range n {
+		id := fmt.Sprintf("w%d", i)
+		w, err := sim.New(sim.Config{ID: id, Speedup: 200, Logger: slog.New(slog.DiscardHandler), ShutdownTimeout: 500 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); _ = w.Serve(ctx, ln) }()
+		t.Cleanup(func() { cancel(); <-done })
+		specs = append(specs, routing.WorkerSpec{ID: id, URL: "http://" + ln.Addr().String()})
+	}
+	return specs
+}
+
+// startLoneReplica starts a one-replica cluster over workers, with the admin token "tok".
+func startLoneReplica(t *testing.T, workers []routing.WorkerSpec) *replica.Replica {
+	t.Helper()
+	rep, err := replica.Start(t.Context(), replica.Config{
+		ID: "ctl-replica", Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", Workers: workers, AdminToken: "tok",
+		Router: routing.Config{Policy: "kv"}, ApproxTTL: time.Minute, ApproxMaxBlocks: 1 << 20, SessionTTL: 10 * time.Minute,
+		MaxSessions: 1000, Health: openai.HealthConfig{Interval: time.Hour},
+		Cluster: replica.ClusterConfig{DataDir: t.TempDir(), RaftListen: "127.0.0.1:0", PeerListen: "127.0.0.1:0", BootstrapExpect: 1,
+			Heartbeat: 100 * time.Millisecond, Election: 100 * time.Millisecond, LeaderLease: 50 * time.Millisecond, BindWait: 5 * time.Second},
+		Logger: slog.New(slog.DiscardHandler),
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if token != "" {
-		req.Header.Set("Authorization", "Bearer "+token)
+	t.Cleanup(func() {
+		if err := rep.Close(); err != nil {
+			t.Errorf("replica close: %v", err)
+		}
+	})
+	poll.Until(t, 15*time.Second, rep.Ready)
+	return rep
+}
+
+// complete sends one completion of a session through rep and returns the worker and the
+// binding's revision it reports.
+func complete(t *testing.T, rep *replica.Replica, session, prompt string) (string, uint64) {
+	t.Helper()
+	body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, sim.DefaultModel, prompt)
+	req, err := http.NewRequest(http.MethodPost, "http://"+rep.Addr()+"/v1/completions", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
 	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, b
-}
-
-func TestAdminAPIWithoutTheTokenIs401(t *testing.T) {
-	fleet := startWorkers(t, 1, simConfig(time.Millisecond))
-	rep := startTestReplica(t, fleet, func(cfg *serveConfig) { cfg.AdminToken = "s3cret" })
-	for _, tc := range []struct{ method, path, token string }{
-		{http.MethodGet, "/admin/workers", ""},
-		{http.MethodGet, "/admin/cluster", "wrong"},
-		{http.MethodDelete, "/admin/sessions/x", ""},
-		{http.MethodPost, "/admin/cluster/snapshot", "Bearer s3cret"},
-	} {
-		status, body := adminDo(t, rep, tc.method, tc.path, tc.token)
-		if status != http.StatusUnauthorized {
-			t.Errorf("%s %s with token %q: %d %s, want 401", tc.method, tc.path, tc.token, status, body)
-		}
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("completion of %s: %s %s", session, resp.Status, b)
 	}
-	if status, body := adminDo(t, rep, http.MethodGet, "/admin/workers", "s3cret"); status != http.StatusOK {
-		t.Fatalf("with the token: %d %s", status, body)
-	}
-	// The client port does not serve admin routes at all.
-	resp, err := http.Get("http://" + rep.Addr() + "/admin/workers")
+	rev, err := strconv.ParseUint(resp.Header.Get("X-Kvrouter-Binding-Revision"), 10, 64)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("completion of %s: revision: %v", session, err)
 	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusNotFound {
-		t.Fatalf("client port /admin/workers: %d, want 404", resp.StatusCode)
-	}
+	return resp.Header.Get("X-Kvrouter-Worker"), rev
 }
 
 // runCtl runs `kvrouter-ha ctl` against rep's admin port and returns its output.
-func runCtl(t *testing.T, rep *replica, args ...string) (string, error) {
+func runCtl(t *testing.T, rep *replica.Replica, args ...string) (string, error) {
 	t.Helper()
 	var out, errOut bytes.Buffer
 	all := append([]string{"ctl", "--addr", rep.AdminAddr(), "--token", "tok"}, args...)
@@ -68,11 +105,9 @@ func runCtl(t *testing.T, rep *replica, args ...string) (string, error) {
 }
 
 func TestCtlOperatesSessionsWorkersAndCluster(t *testing.T) {
-	fleet := startWorkers(t, 2, simConfig(time.Millisecond))
-	rep := startTestReplica(t, fleet, func(cfg *serveConfig) { cfg.AdminToken = "tok" })
-	c := newRouterClient(t, rep)
-	a := c.complete(promptTokens(1, 2*blockTokens), 2, hdr("X-Session-ID", "ctl-session")).mustOK(t)
-	bound, rev := a.worker(), a.revision(t)
+	rep := startLoneReplica(t, startSimWorkers(t, 2))
+	prompt := strings.Repeat("a prompt long enough for two blocks of tokens ", 8)
+	bound, rev := complete(t, rep, "ctl-session", prompt)
 
 	out, err := runCtl(t, rep, "sessions", "get", "ctl-session")
 	if err != nil || !strings.Contains(out, bound) || !strings.Contains(out, fmt.Sprint(rev)) {
@@ -82,7 +117,7 @@ func TestCtlOperatesSessionsWorkersAndCluster(t *testing.T) {
 	if err != nil {
 		t.Fatalf("ctl cluster status: %v\n%s", err, out)
 	}
-	var view clusterView
+	var view admin.ClusterView
 	if err := json.Unmarshal([]byte(out), &view); err != nil || view.Self.State != "Leader" || view.Bindings != 1 || len(view.Servers) != 1 {
 		t.Fatalf("cluster status JSON: %v %+v", err, view)
 	}
@@ -96,17 +131,25 @@ func TestCtlOperatesSessionsWorkersAndCluster(t *testing.T) {
 	if out, err = runCtl(t, rep, "workers", "drain", bound); err != nil {
 		t.Fatalf("ctl workers drain: %v\n%s", err, out)
 	}
-	eventually(t, "the drained worker leaves the routable set", func() (bool, string) {
-		for _, tg := range rep.registry.Routable() {
-			if tg.Worker.ID == bound {
-				return false, "still routable"
+	poll.Until(t, 15*time.Second, func() error {
+		out, err := runCtl(t, rep, "--json", "workers", "list")
+		if err != nil {
+			return err
+		}
+		var ws []admin.WorkerView
+		if err := json.Unmarshal([]byte(out), &ws); err != nil {
+			return err
+		}
+		for _, w := range ws {
+			if w.Spec.ID == bound && !w.Drained {
+				return fmt.Errorf("%s still routable: %+v", bound, w)
 			}
 		}
-		return true, ""
+		return nil
 	})
-	moved := c.complete(promptTokens(2, 2*blockTokens), 2, hdr("X-Session-ID", "ctl-session")).mustOK(t)
-	if moved.worker() == bound || moved.revision(t) <= rev {
-		t.Fatalf("after draining %s: worker %s revision %d (was %d)", bound, moved.worker(), moved.revision(t), rev)
+	moved, movedRev := complete(t, rep, "ctl-session", prompt+" and more")
+	if moved == bound || movedRev <= rev {
+		t.Fatalf("after draining %s: worker %s revision %d (was %d)", bound, moved, movedRev, rev)
 	}
 	if out, err = runCtl(t, rep, "sessions", "invalidate", "ctl-session"); err != nil {
 		t.Fatalf("ctl sessions invalidate: %v\n%s", err, out)
@@ -117,19 +160,4 @@ func TestCtlOperatesSessionsWorkersAndCluster(t *testing.T) {
 	if out, err = runCtl(t, rep, "cluster", "snapshot"); err != nil || !strings.Contains(out, "index") {
 		t.Fatalf("ctl cluster snapshot: %v\n%s", err, out)
 	}
-}
-
-func TestUnhealthyWorkerLosesItsBindingsAfterTheGrace(t *testing.T) {
-	fleet := startWorkers(t, 2, simConfig(time.Millisecond))
-	rep := startTestReplica(t, fleet, func(cfg *serveConfig) { cfg.Cluster.WorkerGrace = 200 * time.Millisecond })
-	c := newRouterClient(t, rep)
-	a := c.complete(promptTokens(1, 2*blockTokens), 2, hdr("X-Session-ID", "grace")).mustOK(t)
-	bound := a.worker()
-	rep.registry.SetHealthy(bound, false, "test: down")
-	eventually(t, "the unhealthy worker's binding is invalidated", func() (bool, string) {
-		if b, ok := rep.cluster.node.FSM().Get("grace"); ok {
-			return false, fmt.Sprintf("still bound to %s", b.Worker)
-		}
-		return true, ""
-	})
 }

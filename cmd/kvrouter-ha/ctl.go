@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"flag"
@@ -9,65 +8,25 @@ import (
 	"io"
 	"net/http"
 	"net/url"
-	"os"
 	"sort"
-	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/peterbourgon/ff/v3/ffcli"
 
+	"github.com/kvrouter-ha/kvrouter-ha/admin"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
-// ctlClient speaks the admin API of one replica.
+// ctlClient speaks the admin API of one replica and prints what it answers.
 type ctlClient struct {
-	addr, token string
-	json        bool
-	out         io.Writer
-	http        *http.Client
+	admin.Client
+	json bool
+	out  io.Writer
 }
 
 func (c *ctlClient) do(ctx context.Context, method, path string, body any) ([]byte, error) {
-	var rd io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
-			return nil, err
-		}
-		rd = bytes.NewReader(b)
-	}
-	base := c.addr
-	if !strings.Contains(base, "://") {
-		base = "http://" + base
-	}
-	req, err := http.NewRequestWithContext(ctx, method, base+path, rd)
-	if err != nil {
-		return nil, err
-	}
-	if c.token != "" {
-		req.Header.Set("Authorization", "Bearer "+c.token)
-	}
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := c.http.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("admin API at %s: %w", c.addr, err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
-	if err != nil {
-		return nil, fmt.Errorf("admin API at %s: %w", c.addr, err)
-	}
-	if resp.StatusCode/100 != 2 {
-		var e adminError
-		if json.Unmarshal(b, &e) == nil && e.Error != "" {
-			return nil, fmt.Errorf("%s %s: %s: %s", method, path, resp.Status, e.Error)
-		}
-		return nil, fmt.Errorf("%s %s: %s", method, path, resp.Status)
-	}
-	return b, nil
+	return c.Do(ctx, method, path, body)
 }
 
 // show prints raw JSON with --json, else the table fn renders.
@@ -86,20 +45,14 @@ func (c *ctlClient) show(b []byte, v any, table func(w *tabwriter.Writer)) error
 
 func ctlCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs := flag.NewFlagSet("kvrouter-ha ctl", flag.ContinueOnError)
-	c := &ctlClient{out: stdout, http: &http.Client{Timeout: 30 * time.Second}}
-	fs.StringVar(&c.addr, "addr", "127.0.0.1:9090", "admin address of any replica")
-	fs.StringVar(&c.token, "token", "", "admin bearer token (or KVROUTER_TOKEN, or --token-file)")
+	c := &ctlClient{out: stdout, Client: admin.Client{HTTP: &http.Client{Timeout: 30 * time.Second}}}
+	fs.StringVar(&c.Addr, "addr", "127.0.0.1:9090", "admin address of any replica")
+	fs.StringVar(&c.Token, "token", "", "admin bearer token (or KVROUTER_TOKEN, or --token-file)")
 	tokenFile := fs.String("token-file", "", "file holding the admin bearer token")
 	fs.BoolVar(&c.json, "json", false, "print the API's JSON instead of a table")
-	setup := func() error {
-		if *tokenFile != "" {
-			b, err := os.ReadFile(*tokenFile)
-			if err != nil {
-				return fmt.Errorf("token file: %w", err)
-			}
-			c.token = strings.TrimSpace(string(b))
-		}
-		return nil
+	setup := func() (err error) {
+		c.Token, err = readSecret(c.Token, *tokenFile, "", "token")
+		return err
 	}
 	sub := func(name, usage, help string, nargs int, fn func(ctx context.Context, args []string) error) *ffcli.Command {
 		return &ffcli.Command{
@@ -204,7 +157,7 @@ func (c *ctlClient) workersList(ctx context.Context, _ []string) error {
 	if err != nil {
 		return err
 	}
-	var ws []workerView
+	var ws []admin.WorkerView
 	return c.show(b, &ws, func(w *tabwriter.Writer) {
 		fmt.Fprintln(w, "ID\tURL\tHEALTHY\tDRAINED\tBINDINGS\tREASON")
 		for _, x := range ws {
@@ -218,7 +171,7 @@ func (c *ctlClient) sessionGet(ctx context.Context, a []string) error {
 	if err != nil {
 		return err
 	}
-	var s sessionView
+	var s admin.SessionView
 	return c.show(b, &s, func(w *tabwriter.Writer) {
 		fmt.Fprintln(w, "SESSION\tWORKER\tDP_RANK\tREVISION\tTTL")
 		fmt.Fprintf(w, "%s\t%s\t%d\t%d\t%s\n", s.Session, s.Worker, s.DPRank, s.Revision, time.Duration(s.TTLMillis)*time.Millisecond)
@@ -230,7 +183,7 @@ func (c *ctlClient) clusterStatus(ctx context.Context, _ []string) error {
 	if err != nil {
 		return err
 	}
-	var v clusterView
+	var v admin.ClusterView
 	return c.show(b, &v, func(w *tabwriter.Writer) {
 		fmt.Fprintf(w, "replica:\t%s (%s)\n", v.Self.ID, v.Self.State)
 		fmt.Fprintf(w, "leader:\t%s\n", orNone(v.Self.LeaderID))

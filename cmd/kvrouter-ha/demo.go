@@ -20,6 +20,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/replica"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
@@ -109,15 +110,6 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	}
 }
 
-func splitList(s string) []string {
-	var out []string
-	for _, p := range strings.Split(s, ",") {
-		if p = strings.TrimSpace(p); p != "" {
-			out = append(out, p)
-		}
-	}
-	return out
-}
 
 // loadTrace reads the trace at path, or the bundled one, with sessions assigned, from its
 // request start on.
@@ -196,7 +188,7 @@ func scaled(d time.Duration, speedup float64) time.Duration {
 
 // startDemoReplicas starts tp.Replicas router replicas in this process that form one Raft
 // cluster on loopback (a lone replica is a one-node cluster).
-func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataDir string, speedup float64) ([]*replica, error) {
+func startDemoReplicas(ctx context.Context, tp topology, base replica.Config, dataDir string, speedup float64) ([]*replica.Replica, error) {
 	type addrs struct{ raft, peer, gossip string }
 	var all []addrs
 	var seeds, gossipSeeds []string
@@ -209,28 +201,28 @@ func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataD
 		seeds = append(seeds, a.peer)
 		gossipSeeds = append(gossipSeeds, a.gossip)
 	}
-	var reps []*replica
+	var reps []*replica.Replica
 	for i, a := range all {
 		cfg := base
-		cfg.ReplicaID = fmt.Sprintf("demo-%d", i)
+		cfg.ID = fmt.Sprintf("demo-%d", i)
 		cfg.NoGossip = tp.NoGossip
-		cfg.Cluster = clusterConfig{
-			DataDir: filepath.Join(dataDir, cfg.ReplicaID), RaftListen: a.raft, PeerListen: a.peer,
+		cfg.Cluster = replica.ClusterConfig{
+			DataDir: filepath.Join(dataDir, cfg.ID), RaftListen: a.raft, PeerListen: a.peer,
 			BootstrapExpect: tp.Replicas, BindWait: 10 * time.Second,
 			// The replicas start one after another here, so the first finds no seed up yet:
 			// it goes on at once and keeps trying in the background.
 			// Time runs speedup times faster here, so the hints' intervals shrink with it,
 			// as the TTLs do: a load report every 150 ms of simulated time.
-			Gossip: gossipConfig{Listen: a.gossip, MaxBytesPerSecond: defaultGossipBudget, JoinWait: 100 * time.Millisecond,
+			Gossip: replica.GossipConfig{Listen: a.gossip, MaxBytesPerSecond: replica.DefaultGossipBudget, JoinWait: 100 * time.Millisecond,
 				HealthInterval: 200 * time.Millisecond, SnapshotDiscovery: time.Second, MinQuorum: 3, CleanupInterval: 5 * time.Minute,
 				LoadInterval:  scaled(hints.DefaultLoadInterval, speedup),
 				DecisionFlush: scaled(hints.DefaultDecisionFlush, speedup)},
 		}
 		if tp.Replicas > 1 {
-			cfg.Cluster.Join = strings.Join(seeds, ",")
-			cfg.Cluster.Gossip.Join = strings.Join(gossipSeeds, ",")
+			cfg.Cluster.Join = seeds
+			cfg.Cluster.Gossip.Join = gossipSeeds
 		}
-		r, err := startReplica(ctx, cfg)
+		r, err := replica.Start(ctx, cfg)
 		if err != nil {
 			for _, r := range reps {
 				r.Close()
@@ -242,12 +234,12 @@ func startDemoReplicas(ctx context.Context, tp topology, base serveConfig, dataD
 	// Wait until every replica is ready (a leader is elected and known).
 	deadline := time.Now().Add(30 * time.Second)
 	for _, r := range reps {
-		for r.cluster.node.Ready() != nil {
+		for r.Ready() != nil {
 			if time.Now().After(deadline) || ctx.Err() != nil {
 				for _, r := range reps {
 					r.Close()
 				}
-				return nil, fmt.Errorf("replicas not ready: %w", r.cluster.node.Ready())
+				return nil, fmt.Errorf("replicas not ready: %w", r.Ready())
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
@@ -362,7 +354,7 @@ func demoRun(ctx context.Context, cfg demoConfig, tp topology, policy string, pr
 		return nil, err
 	}
 	defer os.RemoveAll(dataDir)
-	base := serveConfig{
+	base := replica.Config{
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
 		Workers: fleet.specs,
 		Router:  routing.Config{Policy: policy},
@@ -402,14 +394,12 @@ func demoRun(ctx context.Context, cfg demoConfig, tp topology, policy string, pr
 	rc.Logger = quiet
 	sent := func() (bytes, dropped, gaps uint64, n int) {
 		for _, r := range reps {
-			if r.share != nil {
-				st := r.share.g.Stats()
-				bytes += st.BytesOut
-				for _, d := range st.Dropped {
+			if st, ok := r.SharingStats(); ok {
+				bytes += st.Gossip.BytesOut
+				for _, d := range st.Gossip.Dropped {
 					dropped += d
 				}
-				ss := r.share.metrics.Stats()
-				gaps += ss.DecisionGaps - min(ss.DecisionLate, ss.DecisionGaps)
+				gaps += st.Hints.DecisionGaps - min(st.Hints.DecisionLate, st.Hints.DecisionGaps)
 				n++
 			}
 		}

@@ -2,69 +2,25 @@ package main
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
-	"net"
-	"net/http"
 	"os"
+	"os/signal"
 	"strings"
-	"sync"
+	"syscall"
 	"time"
 
 	"github.com/peterbourgon/ff/v3/ffcli"
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 
-	"github.com/kvrouter-ha/kvrouter-ha/cluster"
+	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/replica"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
-	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
-	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
-
-// serveConfig is everything a router replica is started with.
-type serveConfig struct {
-	Listen, AdminListen string
-	ReplicaID           string
-	Workers             []routing.WorkerSpec
-	Router              routing.Config
-	ApproxTTL           time.Duration
-	ApproxMaxBlocks     int
-	SessionTTL          time.Duration
-	MaxSessions         int
-	Proxy               openai.Config
-	Health              openai.HealthConfig
-	// KVEventsBind, when set, binds one SUB socket that workers' PUB sockets connect to;
-	// workers are told apart by TopicPattern. Workers whose spec names kv_events get their own
-	// connecting subscriber either way.
-	KVEventsBind string
-	TopicPattern string
-	// OverlayTTL is how long the replica's own decisions count in precise mode, on top of the
-	// events (a burst of siblings must not all land before the first BlockStored arrives).
-	OverlayTTL time.Duration
-	// Tokenizer is "none" (text prompts hash in byte chunks) or "worker" (ask a worker's /tokenize).
-	Tokenizer string
-	// NoGossip keeps this replica's decisions and load to itself (comparison runs); bindings
-	// are shared through Raft regardless.
-	NoGossip bool
-	// AdminToken guards /admin/* on the admin listener ("" leaves it open: loopback only).
-	AdminToken string
-	// TLS is the client port's certificate and the replicas' mutual TLS (tlswire.go).
-	TLS tlsConfig
-	// ShutdownDelay is how long a stopping replica keeps serving with /readyz failing, so a
-	// load balancer's health checks take it out before its port closes (0: no wait).
-	ShutdownDelay time.Duration
-	// ShutdownTimeout bounds how long in-flight requests and streams may take to finish once
-	// the client port has closed (0: 30s).
-	ShutdownTimeout time.Duration
-	// Cluster configures the Raft node that keeps session bindings.
-	Cluster clusterConfig
-	Logger  *slog.Logger
-}
 
 // workerFlag collects --worker values: "id=url" or a bare url (id w<n>).
 type workerFlag struct{ specs *[]routing.WorkerSpec }
@@ -81,11 +37,7 @@ func (f workerFlag) String() string {
 }
 
 func (f workerFlag) Set(v string) error {
-	for _, item := range strings.Split(v, ",") {
-		item = strings.TrimSpace(item)
-		if item == "" {
-			continue
-		}
+	for _, item := range splitList(v) {
 		id, url, ok := strings.Cut(item, "=")
 		if !ok {
 			id, url = fmt.Sprintf("w%d", len(*f.specs)), item
@@ -93,6 +45,33 @@ func (f workerFlag) Set(v string) error {
 		*f.specs = append(*f.specs, routing.WorkerSpec{ID: id, URL: url})
 	}
 	return nil
+}
+
+// splitList is a comma-separated flag's items, trimmed, empty ones dropped.
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// readSecret is a flag's value, else the named file's content, else the environment
+// variable's, trimmed.
+func readSecret(value, file, env, what string) (string, error) {
+	if value == "" && file != "" {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			return "", fmt.Errorf("%s file: %w", what, err)
+		}
+		value = string(b)
+	}
+	if value == "" && env != "" {
+		value = os.Getenv(env)
+	}
+	return strings.TrimSpace(value), nil
 }
 
 // loadWorkersFile reads a JSON array of worker specs.
@@ -110,13 +89,29 @@ func loadWorkersFile(path string) ([]routing.WorkerSpec, error) {
 	return specs, nil
 }
 
+// gossipKeyFlags are the gossip key's sources: the flag, its file, $KVROUTER_GOSSIP_KEY.
+type gossipKeyFlags struct{ key, file string }
+
+// decode reads the configured base64 key (nil: none).
+func (k gossipKeyFlags) decode() ([]byte, error) {
+	raw, err := readSecret(k.key, k.file, "KVROUTER_GOSSIP_KEY", "gossip key")
+	if err != nil || raw == "" {
+		return nil, err
+	}
+	key, err := base64.StdEncoding.DecodeString(raw)
+	if err != nil {
+		return nil, fmt.Errorf("gossip key: not base64: %w", err)
+	}
+	return key, nil
+}
+
 func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs := flag.NewFlagSet("kvrouter-ha serve", flag.ContinueOnError)
-	var cfg serveConfig
+	var cfg replica.Config
 	host, _ := os.Hostname()
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8080", "client (OpenAI) listen address")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", "127.0.0.1:9090", "admin listen address (/metrics)")
-	fs.StringVar(&cfg.ReplicaID, "replica-id", host, "this replica's name, sent as X-Kvrouter-Replica")
+	fs.StringVar(&cfg.ID, "replica-id", host, "this replica's name, sent as X-Kvrouter-Replica")
 	fs.Var(workerFlag{&cfg.Workers}, "worker", "a worker as id=url (repeatable, or comma-separated)")
 	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events, role, dp_size, capacity_blocks, loras")
 	fs.StringVar(&cfg.Router.Policy, "policy", "kv", "selection policy: "+strings.Join(routing.Policies(), ", "))
@@ -146,8 +141,10 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.StringVar(&cfg.Tokenizer, "tokenizer", "none", "text prompts: none (hash text in byte chunks) or worker (ask a worker's POST /tokenize, so text routes on exact token blocks)")
 	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "on SIGTERM, how long /readyz fails while the client port still serves, so a load balancer's health checks (e.g. HAProxy inter 1s fall 2) take the replica out first; a second signal cuts it short (0: no wait)")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests and streams may take to finish after the client port closes; the rest are cut")
-	registerClusterFlags(fs, &cfg.Cluster)
-	registerGossipFlags(fs, &cfg.Cluster.Gossip, &cfg.NoGossip)
+	var join, gossipJoin string
+	var key gossipKeyFlags
+	registerClusterFlags(fs, &cfg.Cluster, &join)
+	registerGossipFlags(fs, &cfg.Cluster.Gossip, &cfg.NoGossip, &gossipJoin, &key)
 	registerTLSFlags(fs, &cfg.TLS)
 	fs.StringVar(&cfg.AdminToken, "admin-token", "", "bearer token for the admin API (prefer --admin-token-file or KVROUTER_ADMIN_TOKEN: flags show in ps)")
 	adminTokenFile := fs.String("admin-token-file", "", "file holding the admin API bearer token")
@@ -170,331 +167,99 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 				}
 				cfg.Workers = append(cfg.Workers, specs...)
 			}
-			if *adminTokenFile != "" {
-				b, err := os.ReadFile(*adminTokenFile)
-				if err != nil {
-					return fmt.Errorf("admin token file: %w", err)
-				}
-				cfg.AdminToken = strings.TrimSpace(string(b))
+			if cfg.AdminToken, err = readSecret(cfg.AdminToken, *adminTokenFile, "", "admin token"); err != nil {
+				return err
 			}
 			if cfg.AdminToken == "" {
 				log.Warn("no admin token: the admin API is open to anyone who reaches the admin listener")
 			}
-			if cfg.ShutdownDelay < 0 || cfg.ShutdownTimeout < 0 {
-				return fmt.Errorf("--shutdown-delay %s, --shutdown-timeout %s: must not be negative", cfg.ShutdownDelay, cfg.ShutdownTimeout)
+			cfg.Cluster.Join, cfg.Cluster.Gossip.Join = splitList(join), splitList(gossipJoin)
+			if cfg.Cluster.Gossip.Key, err = key.decode(); err != nil {
+				return err
 			}
-			rep, err := startReplica(ctx, cfg)
+			rep, err := replica.Start(ctx, cfg)
 			if err != nil {
 				return err
 			}
 			fmt.Fprintf(stdout, "kvrouter-ha %s: serving on %s://%s, admin on http://%s, %d workers, policy %s\n",
-				cfg.ReplicaID, cfg.TLS.clientScheme(), rep.Addr(), rep.AdminAddr(), len(cfg.Workers), rep.router.Policy())
+				cfg.ID, rep.Scheme(), rep.Addr(), rep.AdminAddr(), len(cfg.Workers), rep.Policy())
 			<-ctx.Done()
 			skip, stopSignals := secondSignal()
 			defer stopSignals()
-			return rep.shutdown(skip)
+			return rep.Shutdown(skip)
 		},
 	}
 }
 
-// replica is one running router: listeners, router, health checks and housekeeping.
-type replica struct {
-	cfg      serveConfig
-	router   *routing.Router
-	registry *routing.Registry
-	tracker  *routing.Tracker
-	approx   *indexer.Index
-	precise  *indexer.Index // fed by KV events; nil without them
-	subs     []*kvevents.Subscriber
-	share    *sharing // nil with --no-gossip
-	affinity *cluster.Affinity
-	cluster  *clusterParts
-	log      *slog.Logger
-	server   *openai.Server
-	http     *http.Server
-	admin    *http.Server
-	ln, aln  net.Listener
-	cancel   context.CancelFunc
-	wg       sync.WaitGroup
-	drain    drainState
+// registerClusterFlags declares the cluster flags on fs (--join into join, comma-separated).
+func registerClusterFlags(fs *flag.FlagSet, c *replica.ClusterConfig, join *string) {
+	fs.StringVar(&c.DataDir, "data-dir", "kvrouter-data", "directory for the Raft log, snapshots and the cluster id (one per replica)")
+	fs.StringVar(&c.RaftListen, "raft-listen", "127.0.0.1:7000", "Raft TCP listen address")
+	fs.StringVar(&c.RaftAdvert, "raft-advertise", "", "Raft address other replicas dial (default: --raft-listen)")
+	fs.StringVar(&c.PeerListen, "peer-listen", "127.0.0.1:7001", "peer gRPC listen address (forwarding, read-index, join)")
+	fs.StringVar(&c.PeerAdvert, "peer-advertise", "", "peer address other replicas dial (default: --peer-listen)")
+	fs.IntVar(&c.BootstrapExpect, "bootstrap-expect", 1, "replicas that form a new cluster together (1: a lone replica bootstraps itself)")
+	fs.StringVar(join, "join", "", "comma-separated peer addresses of other replicas, or a DNS name resolving to them (host:port)")
+	fs.StringVar(&c.Consistency, "consistency", "bounded", "binding reads: linearizable, bounded or local")
+	fs.DurationVar(&c.StaleBound, "stale-bound", time.Second, "bounded reads: a read reflects every binding change acknowledged longer ago than this; a replica that cannot renew its read lease through the leader within it answers 503 and turns unready")
+	fs.DurationVar(&c.BindWait, "bind-wait", 3*time.Second, "how long a request waits for a leader (new session) or for contact (bounded read) before 503")
+	fs.DurationVar(&c.Heartbeat, "raft-heartbeat-timeout", 500*time.Millisecond, "Raft heartbeat timeout")
+	fs.DurationVar(&c.Election, "raft-election-timeout", 500*time.Millisecond, "Raft election timeout")
+	fs.DurationVar(&c.LeaderLease, "raft-leader-lease-timeout", 250*time.Millisecond, "Raft leader lease timeout")
+	fs.DurationVar(&c.Commit, "raft-commit-timeout", 5*time.Millisecond, "Raft commit timeout")
+	fs.DurationVar(&c.CheckpointInterval, "checkpoint-interval", 30*time.Second, "how often the leader records remaining session TTLs")
+	fs.DurationVar(&c.SnapshotInterval, "snapshot-interval", 2*time.Minute, "how often Raft checks whether to snapshot")
+	fs.Uint64Var(&c.SnapshotThreshold, "snapshot-threshold", 65536, "log entries since the last snapshot that trigger one")
+	fs.IntVar(&c.SnapshotRetain, "snapshot-retain", 3, "snapshots kept on disk")
+	fs.DurationVar(&c.WorkerGrace, "worker-grace", 10*time.Second, "a worker unhealthy this long loses its session bindings")
+	fs.DurationVar(&c.TouchFlush, "touch-flush", 20*time.Millisecond, "how long session touches coalesce before they go to the leader")
 }
 
-// startReplica wires a router replica and starts serving; Close stops it.
-func startReplica(ctx context.Context, cfg serveConfig) (*replica, error) {
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	// Certificates first: a bad file must stop the start before anything listens.
-	tlsc, err := cfg.TLS.load(log)
-	if err != nil {
-		return nil, err
-	}
-	cfg.TLS = tlsc
-	reg, err := routing.NewRegistry(cfg.Workers)
-	if err != nil {
-		return nil, err
-	}
-	r := &replica{cfg: cfg, registry: reg, tracker: routing.NewTracker(), log: log}
-	promReg := prometheus.NewRegistry()
-	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	subs, err := r.kvEventSubscribers(promReg, log)
-	if err != nil {
-		return nil, err
-	}
-	approxTTL := cfg.ApproxTTL
-	var index routing.PrefixIndex
-	if r.precise != nil {
-		approxTTL = cfg.OverlayTTL
-		if approxTTL <= 0 {
-			approxTTL = 10 * time.Second // a TTL of 0 would keep decisions for ever
-		}
-	}
-	r.approx = indexer.New(indexer.Options{TTL: approxTTL, MaxBlocksPerWorker: cfg.ApproxMaxBlocks})
-	index = r.approx
-	if r.precise != nil {
-		index = routing.Overlay{r.precise, r.approx}
-	}
-	if r.cluster, err = startCluster(ctx, cfg, promReg, log); err != nil {
-		return nil, err
-	}
-	r.affinity = r.cluster.affinity
-	r.subs = subs
-	deps := routing.Deps{Index: index, Recorder: r.approx, Workers: reg, Tracker: r.tracker, Affinity: r.affinity}
-	if !cfg.NoGossip {
-		if r.share, err = r.startSharing(ctx, promReg, approxTTL, log); err != nil {
-			r.cluster.Close()
-			return nil, err
-		}
-		deps.Recorder = r.share.decisions
-		deps.Load = r.share.remote
-	}
-	// closeCluster undoes the above when a later step fails.
-	closeCluster := func() {
-		if r.share != nil {
-			r.share.close()
-		}
-		r.cluster.Close()
-	}
-	r.router, err = routing.New(cfg.Router, deps)
-	if err != nil {
-		closeCluster()
-		return nil, err
-	}
-	reg.OnChange(func(st routing.WorkerStatus, removed bool) {
-		if !removed {
-			return
-		}
-		for rank := 0; rank < st.Spec.DPSize; rank++ {
-			w := indexer.Worker{ID: st.Spec.ID, DPRank: uint32(rank)}
-			r.approx.RemoveWorker(w)
-			if r.precise != nil {
-				r.precise.RemoveWorker(w)
-			}
-			r.tracker.Forget(w)
-		}
-		if r.share != nil {
-			r.share.health.ForgetWorker(st.Spec.ID)
-		}
-	})
-	pcfg := cfg.Proxy
-	pcfg.ReplicaID = cfg.ReplicaID
-	pcfg.Logger = log
-	pcfg.Registerer = promReg
-	switch cfg.Tokenizer {
-	case "", "none":
-	case "worker":
-		pcfg.Tokenizer = openai.NewWorkerTokenizer(reg, openai.TokenizerConfig{})
-	default:
-		return nil, fmt.Errorf("--tokenizer %q: want none or worker", cfg.Tokenizer)
-	}
-	hcfg := cfg.Health
-	if r.share != nil {
-		// Routability is the merged view's call: this replica's probes and bad responses
-		// feed it, the other replicas' reports arrive over gossip.
-		pcfg.MarkUnhealthy = r.share.health.MarkDown
-		hcfg.Observe = r.share.health.Observe
-	}
-	r.server, err = openai.NewServer(pcfg, r.router, reg, r.tracker)
-	if err != nil {
-		closeCluster()
-		return nil, err
-	}
-	r.server.SetReady(func() error {
-		if r.drain.draining.Load() {
-			return errShuttingDown
-		}
-		if err := r.cluster.node.Ready(); err != nil {
-			return err
-		}
-		if r.share != nil {
-			return r.share.ready()
-		}
-		return nil
-	})
-	if r.ln, err = net.Listen("tcp", cfg.Listen); err != nil {
-		closeCluster()
-		return nil, fmt.Errorf("client listener: %w", err)
-	}
-	r.ln = cfg.TLS.clientListener(r.ln)
-	if r.aln, err = net.Listen("tcp", cfg.AdminListen); err != nil {
-		r.ln.Close()
-		closeCluster()
-		return nil, fmt.Errorf("admin listener: %w", err)
-	}
-	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	r.cancel = cancel
-	hcfg.Logger = log
-	hcfg.Registerer = promReg
-	checker, err := openai.NewHealthChecker(reg, hcfg)
-	if err != nil {
-		cancel()
-		r.ln.Close()
-		r.aln.Close()
-		closeCluster()
-		return nil, err
-	}
-	// The server's own complaints (a scanner's failed TLS handshake, a malformed request
-	// line) go to the structured log at debug: a client cannot flood the error log.
-	r.http = &http.Server{Handler: r.closeWhileDraining(r.server.Handler()), ReadHeaderTimeout: 10 * time.Second,
-		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
-	admin := &adminAPI{rep: r, token: cfg.AdminToken}
-	r.admin = &http.Server{Handler: admin.handler(openai.AdminHandler(promReg)), ReadHeaderTimeout: 10 * time.Second}
-	r.goRun(func() { checker.Run(bg) })
-	for _, sub := range subs {
-		r.goRun(func() {
-			if err := sub.Run(bg); err != nil && bg.Err() == nil {
-				log.Error("KV event subscriber stopped", "err", err)
-			}
-		})
-	}
-	if r.share != nil {
-		r.share.run(r, bg, log)
-	}
-	r.goRun(func() { r.housekeeping(bg) })
-	r.goRun(func() { r.syncWorkers(bg) })
-	r.goRun(func() { r.watchWorkerHealth(bg) })
-	r.goRun(func() {
-		if err := r.http.Serve(r.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error("client listener stopped", "err", err)
-		}
-	})
-	r.goRun(func() {
-		if err := r.admin.Serve(r.aln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error("admin listener stopped", "err", err)
-		}
-	})
-	return r, nil
+// registerGossipFlags declares the gossip flags on fs.
+func registerGossipFlags(fs *flag.FlagSet, c *replica.GossipConfig, noGossip *bool, join *string, k *gossipKeyFlags) {
+	fs.BoolVar(noGossip, "no-gossip", false, "share nothing with other replicas but the Raft bindings: no membership, merged health, decisions, load or index snapshots (for comparison runs)")
+	fs.StringVar(&c.Listen, "gossip-listen", "127.0.0.1:7002", "gossip TCP+UDP listen address")
+	fs.StringVar(&c.Advertise, "gossip-advertise", "", "gossip address other replicas dial (default: --gossip-listen)")
+	fs.StringVar(join, "gossip-join", "", "comma-separated gossip addresses of other replicas, or a DNS name (default: the hosts of --join at this replica's gossip port)")
+	fs.StringVar(&k.key, "gossip-key", "", "base64 key (16, 24 or 32 bytes) that encrypts and authenticates gossip; every replica needs the same (prefer --gossip-key-file or KVROUTER_GOSSIP_KEY)")
+	fs.StringVar(&k.file, "gossip-key-file", "", "file holding the base64 gossip key")
+	fs.IntVar(&c.MaxBytesPerSecond, "gossip-max-bytes-per-second", replica.DefaultGossipBudget, "outbound gossip budget of this replica; past it hints are dropped and counted (decisions dominate: about 8 bytes per new prompt block per peer)")
+	fs.IntVar(&c.MinQuorum, "min-quorum", 3, "reconciliation never removes a dead replica's vote below this many voters")
+	fs.DurationVar(&c.CleanupInterval, "cleanup-interval", 5*time.Minute, "a replica dead this long (and unreachable by Raft) loses its vote")
+	fs.DurationVar(&c.LoadInterval, "load-share-interval", hints.DefaultLoadInterval, "how often this replica publishes its per-worker in-flight load")
+	fs.DurationVar(&c.DecisionFlush, "decision-flush-interval", hints.DefaultDecisionFlush, "how often this replica's routing decisions go to the others, batched")
+	fs.DurationVar(&c.HealthInterval, "health-gossip-interval", 200*time.Millisecond, "how often worker health changes are gossiped")
+	fs.DurationVar(&c.SnapshotDiscovery, "index-snapshot-discovery", hints.DefaultSnapshotDiscovery, "how long a starting replica waits for a peer to pull the index from before it starts empty")
+	fs.Int64Var(&c.SnapshotMaxBytes, "index-snapshot-max-bytes", peer.DefaultMaxSnapshotBytes, "largest index snapshot accepted from a peer")
+	fs.DurationVar(&c.JoinWait, "gossip-join-wait", 5*time.Second, "how long start waits for a gossip seed before it goes on and keeps trying in the background")
 }
 
-func (r *replica) goRun(fn func()) {
-	r.wg.Add(1)
-	go func() { defer r.wg.Done(); fn() }()
+// registerTLSFlags declares the TLS flags on fs.
+func registerTLSFlags(fs *flag.FlagSet, c *replica.TLSFiles) {
+	fs.StringVar(&c.CertFile, "tls-cert-file", "", "PEM certificate (leaf first, then intermediates) for HTTPS on the client port; needs --tls-key-file")
+	fs.StringVar(&c.KeyFile, "tls-key-file", "", "PEM private key of --tls-cert-file")
+	fs.StringVar(&c.PeerCertFile, "peer-tls-cert-file", "", "PEM certificate for mutual TLS between replicas on the peer and Raft ports: signed by --peer-tls-ca-file, with a SAN for every --peer-advertise/--raft-advertise host, usable for server and client auth; needs --peer-tls-key-file and --peer-tls-ca-file")
+	fs.StringVar(&c.PeerKeyFile, "peer-tls-key-file", "", "PEM private key of --peer-tls-cert-file")
+	fs.StringVar(&c.PeerCAFile, "peer-tls-ca-file", "", "PEM CA certificate(s) every replica's certificate must chain to; replicas refuse any other")
 }
 
-// housekeeping expires approximate index entries and idle sessions.
-func (r *replica) housekeeping(ctx context.Context) {
-	t := time.NewTicker(time.Second)
-	defer t.Stop()
-	for {
+// secondSignal returns a channel closed when SIGINT or SIGTERM arrives again after the first
+// (which cancelled the serve context), so an operator can cut the shutdown delay short; stop
+// releases the signal handler.
+func secondSignal() (skip <-chan struct{}, stop func()) {
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	ch := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
 		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			r.approx.Expire()
+		case <-sigs:
+			close(ch)
+		case <-done:
 		}
+	}()
+	return ch, func() {
+		signal.Stop(sigs)
+		close(done)
 	}
-}
-
-// Addr is the client listener's address.
-func (r *replica) Addr() string { return r.ln.Addr().String() }
-
-// AdminAddr is the admin listener's address.
-func (r *replica) AdminAddr() string { return r.aln.Addr().String() }
-
-// kvEventSubscribers builds the precise index and its KV event subscribers: one connecting
-// SUB per worker rank whose spec names kv_events, and, when KVEventsBind is set, one bound SUB
-// per data-parallel rank of the largest worker, on that endpoint's port + rank.
-// Without either, precise mode is off and r.precise stays nil.
-func (r *replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger) ([]*kvevents.Subscriber, error) {
-	cfg := r.cfg
-	var specs []routing.WorkerSpec
-	for _, st := range r.registry.List() {
-		if st.Spec.KVEvents != "" {
-			specs = append(specs, st.Spec)
-		}
-	}
-	if len(specs) == 0 && cfg.KVEventsBind == "" {
-		return nil, nil
-	}
-	r.precise = indexer.New(indexer.Options{})
-	metrics, err := kvevents.NewMetrics(reg)
-	if err != nil {
-		return nil, err
-	}
-	base := kvevents.Config{BlockSize: r.blockSize(), Sink: r.precise, Metrics: metrics, Logger: log}
-	var subs []*kvevents.Subscriber
-	for _, spec := range specs {
-		for rank := range max(spec.DPSize, 1) {
-			c := base
-			c.Mode = kvevents.Connect
-			c.Worker = indexer.Worker{ID: spec.ID, DPRank: uint32(rank)}
-			if c.Endpoint, err = kvevents.OffsetPort(spec.KVEvents, rank); err != nil {
-				return nil, fmt.Errorf("worker %s kv_events: %w", spec.ID, err)
-			}
-			if spec.KVReplay != "" {
-				if c.Replay, err = kvevents.OffsetPort(spec.KVReplay, rank); err != nil {
-					return nil, fmt.Errorf("worker %s kv_replay: %w", spec.ID, err)
-				}
-			}
-			sub, err := kvevents.NewSubscriber(c)
-			if err != nil {
-				return nil, fmt.Errorf("worker %s: %w", spec.ID, err)
-			}
-			subs = append(subs, sub)
-		}
-	}
-	if cfg.KVEventsBind != "" {
-		c := base
-		c.Mode = kvevents.Bind
-		c.TopicPattern = cfg.TopicPattern
-		c.URLs = map[string]string{}
-		c.Replays = map[string]string{}
-		ranks := 1
-		for _, st := range r.registry.List() {
-			c.URLs[st.Spec.ID] = st.Spec.URL
-			if st.Spec.KVReplay != "" {
-				c.Replays[st.Spec.ID] = st.Spec.KVReplay
-			}
-			ranks = max(ranks, st.Spec.DPSize)
-		}
-		if strings.HasSuffix(cfg.KVEventsBind, ":0") {
-			ranks = 1 // an ephemeral port has no neighbours a worker could know
-		}
-		// vLLM connects rank r of a worker to our port + r: one bound socket per rank.
-		for rank := range ranks {
-			rc := c
-			rc.Rank = rank
-			ep, err := kvevents.OffsetPort(cfg.KVEventsBind, rank)
-			if err != nil {
-				return nil, fmt.Errorf("--kv-events-bind (dp rank %d): %w", rank, err)
-			}
-			rc.Endpoint = ep
-			sub, err := kvevents.NewSubscriber(rc)
-			if err != nil {
-				return nil, fmt.Errorf("--kv-events-bind: %w", err)
-			}
-			subs = append(subs, sub)
-		}
-	}
-	return subs, nil
-}
-
-// blockSize is the block size the router will use (its config's, or the default); the KV event
-// subscribers are built before the router.
-func (r *replica) blockSize() int {
-	if r.cfg.Router.BlockSize > 0 {
-		return r.cfg.Router.BlockSize
-	}
-	return indexer.DefaultBlockSize
 }

@@ -1,4 +1,4 @@
-package main
+package replica
 
 import (
 	"bytes"
@@ -94,13 +94,13 @@ func (w *eventWorker) direct(tokens []uint32) {
 	}
 }
 
-func startPreciseReplica(t *testing.T, workers ...*eventWorker) *replica {
+func startPreciseReplica(t *testing.T, workers ...*eventWorker) *Replica {
 	t.Helper()
 	var fleet testFleet
 	for _, w := range workers {
 		fleet = append(fleet, &testWorker{spec: w.spec})
 	}
-	return startTestReplica(t, fleet, func(c *serveConfig) {
+	return startTestReplica(t, fleet, func(c *Config) {
 		c.OverlayTTL = time.Second
 		if testing.Verbose() {
 			c.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
@@ -110,7 +110,7 @@ func startPreciseReplica(t *testing.T, workers ...*eventWorker) *replica {
 
 // preciseBlocks is how many leading blocks of tokens the replica's event-fed index credits to
 // worker id.
-func preciseBlocks(rep *replica, id string, tokens []uint32) int {
+func preciseBlocks(rep *Replica, id string, tokens []uint32) int {
 	seq := indexer.SequenceHashes(tokens, indexer.DefaultBlockSize, indexer.BaseSeed, nil)
 	for _, m := range rep.precise.FindMatches(seq, nil) {
 		if m.Worker.ID == id {
@@ -120,7 +120,7 @@ func preciseBlocks(rep *replica, id string, tokens []uint32) int {
 	return 0
 }
 
-func waitPrecise(t *testing.T, rep *replica, id string, tokens []uint32, want int) {
+func waitPrecise(t *testing.T, rep *Replica, id string, tokens []uint32, want int) {
 	t.Helper()
 	eventually(t, fmt.Sprintf("the events to credit %s with %d blocks", id, want), func() (bool, string) {
 		got := preciseBlocks(rep, id, tokens)

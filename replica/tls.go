@@ -1,11 +1,10 @@
-package main
+package replica
 
 import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"net"
@@ -13,11 +12,11 @@ import (
 	"time"
 )
 
-// tlsConfig is a replica's TLS settings (flags): a certificate for the client port, and
-// a certificate, key and CA for mutual TLS between replicas on the peer and Raft ports.
-// Files are read once at start (a new certificate takes a restart, which a rolling restart
-// gives without downtime). load fills the unexported configs.
-type tlsConfig struct {
+// TLSFiles are a replica's certificates: one for the client port, and a certificate, key
+// and CA for mutual TLS between replicas on the peer and Raft ports. Files are read once at
+// start (a new certificate takes a restart, which a rolling restart gives without downtime);
+// errors name the flag each file comes from.
+type TLSFiles struct {
 	CertFile, KeyFile                     string
 	PeerCertFile, PeerKeyFile, PeerCAFile string
 
@@ -25,19 +24,10 @@ type tlsConfig struct {
 	peer   *tls.Config // nil: replicas talk plaintext
 }
 
-// registerTLSFlags declares the TLS flags on fs.
-func registerTLSFlags(fs *flag.FlagSet, c *tlsConfig) {
-	fs.StringVar(&c.CertFile, "tls-cert-file", "", "PEM certificate (leaf first, then intermediates) for HTTPS on the client port; needs --tls-key-file")
-	fs.StringVar(&c.KeyFile, "tls-key-file", "", "PEM private key of --tls-cert-file")
-	fs.StringVar(&c.PeerCertFile, "peer-tls-cert-file", "", "PEM certificate for mutual TLS between replicas on the peer and Raft ports: signed by --peer-tls-ca-file, with a SAN for every --peer-advertise/--raft-advertise host, usable for server and client auth; needs --peer-tls-key-file and --peer-tls-ca-file")
-	fs.StringVar(&c.PeerKeyFile, "peer-tls-key-file", "", "PEM private key of --peer-tls-cert-file")
-	fs.StringVar(&c.PeerCAFile, "peer-tls-ca-file", "", "PEM CA certificate(s) every replica's certificate must chain to; replicas refuse any other")
-}
-
 // load reads and checks the certificate files, so that a mistake stops the start with a
 // message naming the flag instead of surfacing as refused connections later. It returns
 // c with the configs filled. Key material is never logged, only file names and validity.
-func (c tlsConfig) load(log *slog.Logger) (tlsConfig, error) {
+func (c TLSFiles) load(log *slog.Logger) (TLSFiles, error) {
 	if (c.CertFile == "") != (c.KeyFile == "") {
 		return c, errors.New("--tls-cert-file and --tls-key-file go together: give both for TLS on the client port, or neither")
 	}
@@ -170,15 +160,15 @@ func checkPeerCert(pair tls.Certificate, pool *x509.CertPool, certFile, caFile s
 }
 
 // clientListener wraps the client port's listener in TLS when configured.
-func (c tlsConfig) clientListener(ln net.Listener) net.Listener {
+func (c TLSFiles) clientListener(ln net.Listener) net.Listener {
 	if c.client == nil {
 		return ln
 	}
 	return tls.NewListener(ln, c.client.Clone())
 }
 
-// clientScheme is the client port's URL scheme.
-func (c tlsConfig) clientScheme() string {
+// Scheme is the client port's URL scheme: https with a certificate, else http.
+func (c TLSFiles) Scheme() string {
 	if c.CertFile != "" {
 		return "https"
 	}
@@ -188,7 +178,7 @@ func (c tlsConfig) clientScheme() string {
 // peerConfig is a copy of the mutual TLS config, for one side of the peer gRPC or Raft port
 // (nil: plaintext). One config serves server and client: it names the CA as both roots and
 // client CAs, and dialers take ServerName from the dialled host.
-func (c tlsConfig) peerConfig() *tls.Config {
+func (c TLSFiles) peerConfig() *tls.Config {
 	if c.peer == nil {
 		return nil
 	}

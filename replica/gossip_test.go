@@ -1,8 +1,7 @@
-package main
+package replica
 
 import (
 	"context"
-	"encoding/base64"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -18,36 +17,36 @@ import (
 )
 
 // testGossipKey is the cluster's gossip key in these tests (32 bytes).
-var testGossipKey = base64.StdEncoding.EncodeToString([]byte("kvrouter-ha gossip test key 0032"))
+var testGossipKey = []byte("kvrouter-ha gossip test key 0032")
 
 // gossipCluster is n replicas in this process: one Raft cluster, one gossip cluster with a
 // key, all on loopback. Replicas can be stopped and started again on their addresses and
 // data directories.
 type gossipCluster struct {
 	t    *testing.T
-	cfgs []serveConfig
+	cfgs []Config
 	mu   sync.Mutex
-	reps []*replica // nil while stopped
+	reps []*Replica // nil while stopped
 }
 
 // startGossipCluster starts n replicas over fleet; tune adjusts each config first.
-func startGossipCluster(t *testing.T, fleet testFleet, n int, tune func(i int, cfg *serveConfig)) *gossipCluster {
+func startGossipCluster(t *testing.T, fleet testFleet, n int, tune func(i int, cfg *Config)) *gossipCluster {
 	t.Helper()
-	gc := &gossipCluster{t: t, reps: make([]*replica, n)}
+	gc := &gossipCluster{t: t, reps: make([]*Replica, n)}
 	var peers, gossipSeeds []string
 	for i := range n {
-		cfg := serveConfig{
-			Listen: loopbacktest.Addr(t), AdminListen: loopbacktest.Addr(t), ReplicaID: fmt.Sprintf("g%d", i),
+		cfg := Config{
+			Listen: loopbacktest.Addr(t), AdminListen: loopbacktest.Addr(t), ID: fmt.Sprintf("g%d", i),
 			Workers:   fleet.specs(),
 			Router:    routing.Config{Policy: "kv"},
 			ApproxTTL: 2 * time.Minute, ApproxMaxBlocks: 1 << 20,
 			SessionTTL: 10 * time.Minute, MaxSessions: 10_000,
 			Health: openai.HealthConfig{Interval: time.Hour},
-			Cluster: clusterConfig{
+			Cluster: ClusterConfig{
 				DataDir: t.TempDir(), RaftListen: loopbacktest.Addr(t), PeerListen: loopbacktest.Addr(t), BootstrapExpect: n,
 				Heartbeat: 100 * time.Millisecond, Election: 100 * time.Millisecond, LeaderLease: 50 * time.Millisecond,
 				BindWait: 5 * time.Second,
-				Gossip: gossipConfig{Listen: loopbacktest.Addr(t), Key: testGossipKey, JoinWait: 100 * time.Millisecond,
+				Gossip: GossipConfig{Listen: loopbacktest.Addr(t), Key: testGossipKey, JoinWait: 100 * time.Millisecond,
 					LoadInterval: 100 * time.Millisecond, HealthInterval: 100 * time.Millisecond, SnapshotDiscovery: 2 * time.Second},
 			},
 			Logger: slog.New(slog.DiscardHandler),
@@ -57,8 +56,8 @@ func startGossipCluster(t *testing.T, fleet testFleet, n int, tune func(i int, c
 		gc.cfgs = append(gc.cfgs, cfg)
 	}
 	for i := range gc.cfgs {
-		gc.cfgs[i].Cluster.Join = strings.Join(peers, ",")
-		gc.cfgs[i].Cluster.Gossip.Join = strings.Join(gossipSeeds, ",")
+		gc.cfgs[i].Cluster.Join = peers
+		gc.cfgs[i].Cluster.Gossip.Join = gossipSeeds
 		if tune != nil {
 			tune(i, &gc.cfgs[i])
 		}
@@ -80,9 +79,9 @@ func startGossipCluster(t *testing.T, fleet testFleet, n int, tune func(i int, c
 // start starts replica i (again) on its config.
 func (gc *gossipCluster) start(i int) {
 	gc.t.Helper()
-	rep, err := startReplica(gc.t.Context(), gc.cfgs[i])
+	rep, err := Start(gc.t.Context(), gc.cfgs[i])
 	if err != nil {
-		gc.t.Fatalf("start %s: %v", gc.cfgs[i].ReplicaID, err)
+		gc.t.Fatalf("start %s: %v", gc.cfgs[i].ID, err)
 	}
 	gc.mu.Lock()
 	gc.reps[i] = rep
@@ -98,12 +97,12 @@ func (gc *gossipCluster) stop(i int) {
 	gc.mu.Unlock()
 	if rep != nil {
 		if err := rep.Close(); err != nil {
-			gc.t.Errorf("close %s: %v", gc.cfgs[i].ReplicaID, err)
+			gc.t.Errorf("close %s: %v", gc.cfgs[i].ID, err)
 		}
 	}
 }
 
-func (gc *gossipCluster) rep(i int) *replica {
+func (gc *gossipCluster) rep(i int) *Replica {
 	gc.mu.Lock()
 	defer gc.mu.Unlock()
 	return gc.reps[i]
@@ -230,13 +229,13 @@ func TestReplicaWithTheWrongGossipKeyCannotJoin(t *testing.T) {
 	fleet := startWorkers(t, 2, simConfig(0))
 	gc := startGossipCluster(t, fleet, 3, nil)
 	cfg := gc.cfgs[0]
-	cfg.ReplicaID = "intruder"
+	cfg.ID = "intruder"
 	cfg.Listen, cfg.AdminListen = loopbacktest.Addr(t), loopbacktest.Addr(t)
 	cfg.Cluster.DataDir = t.TempDir()
 	cfg.Cluster.RaftListen, cfg.Cluster.PeerListen, cfg.Cluster.Gossip.Listen = loopbacktest.Addr(t), loopbacktest.Addr(t), loopbacktest.Addr(t)
 	cfg.Cluster.Gossip.JoinWait = 5 * time.Second
-	cfg.Cluster.Gossip.Key = base64.StdEncoding.EncodeToString([]byte("not the cluster's gossip key 032"))
-	rep, err := startReplica(context.Background(), cfg)
+	cfg.Cluster.Gossip.Key = []byte("not the cluster's gossip key 032")
+	rep, err := Start(context.Background(), cfg)
 	if err == nil {
 		rep.Close()
 		t.Fatal("a replica with another gossip key started and joined")
@@ -256,7 +255,7 @@ func TestReplicaWithTheWrongGossipKeyCannotJoin(t *testing.T) {
 
 func TestDeadWorkerLeavesEveryReplica(t *testing.T) {
 	fleet := startWorkers(t, 3, simConfig(0))
-	gc := startGossipCluster(t, fleet, 3, func(_ int, cfg *serveConfig) {
+	gc := startGossipCluster(t, fleet, 3, func(_ int, cfg *Config) {
 		cfg.Health = openai.HealthConfig{Interval: 100 * time.Millisecond, Timeout: 100 * time.Millisecond, FailThreshold: 3, RiseThreshold: 2}
 	})
 	fleet.byID(t, "w1").stop()

@@ -1,4 +1,4 @@
-package main
+package replica
 
 import (
 	"bufio"
@@ -139,10 +139,10 @@ func startWorkers(t *testing.T, n int, base sim.Config) testFleet {
 // startTestReplica starts a replica over fleet on loopback; tune adjusts the config first.
 // Health probes run once at start and then hourly, so a test decides when the router learns
 // of a failure.
-func startTestReplica(t *testing.T, fleet testFleet, tune func(*serveConfig)) *replica {
+func startTestReplica(t *testing.T, fleet testFleet, tune func(*Config)) *Replica {
 	t.Helper()
-	cfg := serveConfig{
-		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ReplicaID: "it-replica",
+	cfg := Config{
+		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ID: "it-replica",
 		Workers:   fleet.specs(),
 		Router:    routing.Config{Policy: "kv"},
 		ApproxTTL: 2 * time.Minute, ApproxMaxBlocks: 1 << 20,
@@ -154,7 +154,7 @@ func startTestReplica(t *testing.T, fleet testFleet, tune func(*serveConfig)) *r
 	if tune != nil {
 		tune(&cfg)
 	}
-	rep, err := startReplica(t.Context(), cfg)
+	rep, err := Start(t.Context(), cfg)
 	if err != nil {
 		t.Fatalf("startReplica: %v", err)
 	}
@@ -168,8 +168,8 @@ func startTestReplica(t *testing.T, fleet testFleet, tune func(*serveConfig)) *r
 
 // testClusterConfig is a lone replica's Raft node on loopback with a throwaway data directory
 // and LAN-fast timeouts.
-func testClusterConfig(t *testing.T) clusterConfig {
-	return clusterConfig{
+func testClusterConfig(t *testing.T) ClusterConfig {
+	return ClusterConfig{
 		DataDir: t.TempDir(), RaftListen: "127.0.0.1:0", PeerListen: "127.0.0.1:0", BootstrapExpect: 1,
 		Heartbeat: 100 * time.Millisecond, Election: 100 * time.Millisecond, LeaderLease: 50 * time.Millisecond,
 		BindWait: 5 * time.Second,
@@ -194,7 +194,7 @@ func eventually(t *testing.T, what string, cond func() (bool, string)) {
 }
 
 // routerIdle reports whether the replica's tracker holds no load on any worker.
-func routerIdle(rep *replica) (bool, string) {
+func routerIdle(rep *Replica) (bool, string) {
 	for w, l := range rep.tracker.Snapshot() {
 		if l != (routing.Load{}) {
 			return false, fmt.Sprintf("worker %s still has %+v", w, l)
@@ -206,13 +206,13 @@ func routerIdle(rep *replica) (bool, string) {
 // waitRouterIdle waits until every request's load has been released. The router releases a
 // request's load after the last byte went to the client, so a client can have its answer a
 // moment before the load is gone; tests whose next choice depends on load wait for it.
-func waitRouterIdle(t *testing.T, rep *replica) {
+func waitRouterIdle(t *testing.T, rep *Replica) {
 	t.Helper()
 	eventually(t, "the router's load to return to zero", func() (bool, string) { return routerIdle(rep) })
 }
 
 // workerLoad is the replica's accounted load on worker id (rank 0).
-func workerLoad(rep *replica, id string) routing.Load {
+func workerLoad(rep *Replica, id string) routing.Load {
 	return rep.tracker.Load(indexer.Worker{ID: id})
 }
 
@@ -274,7 +274,7 @@ type routerClient struct {
 	hc    *http.Client
 }
 
-func newRouterClient(t *testing.T, rep *replica) *routerClient {
+func newRouterClient(t *testing.T, rep *Replica) *routerClient {
 	tr := &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64}
 	t.Cleanup(tr.CloseIdleConnections)
 	// The timeout is a backstop against a hung router, far above any answer or stream a
@@ -576,7 +576,7 @@ func sawNothing(w *testWorker) bool {
 
 // requireNoTrace checks that requests the router turned away left nothing behind: no session,
 // no load, and no request on any worker.
-func requireNoTrace(t *testing.T, rep *replica, fleet testFleet, what string) {
+func requireNoTrace(t *testing.T, rep *Replica, fleet testFleet, what string) {
 	t.Helper()
 	if got := rep.affinity.Len(); got != 0 {
 		t.Errorf("%s left %d sessions", what, got)

@@ -1,15 +1,12 @@
-package main
+package replica
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
-	"os"
-	"os/signal"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 )
 
@@ -27,11 +24,11 @@ type drainState struct {
 	err      error
 }
 
-// Close drains the replica (see shutdown) and stops it; a second call returns the first's
+// Close drains the replica (see Shutdown) and stops it; a second call returns the first's
 // result.
-func (r *replica) Close() error { return r.shutdown(nil) }
+func (r *Replica) Close() error { return r.Shutdown(nil) }
 
-// shutdown stops the replica in the order a load balancer in front of it needs:
+// Shutdown stops the replica in the order a load balancer in front of it needs:
 //
 //  1. /readyz fails at once while the client port keeps serving, and every response from
 //     now on closes its connection, so the balancer's pooled keep-alive connections to this
@@ -44,13 +41,16 @@ func (r *replica) Close() error { return r.shutdown(nil) }
 //     wait an election timeout for new bindings;
 //  4. the client port closes: new connections are refused and in-flight requests and
 //     streams finish, cut after ShutdownTimeout;
-//  5. the background loops, gossip and the Raft node stop.
-func (r *replica) shutdown(skip <-chan struct{}) error {
+//  5. everything Start opened closes in reverse: the admin port, the background loops, the
+//     peer port, the Raft node, gossip, the remaining listeners and the peer clients.
+//
+// skip, when it closes, cuts step 2 short (an operator's second signal).
+func (r *Replica) Shutdown(skip <-chan struct{}) error {
 	r.drain.once.Do(func() { r.drain.err = r.stop(skip) })
 	return r.drain.err
 }
 
-func (r *replica) stop(skip <-chan struct{}) error {
+func (r *Replica) stop(skip <-chan struct{}) error {
 	delay := r.cfg.ShutdownDelay
 	r.drain.draining.Store(true)
 	r.log.Info("shutdown: /readyz now fails, the client port keeps serving", "shutdown_delay", delay)
@@ -88,24 +88,15 @@ func (r *replica) stop(skip <-chan struct{}) error {
 		_ = r.admin.Close()
 	}
 	acancel()
-	r.cancel()
-	r.wg.Wait()
-	if r.share != nil {
-		if serr := r.share.close(); serr != nil {
-			r.log.Warn("shutdown: gossip", "err", serr)
-		}
-	}
-	if cerr := r.cluster.Close(); cerr != nil && err == nil {
-		err = fmt.Errorf("cluster close: %w", cerr)
-	}
+	r.unwind()
 	r.log.Info("shutdown: stopped")
 	return err
 }
 
 // handOverLeadership transfers Raft leadership to a follower when this replica leads one
 // that has others; a failure only costs the cluster an election timeout, so it is logged.
-func (r *replica) handOverLeadership() {
-	n := r.cluster.node
+func (r *Replica) handOverLeadership() {
+	n := r.node
 	handed, err := n.HandOverLeadership()
 	switch {
 	case err != nil:
@@ -121,32 +112,11 @@ func (r *replica) handOverLeadership() {
 // closeWhileDraining makes every response of a stopping replica close its connection, so a
 // client (or balancer) holding a keep-alive connection learns it cannot reuse it instead of
 // finding it closed under its next request.
-func (r *replica) closeWhileDraining(h http.Handler) http.Handler {
+func (r *Replica) closeWhileDraining(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		if r.drain.draining.Load() {
 			w.Header().Set("Connection", "close")
 		}
 		h.ServeHTTP(w, req)
 	})
-}
-
-// secondSignal returns a channel closed when SIGINT or SIGTERM arrives again after the first
-// (which cancelled the serve context), so an operator can cut the shutdown delay short; stop
-// releases the signal handler.
-func secondSignal() (skip <-chan struct{}, stop func()) {
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
-	ch := make(chan struct{})
-	done := make(chan struct{})
-	go func() {
-		select {
-		case <-sigs:
-			close(ch)
-		case <-done:
-		}
-	}()
-	return ch, func() {
-		signal.Stop(sigs)
-		close(done)
-	}
 }

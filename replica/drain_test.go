@@ -1,4 +1,4 @@
-package main
+package replica
 
 import (
 	"bytes"
@@ -84,10 +84,10 @@ func (g *gatedWorker) spec() routing.WorkerSpec {
 
 // startGatedReplica starts a lone replica in front of gate; the tests check what Close
 // returns themselves, so the cleanup only makes sure it ran, without the delay.
-func startGatedReplica(t *testing.T, gate *gatedWorker, delay, timeout time.Duration) *replica {
+func startGatedReplica(t *testing.T, gate *gatedWorker, delay, timeout time.Duration) *Replica {
 	t.Helper()
-	cfg := serveConfig{
-		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ReplicaID: "drain-replica",
+	cfg := Config{
+		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ID: "drain-replica",
 		Workers:   []routing.WorkerSpec{gate.spec()},
 		Router:    routing.Config{Policy: "kv"},
 		ApproxTTL: 2 * time.Minute, ApproxMaxBlocks: 1 << 20,
@@ -97,7 +97,7 @@ func startGatedReplica(t *testing.T, gate *gatedWorker, delay, timeout time.Dura
 		Logger:        slog.New(slog.DiscardHandler),
 		ShutdownDelay: delay, ShutdownTimeout: timeout,
 	}
-	rep, err := startReplica(t.Context(), cfg)
+	rep, err := Start(t.Context(), cfg)
 	if err != nil {
 		t.Fatalf("startReplica: %v", err)
 	}
@@ -105,7 +105,7 @@ func startGatedReplica(t *testing.T, gate *gatedWorker, delay, timeout time.Dura
 		// A test that failed before ending the delay must not leave its cleanup waiting it out.
 		now := make(chan struct{})
 		close(now)
-		_ = rep.shutdown(now)
+		_ = rep.Shutdown(now)
 	})
 	return rep
 }
@@ -153,7 +153,7 @@ func TestDrainFailsReadyzFirstThenFinishesTheInFlightStream(t *testing.T) {
 	endDelay := sync.OnceFunc(func() { close(skip) })
 	t.Cleanup(endDelay) // runs before the replica's cleanup, which would wait on this shutdown
 	closed := make(chan error, 1)
-	go func() { closed <- rep.shutdown(skip) }()
+	go func() { closed <- rep.Shutdown(skip) }()
 
 	// 1. /readyz fails at once, saying why, while the port still takes new connections.
 	eventually(t, "/readyz 503 shutting down", func() (bool, string) {
@@ -256,7 +256,7 @@ func TestShutdownTimeoutCutsAStuckStream(t *testing.T) {
 func TestShutdownOfTheLeaderHandsOverLeadershipBeforeThePortCloses(t *testing.T) {
 	fleet := startWorkers(t, 2, simConfig(0))
 	logs := make([]*logBuffer, 3)
-	gc := startGossipCluster(t, fleet, 3, func(i int, cfg *serveConfig) {
+	gc := startGossipCluster(t, fleet, 3, func(i int, cfg *Config) {
 		logs[i] = &logBuffer{}
 		cfg.Logger = logs[i].logger()
 	})
@@ -276,7 +276,7 @@ func TestShutdownOfTheLeaderHandsOverLeadershipBeforeThePortCloses(t *testing.T)
 	}
 	eventually(t, "a new leader among the others", func() (bool, string) {
 		for i := range 3 {
-			if i != leader && gc.rep(i).cluster.node.IsLeader() {
+			if i != leader && gc.rep(i).node.IsLeader() {
 				return true, ""
 			}
 		}

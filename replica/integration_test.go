@@ -1,4 +1,4 @@
-package main
+package replica
 
 // Integration tests of one router replica: real simulated workers on 127.0.0.1:0, a real
 // replica from startReplica, and a plain net/http client over loopback. They check the
@@ -261,13 +261,13 @@ func TestKilledWorkerRequestsRetryElsewhere(t *testing.T) {
 	cases := []struct {
 		name string
 		kill func(t *testing.T, w *testWorker)
-		tune func(cfg *serveConfig)
+		tune func(cfg *Config)
 	}{
 		{"serve stopped", func(_ *testing.T, w *testWorker) { w.stop() }, nil},
 		{"connections refused", fault(sim.Faults{Refuse: true}), nil},
 		// A hung worker costs each request routed to it the first-byte timeout, then a retry.
 		{"hangs before the first byte", fault(sim.Faults{StallRate: 1}),
-			func(cfg *serveConfig) { cfg.Proxy.FirstByteTimeout = 300 * time.Millisecond }},
+			func(cfg *Config) { cfg.Proxy.FirstByteTimeout = 300 * time.Millisecond }},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -399,7 +399,7 @@ func TestBoundWorkerFailureRebindsWithAHigherRevision(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			fleet := startWorkers(t, 3, simConfig(0))
-			rep := startTestReplica(t, fleet, func(cfg *serveConfig) {
+			rep := startTestReplica(t, fleet, func(cfg *Config) {
 				if tc.probed {
 					cfg.Health = openai.HealthConfig{Interval: 20 * time.Millisecond, Timeout: 500 * time.Millisecond}
 				}
@@ -621,7 +621,7 @@ func TestRouteQueryChangesNothing(t *testing.T) {
 
 func TestSessionExpiresAfterItsTTLIdle(t *testing.T) {
 	fleet := startWorkers(t, 3, simConfig(10*time.Millisecond))
-	rep := startTestReplica(t, fleet, func(cfg *serveConfig) { cfg.SessionTTL = 200 * time.Millisecond })
+	rep := startTestReplica(t, fleet, func(cfg *Config) { cfg.SessionTTL = 200 * time.Millisecond })
 	c := newRouterClient(t, rep)
 	session := hdr("X-Session-ID", "short-lived")
 
@@ -701,7 +701,7 @@ func TestBadSessionKeyIs400(t *testing.T) {
 func TestBadInputGetsClearErrors(t *testing.T) {
 	const bodyLimit = 64 << 10
 	fleet := startWorkers(t, 2, simConfig(0))
-	rep := startTestReplica(t, fleet, func(cfg *serveConfig) {
+	rep := startTestReplica(t, fleet, func(cfg *Config) {
 		cfg.Proxy.MaxBodyBytes = bodyLimit
 		cfg.Health = openai.HealthConfig{Interval: 20 * time.Millisecond, Timeout: 500 * time.Millisecond}
 	})
@@ -827,7 +827,7 @@ func TestBadInputGetsClearErrors(t *testing.T) {
 
 func TestSessionCapIs429(t *testing.T) {
 	fleet := startWorkers(t, 2, simConfig(0))
-	rep := startTestReplica(t, fleet, func(cfg *serveConfig) { cfg.MaxSessions = 2 })
+	rep := startTestReplica(t, fleet, func(cfg *Config) { cfg.MaxSessions = 2 })
 	c := newRouterClient(t, rep)
 
 	revs := map[string]uint64{}
@@ -848,7 +848,7 @@ func TestSessionCapIs429(t *testing.T) {
 }
 
 // waitHealth polls the registry until worker id's health is healthy.
-func waitHealth(t *testing.T, rep *replica, id string, healthy bool) {
+func waitHealth(t *testing.T, rep *Replica, id string, healthy bool) {
 	t.Helper()
 	eventually(t, fmt.Sprintf("worker %s healthy=%v", id, healthy), func() (bool, string) {
 		for _, st := range rep.registry.List() {

@@ -1,0 +1,380 @@
+// Package replica assembles and closes one kvrouter-ha replica: its listeners, the Raft
+// node and peer port (cluster), gossip and the hints riding on it (cluster/gossip,
+// cluster/hints), the prefix indexes and KV event subscribers, the worker lifecycle
+// (workers), the router (routing), the OpenAI front (transport/openai) and the admin API
+// (admin). Start opens everything in dependency order, every listener bound before anything
+// dials it; Close drains and unwinds in reverse, and a Start that fails part-way unwinds what
+// it opened the same way (etcd's embed.StartEtcd is the model). DESIGN.md beside this file
+// gives the order and why.
+package replica
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/kvrouter-ha/kvrouter-ha/admin"
+	"github.com/kvrouter-ha/kvrouter-ha/cluster"
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/version"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
+	"github.com/kvrouter-ha/kvrouter-ha/workers"
+)
+
+// Replica is one running router replica.
+type Replica struct {
+	cfg Config
+	log *slog.Logger
+
+	registry *routing.Registry
+	tracker  *routing.Tracker
+	approx   *indexer.Index
+	precise  *indexer.Index // fed by KV events; nil without them
+	subs     []*kvevents.Subscriber
+	promReg  *prometheus.Registry
+
+	// The ports, bound first.
+	ln, aln, pln, rln net.Listener
+
+	pool      *peer.Pool
+	node      *cluster.Node
+	affinity  *cluster.Affinity
+	peerSrv   *peer.Server
+	share     *sharing // nil with NoGossip
+	lifecycle *workers.Lifecycle
+	router    *routing.Router
+	server    *openai.Server
+	http      *http.Server
+	admin     *http.Server
+
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	// undo holds what Start opened, closed in reverse by Close and by a Start that fails.
+	undo  []func()
+	drain drainState
+}
+
+// Start opens a replica with cfg and starts serving; Close stops it. On error nothing it
+// opened is left open: no listener, goroutine or file.
+func Start(ctx context.Context, cfg Config) (_ *Replica, err error) {
+	if err := cfg.check(); err != nil {
+		return nil, err
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	r := &Replica{cfg: cfg, log: cfg.Logger, tracker: routing.NewTracker(), promReg: prometheus.NewRegistry()}
+	defer func() {
+		if err != nil {
+			r.unwind()
+		}
+	}()
+	// Certificates first: a bad file must stop the start before anything listens.
+	if r.cfg.TLS, err = cfg.TLS.load(r.log); err != nil {
+		return nil, err
+	}
+	if r.registry, err = routing.NewRegistry(cfg.Workers); err != nil {
+		return nil, err
+	}
+	r.promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	// The peer clients: gossip's index-snapshot pulls and the Raft node's forwarding share them.
+	r.pool = peer.NewPool(peer.ClientOptions{TLS: r.cfg.TLS.peerConfig()})
+	r.onClose(func() { r.pool.Close() })
+	steps := []func(context.Context) error{
+		r.listen,       // every port, before anything can dial one
+		r.openIndexes,  // the prefix indexes and KV event subscribers (not running yet)
+		r.openSharing,  // gossip's port and the hints (not joined yet)
+		r.openNode,     // the Raft node on its port, the affinity store, the peer port serving
+		r.joinSharing,  // gossip joins its seeds (bounded): a key mismatch fails the start
+		r.openRouting,  // the worker lifecycle, the router, the OpenAI front, the admin API
+		r.startServing, // background loops, then the client and admin ports serve
+	}
+	for _, step := range steps {
+		if err := step(ctx); err != nil {
+			return nil, err
+		}
+	}
+	return r, nil
+}
+
+// onClose pushes an undo step.
+func (r *Replica) onClose(fn func()) { r.undo = append(r.undo, fn) }
+
+// unwind runs the undo steps in reverse, once.
+func (r *Replica) unwind() {
+	for i := len(r.undo) - 1; i >= 0; i-- {
+		r.undo[i]()
+	}
+	r.undo = nil
+}
+
+// listen binds the client, admin, peer and Raft ports.
+func (r *Replica) listen(context.Context) error {
+	cc := r.cfg.Cluster
+	for _, l := range []struct {
+		to   *net.Listener
+		addr string
+		what string
+	}{
+		{&r.ln, r.cfg.Listen, "client"},
+		{&r.aln, r.cfg.AdminListen, "admin"},
+		{&r.pln, cc.PeerListen, "peer"},
+		{&r.rln, cc.RaftListen, "raft"},
+	} {
+		ln, err := net.Listen("tcp", l.addr)
+		if err != nil {
+			return fmt.Errorf("%s listener: %w", l.what, err)
+		}
+		*l.to = ln
+		r.onClose(func() { _ = ln.Close() })
+	}
+	r.ln = r.cfg.TLS.clientListener(r.ln)
+	return nil
+}
+
+// dataDir is the replica's data directory (default kvrouter-data/ID).
+func (r *Replica) dataDir() string {
+	if d := r.cfg.Cluster.DataDir; d != "" {
+		return d
+	}
+	return filepath.Join("kvrouter-data", r.cfg.ID)
+}
+
+// peerAdvert and raftAdvert are what other replicas dial.
+func (r *Replica) peerAdvert() string {
+	if a := r.cfg.Cluster.PeerAdvert; a != "" {
+		return a
+	}
+	return r.pln.Addr().String()
+}
+
+func (r *Replica) raftAdvert() string {
+	if a := r.cfg.Cluster.RaftAdvert; a != "" {
+		return a
+	}
+	return r.rln.Addr().String()
+}
+
+// openNode opens the Raft node on the bound Raft port, serves the peer port, and makes the
+// Raft-backed affinity store.
+func (r *Replica) openNode(ctx context.Context) error {
+	cc := r.cfg.Cluster
+	level, err := cluster.ParseLevel(cc.Consistency)
+	if err != nil {
+		return err
+	}
+	tc := r.cfg.TLS
+	n, err := cluster.Open(ctx, cluster.Config{
+		ID: r.cfg.ID, DataDir: r.dataDir(),
+		RaftListener: r.rln, RaftAdvertise: cc.RaftAdvert, PeerAddr: r.peerAdvert(),
+		BootstrapExpect: cc.BootstrapExpect, Join: cc.Join,
+		HeartbeatTimeout: cc.Heartbeat, ElectionTimeout: cc.Election,
+		LeaderLeaseTimeout: cc.LeaderLease, CommitTimeout: cc.Commit,
+		SnapshotRetain: cc.SnapshotRetain, SnapshotThreshold: cc.SnapshotThreshold, SnapshotInterval: cc.SnapshotInterval,
+		Level: level, StaleBound: cc.StaleBound, BindWait: cc.BindWait,
+		SessionTTL: r.cfg.SessionTTL, MaxBindings: r.cfg.MaxSessions,
+		CheckpointInterval: cc.CheckpointInterval, TouchFlush: cc.TouchFlush,
+		Peers: r.pool, Version: version.String(), Logger: r.log, RaftTLS: tc.peerConfig(),
+	})
+	if err != nil {
+		return err
+	}
+	r.node = n
+	r.onClose(func() {
+		if err := n.Close(); err != nil {
+			r.log.Warn("raft node close", "err", err)
+		}
+	})
+	// Raft's state is read from the node at scrape time: operators watch leader, term and
+	// indexes on /metrics rather than polling `ctl cluster status`.
+	if err := r.promReg.Register(cluster.NewRaftCollector(n)); err != nil {
+		return fmt.Errorf("raft metrics: %w", err)
+	}
+	var snaps peer.SnapshotSource
+	if r.share != nil {
+		snaps = r.share.sync
+		n.ReconcileMembers(r.share.g, cluster.ReconcileConfig{MinQuorum: cc.Gossip.MinQuorum, CleanupInterval: cc.Gossip.CleanupInterval})
+	}
+	r.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: r.log, Snapshots: snaps, TLS: tc.peerConfig()})
+	pln := r.pln
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := r.peerSrv.Serve(pln); err != nil && !errors.Is(err, net.ErrClosed) {
+			r.log.Error("peer listener stopped", "err", err)
+		}
+	}()
+	r.onClose(func() { r.peerSrv.Stop(); <-done })
+	r.affinity = cluster.NewAffinity(n)
+	return nil
+}
+
+// openRouting makes the worker lifecycle, the router, the OpenAI front and the admin API.
+func (r *Replica) openRouting(context.Context) error {
+	cfg := r.cfg
+	lc, err := workers.New(workers.Config{
+		Registry: r.registry, Cluster: r.node, Grace: cfg.Cluster.WorkerGrace, Forget: r.forgetWorker, Logger: r.log,
+	})
+	if err != nil {
+		return err
+	}
+	r.lifecycle = lc
+	var index routing.PrefixIndex = r.approx
+	if r.precise != nil {
+		index = routing.Overlay{r.precise, r.approx}
+	}
+	deps := routing.Deps{Index: index, Recorder: r.approx, Workers: r.registry, Tracker: r.tracker, Affinity: r.affinity}
+	if r.share != nil {
+		deps.Recorder = r.share.decisions
+		deps.Load = r.share.remote
+	}
+	if r.router, err = routing.New(cfg.Router, deps); err != nil {
+		return err
+	}
+	pcfg := cfg.Proxy
+	pcfg.ReplicaID = cfg.ID
+	pcfg.Logger = r.log
+	pcfg.Registerer = r.promReg
+	if cfg.Tokenizer == "worker" {
+		pcfg.Tokenizer = openai.NewWorkerTokenizer(r.registry, openai.TokenizerConfig{})
+	}
+	if r.share != nil {
+		// Routability is the merged view's call: this replica's probes and bad responses
+		// feed it, the other replicas' reports arrive over gossip.
+		pcfg.MarkUnhealthy = r.share.health.MarkDown
+	}
+	if r.server, err = openai.NewServer(pcfg, r.router, r.registry, r.tracker); err != nil {
+		return err
+	}
+	r.server.SetReady(r.Ready)
+	// The server's own complaints (a scanner's failed TLS handshake, a malformed request
+	// line) go to the structured log at debug: a client cannot flood the error log.
+	r.http = &http.Server{Handler: r.closeWhileDraining(r.server.Handler()), ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
+	r.admin = &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: admin.Handler(admin.Config{
+		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry,
+		Metrics: openai.AdminHandler(r.promReg),
+	})}
+	return nil
+}
+
+// forgetWorker is the fan-out when a worker leaves the registry: every index, the load
+// tracker and the merged health view let go of it.
+func (r *Replica) forgetWorker(spec routing.WorkerSpec) {
+	for rank := range max(spec.DPSize, 1) {
+		w := indexer.Worker{ID: spec.ID, DPRank: uint32(rank)}
+		r.approx.RemoveWorker(w)
+		if r.precise != nil {
+			r.precise.RemoveWorker(w)
+		}
+		r.tracker.Forget(w)
+	}
+	if r.share != nil {
+		r.share.health.ForgetWorker(spec.ID)
+	}
+}
+
+// startServing starts the background loops (health probes, KV event subscribers, the hints,
+// index expiry, the worker lifecycle), then serves the client and admin ports.
+func (r *Replica) startServing(ctx context.Context) error {
+	hcfg := r.cfg.Health
+	hcfg.Logger = r.log
+	hcfg.Registerer = r.promReg
+	if r.share != nil {
+		hcfg.Observe = r.share.health.Observe
+	}
+	checker, err := openai.NewHealthChecker(r.registry, hcfg)
+	if err != nil {
+		return err
+	}
+	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	r.cancel = cancel
+	r.onClose(func() { cancel(); r.wg.Wait() })
+	r.goRun(func() { checker.Run(bg) })
+	for _, sub := range r.subs {
+		r.goRun(func() {
+			if err := sub.Run(bg); err != nil && bg.Err() == nil {
+				r.log.Error("KV event subscriber stopped", "err", err)
+			}
+		})
+	}
+	if r.share != nil {
+		r.share.run(r, bg)
+	}
+	r.goRun(func() { r.expireIndex(bg) })
+	r.goRun(func() { r.lifecycle.Run(bg) })
+	for _, s := range []struct {
+		srv  *http.Server
+		ln   net.Listener
+		what string
+	}{{r.http, r.ln, "client"}, {r.admin, r.aln, "admin"}} {
+		r.goRun(func() {
+			if err := s.srv.Serve(s.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				r.log.Error(s.what+" listener stopped", "err", err)
+			}
+		})
+		r.onClose(func() { _ = s.srv.Close() })
+	}
+	return nil
+}
+
+func (r *Replica) goRun(fn func()) {
+	r.wg.Add(1)
+	go func() { defer r.wg.Done(); fn() }()
+}
+
+// expireIndex drops approximate index entries past their TTL.
+func (r *Replica) expireIndex(ctx context.Context) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			r.approx.Expire()
+		}
+	}
+}
+
+// Ready reports whether the replica serves (/readyz): not stopping, holding a read lease
+// (cluster), and, with gossip, holding a peer's index snapshot when there was one to pull.
+func (r *Replica) Ready() error {
+	if r.drain.draining.Load() {
+		return errShuttingDown
+	}
+	if err := r.node.Ready(); err != nil {
+		return err
+	}
+	if r.share != nil {
+		return r.share.ready()
+	}
+	return nil
+}
+
+// Addr is the client listener's address.
+func (r *Replica) Addr() string { return r.ln.Addr().String() }
+
+// AdminAddr is the admin listener's address.
+func (r *Replica) AdminAddr() string { return r.aln.Addr().String() }
+
+// PeerAddr is the peer port's advertised address.
+func (r *Replica) PeerAddr() string { return r.peerAdvert() }
+
+// Policy is the router's selection policy.
+func (r *Replica) Policy() string { return r.router.Policy() }
+
+// Scheme is the client port's URL scheme (https with a certificate).
+func (r *Replica) Scheme() string { return r.cfg.TLS.Scheme() }
