@@ -40,7 +40,7 @@ func newMemCluster() *memCluster {
 	return c
 }
 
-func (c *memCluster) Workers() []fsm.Worker            { return c.f.Workers() }
+func (c *memCluster) Workers() []fsm.Worker           { return c.f.Workers() }
 func (c *memCluster) WorkersChanged() <-chan struct{} { return c.changed }
 func (c *memCluster) IsLeader() bool {
 	c.mu.Lock()

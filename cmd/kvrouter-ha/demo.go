@@ -110,7 +110,6 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	}
 }
 
-
 // loadTrace reads the trace at path, or the bundled one, with sessions assigned, from its
 // request start on.
 func loadTrace(path string, start int) ([]trace.Request, error) {
