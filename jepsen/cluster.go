@@ -2,23 +2,20 @@ package jepsen
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	loaddr "github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
+
+	loaddr "github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 )
 
 // Wire names of the router's HTTP interface (DESIGN.md sections 3 and 8). The harness speaks
@@ -32,93 +29,6 @@ const (
 	headerTargetWorker = "X-Target-Worker"
 )
 
-// proc is one child process the harness starts, signals and kills by its pid. Its output goes
-// to a log file that survives restarts.
-type proc struct {
-	name    string
-	argv    []string
-	logPath string
-
-	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{}
-}
-
-// start runs the process (again, after a kill, with the same arguments).
-func (p *proc) start() error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cmd != nil {
-		select {
-		case <-p.done: // it died on its own: start it again
-		default:
-			return fmt.Errorf("%s is already running (pid %d)", p.name, p.cmd.Process.Pid)
-		}
-	}
-	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return fmt.Errorf("%s log: %w", p.name, err)
-	}
-	fmt.Fprintf(logf, "---- jepsen: start %s at %s: %s\n", p.name, time.Now().Format(time.RFC3339Nano), strings.Join(p.argv, " "))
-	cmd := exec.Command(p.argv[0], p.argv[1:]...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = childAttr()
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		return fmt.Errorf("start %s: %w", p.name, err)
-	}
-	done := make(chan struct{})
-	go func() {
-		err := cmd.Wait()
-		fmt.Fprintf(logf, "---- jepsen: %s (pid %d) exited: %v\n", p.name, cmd.Process.Pid, err)
-		logf.Close()
-		close(done)
-	}()
-	p.cmd, p.done = cmd, done
-	return nil
-}
-
-// kill sends SIGKILL (which also ends a stopped process) and reaps the process.
-func (p *proc) kill() {
-	p.mu.Lock()
-	cmd, done := p.cmd, p.done
-	p.cmd = nil
-	p.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	_ = cmd.Process.Kill()
-	<-done
-}
-
-// signal sends sig to the running process.
-func (p *proc) signal(sig os.Signal) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cmd == nil {
-		return fmt.Errorf("%s is not running", p.name)
-	}
-	if err := p.cmd.Process.Signal(sig); err != nil {
-		return fmt.Errorf("signal %s: %w", p.name, err)
-	}
-	return nil
-}
-
-// exited reports whether the process was started and has ended on its own.
-func (p *proc) exited() bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cmd == nil {
-		return false
-	}
-	select {
-	case <-p.done:
-		return true
-	default:
-		return false
-	}
-}
-
 // network is where the cluster's processes live: plain loopback, or network namespaces in
 // which partitions can be made.
 type network interface {
@@ -131,8 +41,9 @@ type network interface {
 	// addr returns host:port for a listener: a fixed port where each host is private, a free
 	// one on shared loopback.
 	addr(host string, port int) (string, error)
-	// command wraps argv so it runs where it should ("r0", ..., "workers", "lb").
-	command(where string, argv []string) []string
+	// wrap is the command that runs a process where it should ("r0", ..., "workers", "lb"),
+	// put before its argv (nil: right here).
+	wrap(where string) []string
 	// dial connects from the harness's vantage point, which can reach every process.
 	dial(ctx context.Context, network, addr string) (net.Conn, error)
 	canPartition() (bool, string)
@@ -144,14 +55,14 @@ type network interface {
 // loopback runs everything on 127.0.0.1. It cannot partition.
 type loopback struct{ why string }
 
-func (l loopback) describe() string                       { return "loopback (127.0.0.1)" }
-func (loopback) replicaHost(int) string                   { return "127.0.0.1" }
-func (loopback) workerHost() string                       { return "127.0.0.1" }
-func (loopback) lbHost() string                           { return "127.0.0.1" }
-func (loopback) command(_ string, argv []string) []string { return argv }
-func (l loopback) canPartition() (bool, string)           { return false, l.why }
-func (loopback) close() error                             { return nil }
-func (loopback) heal(context.Context, *fleet) error       { return nil }
+func (l loopback) describe() string                 { return "loopback (127.0.0.1)" }
+func (loopback) replicaHost(int) string             { return "127.0.0.1" }
+func (loopback) workerHost() string                 { return "127.0.0.1" }
+func (loopback) lbHost() string                     { return "127.0.0.1" }
+func (loopback) wrap(string) []string               { return nil }
+func (l loopback) canPartition() (bool, string)     { return false, l.why }
+func (loopback) close() error                       { return nil }
+func (loopback) heal(context.Context, *fleet) error { return nil }
 
 func (loopback) addr(string, int) (string, error) {
 	// A random 127.x.y.z host: a port picked on 127.0.0.1 and bound later races with the
@@ -168,21 +79,18 @@ func (l loopback) partition(context.Context, *fleet, [][2]int) error {
 	return fmt.Errorf("%w: %s", errNoPartitions, l.why)
 }
 
-// replica is one kvrouter-ha serve process and its addresses.
+// replica is one kvrouter-ha serve process: its addresses, data directory and process.
 type replica struct {
-	index                     int
-	id                        string
-	client, admin, raft, peer string
-	gossip                    string
-	dataDir                   string
-	proc                      *proc
+	proc.Replica
+	index int
+	proc  *proc.Process
 }
 
 // workerNode is one simulated worker process.
 type workerNode struct {
 	id   string
 	addr string
-	proc *proc
+	proc *proc.Process
 }
 
 // fleet is the cluster under test: replicas, workers and, optionally, HAProxy in front.
@@ -192,7 +100,7 @@ type fleet struct {
 	log      *slog.Logger
 	replicas []*replica
 	workers  []*workerNode
-	lb       *proc
+	lb       *proc.Process
 	lbAddr   string
 	// client carries the workload (each request has its own deadline); admin the harness's
 	// own calls.
@@ -234,115 +142,80 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 			return nil, err
 		}
 		w := &workerNode{id: fmt.Sprintf("w%d", i), addr: addr}
-		w.proc = &proc{
-			name:    w.id,
-			argv:    nw.command("workers", []string{cfg.Binary, "sim-worker", "--listen", addr, "--id", w.id, "--log-level", "warn"}),
-			logPath: filepath.Join(logs, w.id+".log"),
-		}
+		w.proc = proc.New(proc.Spec{
+			Name:    w.id,
+			Argv:    []string{cfg.Binary, "sim-worker", "--listen", addr, "--id", w.id, "--log-level", "warn"},
+			Wrap:    nw.wrap("workers"),
+			LogPath: filepath.Join(logs, w.id+".log"),
+		})
 		f.workers = append(f.workers, w)
 		specs = append(specs, w.id+"=http://"+addr)
 	}
-	var peers, gossipSeeds []string
+	var members []proc.Replica
 	for i := range cfg.Replicas {
 		host := nw.replicaHost(i)
-		r := &replica{index: i, id: fmt.Sprintf("r%d", i), dataDir: filepath.Join(dir, "data", fmt.Sprintf("r%d", i))}
+		m := proc.Replica{ID: fmt.Sprintf("r%d", i), DataDir: filepath.Join(dir, "data", fmt.Sprintf("r%d", i))}
 		for _, a := range []struct {
 			to   *string
 			port int
-		}{{&r.client, portClient}, {&r.admin, portAdmin}, {&r.raft, portRaft}, {&r.peer, portPeer}, {&r.gossip, portGossip}} {
+		}{{&m.Client, portClient}, {&m.Admin, portAdmin}, {&m.Raft, portRaft}, {&m.Peer, portPeer}, {&m.Gossip, portGossip}} {
 			addr, err := nw.addr(host, a.port)
 			if err != nil {
 				return nil, err
 			}
 			*a.to = addr
 		}
-		peers = append(peers, r.peer)
-		gossipSeeds = append(gossipSeeds, r.gossip)
-		f.replicas = append(f.replicas, r)
+		members = append(members, m)
 	}
-	for _, r := range f.replicas {
-		args := []string{cfg.Binary, "serve",
-			"--replica-id", r.id, "--listen", r.client, "--admin-listen", r.admin,
-			"--raft-listen", r.raft, "--peer-listen", r.peer, "--data-dir", r.dataDir,
-			"--bootstrap-expect", strconv.Itoa(cfg.Replicas), "--join", strings.Join(peers, ","),
-			"--gossip-listen", r.gossip, "--gossip-join", strings.Join(gossipSeeds, ","),
-			"--worker", strings.Join(specs, ","),
+	for i, m := range members {
+		argv := m.ServeArgv(cfg.Binary, members, specs,
 			"--consistency", cfg.Consistency, "--stale-bound", cfg.StaleBound.String(),
 			"--bind-wait", cfg.BindWait.String(), "--session-ttl", cfg.SessionTTL.String(),
-			"--health-interval", cfg.HealthInterval.String(), "--log-level", "info",
-		}
-		args = append(args, cfg.ServeArgs...)
-		r.proc = &proc{name: r.id, argv: nw.command(r.id, args), logPath: filepath.Join(logs, r.id+".log")}
+			"--health-interval", cfg.HealthInterval.String(), "--log-level", "info")
+		f.replicas = append(f.replicas, &replica{Replica: m, index: i, proc: proc.New(proc.Spec{
+			Name:    m.ID,
+			Argv:    append(argv, cfg.ServeArgs...),
+			Wrap:    nw.wrap(m.ID),
+			LogPath: filepath.Join(logs, m.ID+".log"),
+		})})
 	}
 	if cfg.HAProxy {
 		addr, err := nw.addr(nw.lbHost(), portLB)
 		if err != nil {
 			return nil, err
 		}
+		// Not deploy/haproxy.cfg: the harness runs up to nine replicas and wants the balancer
+		// to retry an empty answer or a 503 (see proc.HAProxyConfig).
 		cfgPath := filepath.Join(dir, "haproxy.cfg")
-		if err := os.WriteFile(cfgPath, []byte(haproxyConfig(addr, f.replicas)), 0o644); err != nil {
+		if err := os.WriteFile(cfgPath, []byte(proc.HAProxyConfig(addr, members)), 0o644); err != nil {
 			return nil, fmt.Errorf("haproxy config: %w", err)
 		}
 		f.lbAddr = addr
-		f.lb = &proc{name: "haproxy", argv: nw.command("lb", []string{"haproxy", "-db", "-f", cfgPath}), logPath: filepath.Join(logs, "haproxy.log")}
+		spec := proc.HAProxy{Config: cfgPath}.Spec()
+		spec.Wrap, spec.LogPath = nw.wrap("lb"), filepath.Join(logs, "haproxy.log")
+		f.lb = proc.New(spec)
 	}
 	return f, nil
-}
-
-// haproxyConfig puts HAProxy in front of the replicas the way an operator would: health checks
-// on /readyz, so an unready replica (no quorum) is drained, and retries of requests that got no
-// answer or a 503 on another replica.
-func haproxyConfig(listen string, rs []*replica) string {
-	var b strings.Builder
-	b.WriteString(`global
-    maxconn 2048
-
-defaults
-    mode http
-    timeout connect 1s
-    timeout client 60s
-    timeout server 60s
-    timeout http-request 10s
-    retries 2
-    option redispatch
-    retry-on conn-failure empty-response 503
-
-frontend kvrouter
-    bind ` + listen + `
-    default_backend replicas
-
-backend replicas
-    balance roundrobin
-    option httpchk GET /readyz
-    http-check expect status 200
-    default-server inter 300ms fall 2 rise 2
-`)
-	for _, r := range rs {
-		fmt.Fprintf(&b, "    server %s %s check\n", r.id, r.client)
-	}
-	return b.String()
 }
 
 // start brings up the workers, then the replicas, then the load balancer, and waits until
 // every replica is ready.
 func (f *fleet) start(ctx context.Context) error {
 	for _, w := range f.workers {
-		if err := w.proc.start(); err != nil {
+		if err := w.proc.Start(); err != nil {
 			return err
 		}
 	}
 	for _, w := range f.workers {
-		if err := f.poll(ctx, 30*time.Second, func(ctx context.Context) error {
-			return f.get(ctx, "http://"+w.addr+"/health", nil)
-		}); err != nil {
+		if err := proc.WaitReady(ctx, f.admin, "http://"+w.addr+"/health", 30*time.Second); err != nil {
 			return fmt.Errorf("worker %s: %w", w.id, err)
 		}
 	}
 	for _, r := range f.replicas {
-		if err := os.MkdirAll(r.dataDir, 0o755); err != nil {
+		if err := os.MkdirAll(r.DataDir, 0o755); err != nil {
 			return fmt.Errorf("data dir: %w", err)
 		}
-		if err := r.proc.start(); err != nil {
+		if err := r.proc.Start(); err != nil {
 			return err
 		}
 	}
@@ -350,12 +223,10 @@ func (f *fleet) start(ctx context.Context) error {
 		return err
 	}
 	if f.lb != nil {
-		if err := f.lb.start(); err != nil {
+		if err := f.lb.Start(); err != nil {
 			return err
 		}
-		if err := f.poll(ctx, 30*time.Second, func(ctx context.Context) error {
-			return f.get(ctx, "http://"+f.lbAddr+"/readyz", nil)
-		}); err != nil {
+		if err := proc.WaitReady(ctx, f.admin, "http://"+f.lbAddr+"/readyz", 30*time.Second); err != nil {
 			return fmt.Errorf("haproxy: %w", err)
 		}
 	}
@@ -366,13 +237,13 @@ func (f *fleet) start(ctx context.Context) error {
 func (f *fleet) stop() {
 	var wg sync.WaitGroup
 	for _, r := range f.replicas {
-		wg.Go(r.proc.kill)
+		wg.Go(r.proc.Kill)
 	}
 	for _, w := range f.workers {
-		wg.Go(w.proc.kill)
+		wg.Go(w.proc.Kill)
 	}
 	if f.lb != nil {
-		wg.Go(f.lb.kill)
+		wg.Go(f.lb.Kill)
 	}
 	wg.Wait()
 	f.client.CloseIdleConnections()
@@ -400,95 +271,47 @@ func (f *fleet) poll(ctx context.Context, within time.Duration, cond func(contex
 	}
 }
 
-// get fetches url and decodes a 200 answer into out (when not nil).
-func (f *fleet) get(ctx context.Context, u string, out any) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
-	if err != nil {
-		return err
-	}
-	resp, err := f.admin.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
-	if err != nil {
-		return err
-	}
-	if resp.StatusCode != http.StatusOK {
-		return &statusError{code: resp.StatusCode, body: strings.TrimSpace(string(body))}
-	}
-	if out != nil {
-		if err := json.Unmarshal(body, out); err != nil {
-			return fmt.Errorf("decode %s: %w", u, err)
-		}
-	}
-	return nil
-}
-
-type statusError struct {
-	code int
-	body string
-}
-
-func (e *statusError) Error() string {
-	return fmt.Sprintf("status %d: %.200s", e.code, e.body)
-}
-
-// ready reports the replica's /readyz.
-func (f *fleet) ready(ctx context.Context, r *replica) error {
-	if err := f.get(ctx, "http://"+r.client+"/readyz", nil); err != nil {
-		return fmt.Errorf("%s not ready: %w", r.id, err)
-	}
-	return nil
-}
-
 // waitAllReady waits until every replica answers /readyz with 200.
 func (f *fleet) waitAllReady(ctx context.Context, within time.Duration) error {
 	return f.poll(ctx, within, func(ctx context.Context) error {
 		for _, r := range f.replicas {
-			if r.proc.exited() {
-				return fmt.Errorf("%w: %s exited (see its log)", errGaveUp, r.id)
+			if r.proc.Exited() {
+				return fmt.Errorf("%w: %s exited (see its log)", errGaveUp, r.ID)
 			}
-			if err := f.ready(ctx, r); err != nil {
-				return err
+			if err := proc.Get(ctx, f.admin, "http://"+r.Client+"/readyz", nil); err != nil {
+				return fmt.Errorf("%s not ready: %w", r.ID, err)
 			}
 		}
 		return nil
 	})
 }
 
-// clusterStatus is the part of GET /admin/cluster the harness reads.
-type clusterStatus struct {
-	Self struct {
-		ID       string `json:"id"`
-		State    string `json:"state"`
-		LeaderID string `json:"leader_id"`
-		Term     uint64 `json:"term"`
-	} `json:"self"`
-	Bindings int `json:"bindings"`
+// status reads the replica's GET /admin/cluster.
+func (f *fleet) status(ctx context.Context, r *replica) (proc.Status, error) {
+	return proc.GetStatus(ctx, f.admin, r.Admin)
 }
 
-func (f *fleet) status(ctx context.Context, r *replica) (clusterStatus, error) {
-	var st clusterStatus
-	err := f.get(ctx, "http://"+r.admin+"/admin/cluster", &st)
-	return st, err
+// leaderAmong returns the replica of rs that says it leads, waiting up to within for one.
+func (f *fleet) leaderAmong(ctx context.Context, rs []*replica, within time.Duration) (*replica, error) {
+	admins := make([]string, len(rs))
+	for i, r := range rs {
+		admins[i] = r.Admin
+	}
+	var out *replica
+	err := f.poll(ctx, within, func(ctx context.Context) error {
+		i, err := proc.FindLeader(ctx, f.admin, admins)
+		if err == nil {
+			out = rs[i]
+		}
+		return err
+	})
+	return out, err
 }
 
 // leader returns the replica that says it leads, or nil if none does within a few seconds.
 func (f *fleet) leader(ctx context.Context) *replica {
-	var out *replica
-	_ = f.poll(ctx, 5*time.Second, func(ctx context.Context) error {
-		for _, r := range f.replicas {
-			st, err := f.status(ctx, r)
-			if err == nil && st.Self.State == "Leader" {
-				out = r
-				return nil
-			}
-		}
-		return errors.New("no leader")
-	})
-	return out
+	r, _ := f.leaderAmong(ctx, f.replicas, 5*time.Second)
+	return r
 }
 
 // pick resolves a kill or stop step to a replica.
@@ -514,7 +337,7 @@ type workerStatus struct {
 
 func (f *fleet) workerStates(ctx context.Context, r *replica) ([]workerStatus, error) {
 	var out []workerStatus
-	err := f.get(ctx, "http://"+r.admin+"/admin/workers", &out)
+	err := proc.Get(ctx, f.admin, "http://"+r.Admin+"/admin/workers", &out)
 	return out, err
 }
 
@@ -528,7 +351,7 @@ func (f *fleet) waitWorkerHealthy(ctx context.Context, id string, within time.Du
 			}
 			i := slices.IndexFunc(ws, func(w workerStatus) bool { return w.Spec.ID == id })
 			if i < 0 || !ws[i].Healthy {
-				return fmt.Errorf("%s does not route to %s yet", r.id, id)
+				return fmt.Errorf("%s does not route to %s yet", r.ID, id)
 			}
 		}
 		return nil
@@ -544,22 +367,22 @@ type sessionView struct {
 
 // readSession reads one session's binding from a replica's admin API.
 func (f *fleet) readSession(ctx context.Context, r *replica, session string) Read {
-	rd := Read{Session: session, Replica: r.id}
+	rd := Read{Session: session, Replica: r.ID}
 	var v sessionView
 	var err error
 	for attempt := 0; attempt < 3; attempt++ {
-		err = f.get(ctx, "http://"+r.admin+"/admin/sessions/"+url.PathEscape(session), &v)
-		var se *statusError
-		if err == nil || (errors.As(err, &se) && se.code == http.StatusNotFound) || ctx.Err() != nil {
+		err = proc.Get(ctx, f.admin, "http://"+r.Admin+"/admin/sessions/"+url.PathEscape(session), &v)
+		var se *proc.StatusError
+		if err == nil || (errors.As(err, &se) && se.Code == http.StatusNotFound) || ctx.Err() != nil {
 			break
 		}
 		_ = sleep(ctx, 200*time.Millisecond)
 	}
-	var se *statusError
+	var se *proc.StatusError
 	switch {
 	case err == nil:
 		rd.Found, rd.Worker, rd.Revision = true, v.Worker, v.Revision
-	case errors.As(err, &se) && se.code == http.StatusNotFound:
+	case errors.As(err, &se) && se.Code == http.StatusNotFound:
 	default:
 		rd.Error = err.Error()
 	}

@@ -6,5 +6,7 @@
 // full-cluster restart, and availability under each kind of fault.
 //
 // It imports nothing of the router's: the HTTP interface is its only contract with the code
-// under test. DESIGN.md beside this file explains the model and its limits.
+// under test. It runs its processes through internal/proc, the process harness it shares with
+// the demo and the system tests, which imports nothing of the router either. DESIGN.md beside
+// this file explains the model and its limits.
 package jepsen

@@ -303,18 +303,18 @@ func (n *nemesis) step(ctx context.Context, s Step) error {
 		if r == nil {
 			return errors.New("no running replica to hit")
 		}
-		id := n.rec.beginFault(s.Kind, []string{r.id}, detail)
+		id := n.rec.beginFault(s.Kind, []string{r.ID}, detail)
 		if s.Kind == FaultKill {
-			r.proc.kill()
-		} else if err := r.proc.signal(sigStop); err != nil {
+			r.proc.Kill()
+		} else if err := r.proc.Pause(); err != nil {
 			n.rec.faultError(id, err)
 		}
 		_ = sleep(ctx, s.Hold)
 		var err error
 		if s.Kind == FaultKill {
-			err = r.proc.start()
+			err = r.proc.Start()
 		} else {
-			err = r.proc.signal(sigCont)
+			err = r.proc.Resume()
 		}
 		n.rec.endFault(id)
 		if err != nil {
@@ -324,17 +324,17 @@ func (n *nemesis) step(ctx context.Context, s Step) error {
 	case FaultRestart:
 		all := make([]string, len(f.replicas))
 		for i, r := range f.replicas {
-			all[i] = r.id
+			all[i] = r.ID
 		}
 		id := n.rec.beginFault(FaultRestart, all, "kill -9 every replica, then start them")
 		var wg sync.WaitGroup
 		for _, r := range f.replicas {
-			wg.Go(r.proc.kill)
+			wg.Go(r.proc.Kill)
 		}
 		wg.Wait()
 		_ = sleep(ctx, s.Hold)
 		for _, r := range f.replicas {
-			if err := r.proc.start(); err != nil {
+			if err := r.proc.Start(); err != nil {
 				n.rec.faultError(id, err)
 			}
 		}
@@ -352,7 +352,7 @@ func (n *nemesis) step(ctx context.Context, s Step) error {
 		cut, isolated, detail := partitionSides(s, len(f.replicas), leader)
 		targets := []string{}
 		for _, i := range isolated {
-			targets = append(targets, f.replicas[i].id)
+			targets = append(targets, f.replicas[i].ID)
 		}
 		id := n.rec.beginFault(FaultPartition, targets, s.Mode+": "+detail)
 		if err := f.net.partition(ctx, f, cut); err != nil {
@@ -373,18 +373,18 @@ func (n *nemesis) step(ctx context.Context, s Step) error {
 		id := n.rec.beginFault(kind, []string{w.id}, s.Mode)
 		var err error
 		if kind == FaultWorkerCrash {
-			w.proc.kill()
+			w.proc.Kill()
 		} else {
-			err = w.proc.signal(sigStop)
+			err = w.proc.Pause()
 		}
 		if err != nil {
 			n.rec.faultError(id, err)
 		}
 		_ = sleep(ctx, s.Hold)
 		if kind == FaultWorkerCrash {
-			err = w.proc.start()
+			err = w.proc.Start()
 		} else {
-			err = w.proc.signal(sigCont)
+			err = w.proc.Resume()
 		}
 		n.rec.endFault(id)
 		if err != nil {

@@ -151,8 +151,8 @@ func (n *netns) addr(host string, port int) (string, error) {
 	return net.JoinHostPort(host, fmt.Sprint(port)), nil
 }
 
-func (n *netns) command(where string, argv []string) []string {
-	return append([]string{"ip", "netns", "exec", n.nsName(where)}, argv...)
+func (n *netns) wrap(where string) []string {
+	return []string{"ip", "netns", "exec", n.nsName(where)}
 }
 
 func (n *netns) dial(ctx context.Context, network, addr string) (net.Conn, error) {

@@ -355,30 +355,30 @@ func (m *monitor) run(ctx context.Context) {
 	defer t.Stop()
 	for {
 		for _, r := range m.f.replicas {
-			if r.proc.exited() {
-				if !dead[r.id] {
-					dead[r.id] = true
-					m.rec.note(r.id, "%s exited on its own", r.id)
+			if r.proc.Exited() {
+				if !dead[r.ID] {
+					dead[r.ID] = true
+					m.rec.note(r.ID, "%s exited on its own", r.ID)
 					m.mu.Lock()
-					m.out = append(m.out, Crash{Replica: r.id, At: m.rec.now()})
+					m.out = append(m.out, Crash{Replica: r.ID, At: m.rec.now()})
 					m.mu.Unlock()
 				}
 				continue
 			}
-			dead[r.id] = false
+			dead[r.ID] = false
 			cctx, cancel := context.WithTimeout(ctx, 800*time.Millisecond)
-			if st, err := m.f.status(cctx, r); err == nil && st.Self.LeaderID != leaders[r.id] {
-				leaders[r.id] = st.Self.LeaderID
-				m.rec.note(r.id, "%s sees leader %q (term %d)", r.id, st.Self.LeaderID, st.Self.Term)
+			if st, err := m.f.status(cctx, r); err == nil && st.Self.LeaderID != leaders[r.ID] {
+				leaders[r.ID] = st.Self.LeaderID
+				m.rec.note(r.ID, "%s sees leader %q (term %d)", r.ID, st.Self.LeaderID, st.Self.Term)
 			}
 			if ws, err := m.f.workerStates(cctx, r); err == nil {
 				for _, w := range ws {
-					key := r.id + "/" + w.Spec.ID
+					key := r.ID + "/" + w.Spec.ID
 					ok := w.Healthy && !w.Drained
 					if was, seen := health[key]; !seen || was != ok {
 						health[key] = ok
 						if seen {
-							m.rec.note(r.id, "%s: worker %s routable=%v %s", r.id, w.Spec.ID, ok, w.Reason)
+							m.rec.note(r.ID, "%s: worker %s routable=%v %s", r.ID, w.Spec.ID, ok, w.Reason)
 						}
 					}
 				}

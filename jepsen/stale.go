@@ -54,11 +54,11 @@ func (n *nemesis) staleStep(ctx context.Context, s Step) error {
 			cut = append(cut, [2]int{r.index, o.index})
 		}
 	}
-	id := n.rec.beginFault(FaultStale, []string{r.id}, fmt.Sprintf("%s %s (%s), rebind through the others, probe it as it returns", mode, r.id, how))
+	id := n.rec.beginFault(FaultStale, []string{r.ID}, fmt.Sprintf("%s %s (%s), rebind through the others, probe it as it returns", mode, r.ID, how))
 	began := time.Now()
 	var err error
 	if mode == "stop" {
-		err = r.proc.signal(sigStop)
+		err = r.proc.Pause()
 	} else {
 		err = f.net.partition(ctx, f, cut)
 	}
@@ -68,7 +68,7 @@ func (n *nemesis) staleStep(ctx context.Context, s Step) error {
 	resume := func() {
 		var err error
 		if mode == "stop" {
-			err = r.proc.signal(sigCont)
+			err = r.proc.Resume()
 		} else {
 			err = f.net.heal(heal, f)
 		}
@@ -90,7 +90,7 @@ func (n *nemesis) staleStep(ctx context.Context, s Step) error {
 		for _, sess := range rebound {
 			wg.Go(func() {
 				body := probeBody(sess)
-				op := probe.send(ctx, &session{name: sess}, r.id, "", lane, false, false, body)
+				op := probe.send(ctx, &session{name: sess}, r.ID, "", lane, false, false, body)
 				op.Nemesis = "probe"
 				n.rec.addOp(op)
 			})
@@ -119,16 +119,7 @@ func probeBody(session string) []byte {
 // recording both; it returns the sessions that got a new binding.
 func (n *nemesis) rebindThroughOthers(ctx context.Context, fault int, others []*replica) []string {
 	f := n.f
-	var leader *replica
-	err := f.poll(ctx, 20*time.Second, func(ctx context.Context) error {
-		for _, o := range others {
-			if st, err := f.status(ctx, o); err == nil && st.Self.State == "Leader" {
-				leader = o
-				return nil
-			}
-		}
-		return errors.New("no leader among the replicas left")
-	})
+	leader, err := f.leaderAmong(ctx, others, 20*time.Second)
 	if err != nil {
 		n.rec.faultError(fault, fmt.Errorf("rebind: %w", err))
 		return nil
@@ -164,14 +155,14 @@ func (n *nemesis) rebindThroughOthers(ctx context.Context, fault int, others []*
 			continue
 		}
 		to := otherWorker(f, latest[sess].Worker, rb.Revision)
-		op := rebinder.send(ctx, &session{name: sess}, leader.id, to, 0, false, false, probeBody(sess))
+		op := rebinder.send(ctx, &session{name: sess}, leader.ID, to, 0, false, false, probeBody(sess))
 		op.Nemesis = "rebind"
 		n.rec.addOp(op)
 		if op.Observed() && op.Revision > rb.Revision {
 			out = append(out, sess)
 		}
 	}
-	n.rec.note(leader.id, "stale fault #%d: %d of %d sessions rebound through %s", fault, len(out), len(cands), leader.id)
+	n.rec.note(leader.ID, "stale fault #%d: %d of %d sessions rebound through %s", fault, len(out), len(cands), leader.ID)
 	return out
 }
 
@@ -192,9 +183,9 @@ func otherWorker(f *fleet, from string, seed uint64) string {
 // invalidate drops a session's binding at revision through r's admin API (a binding that
 // has moved on since is refused, and left alone).
 func (n *nemesis) invalidate(ctx context.Context, fault int, r *replica, session string, revision uint64) (rb Rebind) {
-	rb = Rebind{Fault: fault, Session: session, Replica: r.id, Invoke: n.rec.now(), Revision: revision}
+	rb = Rebind{Fault: fault, Session: session, Replica: r.ID, Invoke: n.rec.now(), Revision: revision}
 	defer func() { rb.Complete = n.rec.now() }()
-	u := "http://" + r.admin + "/admin/sessions/" + url.PathEscape(session) + "?revision=" + strconv.FormatUint(revision, 10)
+	u := "http://" + r.Admin + "/admin/sessions/" + url.PathEscape(session) + "?revision=" + strconv.FormatUint(revision, 10)
 	req, err := http.NewRequestWithContext(ctx, http.MethodDelete, u, nil)
 	if err != nil {
 		rb.Result, rb.Error = ResultFail, err.Error()

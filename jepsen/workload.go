@@ -159,7 +159,7 @@ func (c *client) target() string {
 	if f.lbAddr != "" && c.rng.Float64() < lbShare {
 		return "lb"
 	}
-	return f.replicas[c.rng.IntN(len(f.replicas))].id
+	return f.replicas[c.rng.IntN(len(f.replicas))].ID
 }
 
 type chatMessage struct {
@@ -193,7 +193,7 @@ func (c *client) request(s *session) (bool, []byte) {
 func (f *fleet) replicaIDs() []string {
 	out := make([]string, len(f.replicas))
 	for i, r := range f.replicas {
-		out[i] = r.id
+		out[i] = r.ID
 	}
 	return out
 }
@@ -202,11 +202,11 @@ func (f *fleet) clientAddr(target string) string {
 	if target == "lb" {
 		return f.lbAddr
 	}
-	i := slices.IndexFunc(f.replicas, func(r *replica) bool { return r.id == target })
+	i := slices.IndexFunc(f.replicas, func(r *replica) bool { return r.ID == target })
 	if i < 0 {
 		return ""
 	}
-	return f.replicas[i].client
+	return f.replicas[i].Client
 }
 
 // send makes one request and returns it as an operation; pin, when set, names the worker a

@@ -22,7 +22,7 @@ func bindSessions(t *testing.T, c *cluster, sessions []string) map[string]answer
 		r := c.replicas[i%len(c.replicas)]
 		a, err := chat(ctx, r, s, "first turn of "+s)
 		if err != nil || a.status != http.StatusOK || a.revision == 0 || a.worker == "" {
-			t.Fatalf("first request of %s via %s: %+v %v", s, r.id, a, err)
+			t.Fatalf("first request of %s via %s: %+v %v", s, r.ID, a, err)
 		}
 		out[s] = a
 	}
@@ -47,7 +47,7 @@ func TestSessionThroughAllThreeReplicasLandsOnOneWorker(t *testing.T) {
 			r := c.replicas[turn%3]
 			a, err := chat(ctx, r, s, fmt.Sprintf("turn %d of %s", turn, s))
 			if err != nil || a.status != http.StatusOK {
-				t.Fatalf("%s turn %d via %s: %+v %v", s, turn, r.id, a, err)
+				t.Fatalf("%s turn %d via %s: %+v %v", s, turn, r.ID, a, err)
 			}
 			if turn == 0 {
 				first = a
@@ -55,7 +55,7 @@ func TestSessionThroughAllThreeReplicasLandsOnOneWorker(t *testing.T) {
 			}
 			if a.worker != first.worker || a.revision != first.revision {
 				t.Fatalf("%s turn %d via %s went to %s rev %d; the first turn bound %s rev %d",
-					s, turn, r.id, a.worker, a.revision, first.worker, first.revision)
+					s, turn, r.ID, a.worker, a.revision, first.worker, first.revision)
 			}
 		}
 	}
@@ -87,11 +87,11 @@ func TestLeaderKill9KeepsBoundSessionsOnTheirWorkers(t *testing.T) {
 				mu.Lock()
 				switch {
 				case err != nil:
-					failures = append(failures, fmt.Sprintf("%s via %s: %v", s, r.id, err))
+					failures = append(failures, fmt.Sprintf("%s via %s: %v", s, r.ID, err))
 				case a.status != http.StatusOK:
-					failures = append(failures, fmt.Sprintf("%s via %s: status %d %s", s, r.id, a.status, a.body))
+					failures = append(failures, fmt.Sprintf("%s via %s: status %d %s", s, r.ID, a.status, a.body))
 				case a.worker != bound[s].worker || a.revision != bound[s].revision:
-					failures = append(failures, fmt.Sprintf("%s via %s moved to %s rev %d from %s rev %d", s, r.id, a.worker, a.revision, bound[s].worker, bound[s].revision))
+					failures = append(failures, fmt.Sprintf("%s via %s moved to %s rev %d from %s rev %d", s, r.ID, a.worker, a.revision, bound[s].worker, bound[s].revision))
 				default:
 					served++
 				}
@@ -117,9 +117,9 @@ func TestLeaderKill9KeepsBoundSessionsOnTheirWorkers(t *testing.T) {
 	wg.Wait()
 	if len(failures) > 0 {
 		t.Fatalf("%d bound requests failed or moved after killing leader %s (new leader %s); first: %s",
-			len(failures), leader.id, newLeader.id, failures[0])
+			len(failures), leader.ID, newLeader.ID, failures[0])
 	}
-	t.Logf("%d bound requests served across the failover from %s to %s", served, leader.id, newLeader.id)
+	t.Logf("%d bound requests served across the failover from %s to %s", served, leader.ID, newLeader.ID)
 }
 
 func TestNewSessionDuringElectionIsServedOnceALeaderExists(t *testing.T) {
@@ -165,7 +165,7 @@ func TestFullClusterKillAndRestartKeepsEveryAcknowledgedBinding(t *testing.T) {
 		r := c.replicas[(i+1)%3]
 		a, err := chat(ctx, r, s, "after the restart")
 		if err != nil || a.status != http.StatusOK {
-			t.Fatalf("%s after restart via %s: %+v %v", s, r.id, a, err)
+			t.Fatalf("%s after restart via %s: %+v %v", s, r.ID, a, err)
 		}
 		if a.worker != bound[s].worker || a.revision != bound[s].revision {
 			t.Fatalf("%s after restart: %s rev %d, acknowledged %s rev %d", s, a.worker, a.revision, bound[s].worker, bound[s].revision)
@@ -184,9 +184,7 @@ func TestReplicaCutOffFromQuorumTurnsUnready(t *testing.T) {
 	}
 	defer func() {
 		for _, r := range others {
-			if r.cmd != nil {
-				_ = r.cmd.Process.Signal(syscall.SIGCONT)
-			}
+			_ = r.proc.Resume()
 		}
 	}()
 	eventually(t, 30*time.Second, func() error {
@@ -230,15 +228,11 @@ func TestSigtermOnTheLeaderTransfersLeadershipBeforeExit(t *testing.T) {
 	leader := c.leader()
 	c.signal(leader, syscall.SIGTERM)
 	select {
-	case <-leader.done:
+	case <-leader.proc.Done():
 	case <-time.After(30 * time.Second):
 		t.Fatal("the leader did not exit within 30 s of SIGTERM")
 	}
-	leader.cmd = nil
-	leader.mu.Lock()
-	logged := strings.Contains(leader.log.String(), "leadership transferred")
-	leader.mu.Unlock()
-	if !logged {
+	if !strings.Contains(leader.log(), "leadership transferred") {
 		t.Fatal("the leader exited without transferring leadership")
 	}
 	next := c.leader()
@@ -256,11 +250,7 @@ func TestNewSessionWhileTheLeaderIsStoppedIsServedByTheNextLeader(t *testing.T) 
 	leader := c.leader()
 	follower := c.others(leader)[0]
 	c.signal(leader, syscall.SIGSTOP)
-	defer func() {
-		if leader.cmd != nil {
-			_ = leader.cmd.Process.Signal(syscall.SIGCONT)
-		}
-	}()
+	defer func() { _ = leader.proc.Resume() }()
 	a, err := chat(context.Background(), follower, "born-while-stopped", "hello")
 	if err != nil || a.status != http.StatusOK || a.revision == 0 {
 		t.Fatalf("a new session while the leader is stopped: %+v %v", a, err)

@@ -3,10 +3,7 @@
 package system_test
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -16,12 +13,11 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
@@ -78,21 +74,20 @@ func startFleet(t *testing.T, n int) *fleet {
 
 // replica is one kvrouter-ha serve process.
 type replica struct {
-	id                     string
-	client, admin, raft, p string
-	gossip                 string
-	dataDir                string
-	args                   []string
-	cmd                    *exec.Cmd
-	log                    *bytes.Buffer
-	mu                     sync.Mutex
-	done                   chan struct{}
+	proc.Replica
+	proc    *proc.Process
+	logPath string // its output, appended across restarts
+}
+
+// log returns what the replica's processes have written so far.
+func (r *replica) log() string {
+	b, _ := os.ReadFile(r.logPath)
+	return string(b)
 }
 
 // cluster is n replica processes that bootstrap together.
 type cluster struct {
 	t        testing.TB
-	bin      string // the kvrouter-ha binary the replicas run
 	replicas []*replica
 }
 
@@ -110,102 +105,72 @@ func startCluster(t *testing.T, n int, fl *fleet, extra ...string) *cluster {
 // startClusterOf starts n replicas of bin in front of workers (id=url specs).
 func startClusterOf(t testing.TB, bin string, n int, workers []string, extra ...string) *cluster {
 	t.Helper()
-	c := &cluster{t: t, bin: bin}
+	c := &cluster{t: t}
 	base := t.TempDir()
-	var peers, gossipSeeds []string
-	for i := range n {
-		r := &replica{
-			id:     fmt.Sprintf("r%d", i),
-			client: loopbacktest.Addr(t), admin: loopbacktest.Addr(t), raft: loopbacktest.Addr(t),
-			p: loopbacktest.Addr(t), gossip: loopbacktest.Addr(t),
-			dataDir: filepath.Join(base, fmt.Sprintf("r%d", i)),
-		}
-		peers = append(peers, r.p)
-		gossipSeeds = append(gossipSeeds, r.gossip)
-		c.replicas = append(c.replicas, r)
+	members, err := proc.LoopbackReplicas(n, base)
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, r := range c.replicas {
-		r.args = append([]string{"serve",
-			"--replica-id", r.id, "--listen", r.client, "--admin-listen", r.admin,
-			"--raft-listen", r.raft, "--peer-listen", r.p, "--data-dir", r.dataDir,
-			"--bootstrap-expect", strconv.Itoa(n), "--join", strings.Join(peers, ","),
-			"--gossip-listen", r.gossip, "--gossip-join", strings.Join(gossipSeeds, ","),
-			"--worker", strings.Join(workers, ","), "--log-level", "info",
-			"--health-interval", "200ms",
-		}, extra...)
+	flags := append([]string{"--log-level", "info", "--health-interval", "200ms"}, extra...)
+	for _, m := range members {
+		r := &replica{Replica: m, logPath: filepath.Join(base, m.ID+".log")}
+		r.proc = newProcess(t, proc.Spec{Name: m.ID, Argv: m.ServeArgv(bin, members, workers, flags...), LogPath: r.logPath})
+		c.replicas = append(c.replicas, r)
 	}
 	for _, r := range c.replicas {
 		c.start(r)
 	}
-	t.Cleanup(func() {
-		for _, r := range c.replicas {
-			c.kill(r)
-		}
-		if t.Failed() {
-			for _, r := range c.replicas {
-				r.mu.Lock()
-				t.Logf("---- %s log (tail) ----\n%s", r.id, tail(r.log.String(), 6000))
-				r.mu.Unlock()
-			}
-		}
-	})
 	for _, r := range c.replicas {
 		c.waitReady(r)
 	}
 	return c
 }
 
-func tail(s string, n int) string {
-	if len(s) > n {
-		return s[len(s)-n:]
+// newProcess returns a process of the test, not started, whose output goes to spec.LogPath
+// (a file in a temporary directory when empty). At cleanup it is killed and, if the test
+// failed, the tail of its log is logged.
+func newProcess(t testing.TB, spec proc.Spec) *proc.Process {
+	if spec.LogPath == "" {
+		spec.LogPath = filepath.Join(t.TempDir(), spec.Name+".log")
 	}
-	return s
+	p := proc.New(spec)
+	t.Cleanup(func() {
+		p.Kill()
+		if t.Failed() {
+			t.Logf("---- %s log (tail) ----\n%s", spec.Name, logTail(spec.LogPath, 6000))
+		}
+	})
+	return p
 }
 
-type lockedWriter struct {
-	mu *sync.Mutex
-	w  io.Writer
-}
-
-func (l lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
+// logTail returns the last n bytes of the file at path.
+func logTail(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
 }
 
 // start runs the replica's process (again, after a kill, on the same data directory).
 func (c *cluster) start(r *replica) {
 	c.t.Helper()
-	cmd := exec.Command(c.bin, r.args...)
-	if r.log == nil {
-		r.log = &bytes.Buffer{}
+	if err := r.proc.Start(); err != nil {
+		c.t.Fatal(err)
 	}
-	w := lockedWriter{&r.mu, r.log}
-	cmd.Stdout, cmd.Stderr = w, w
-	if err := cmd.Start(); err != nil {
-		c.t.Fatalf("start %s: %v", r.id, err)
-	}
-	r.cmd = cmd
-	r.done = make(chan struct{})
-	go func(done chan struct{}) { _ = cmd.Wait(); close(done) }(r.done)
 }
 
-// kill sends SIGKILL and reaps the process.
-func (c *cluster) kill(r *replica) {
-	if r.cmd == nil {
-		return
-	}
-	_ = r.cmd.Process.Signal(syscall.SIGCONT) // a stopped process must be able to die
-	_ = r.cmd.Process.Kill()
-	<-r.done
-	r.cmd = nil
-}
+// kill sends SIGKILL (which also ends a stopped process) and reaps the process.
+func (c *cluster) kill(r *replica) { r.proc.Kill() }
 
 // signal sends sig to the replica's process.
 func (c *cluster) signal(r *replica, sig syscall.Signal) {
 	c.t.Helper()
-	if err := r.cmd.Process.Signal(sig); err != nil {
-		c.t.Fatalf("signal %s: %v", r.id, err)
+	if err := r.proc.Signal(sig); err != nil {
+		c.t.Fatal(err)
 	}
 }
 
@@ -213,62 +178,49 @@ var httpClient = &http.Client{Timeout: 30 * time.Second}
 
 // ready reports /readyz of the replica.
 func (r *replica) ready() error {
-	resp, err := httpClient.Get("http://" + r.client + "/readyz")
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("%s /readyz: %d %s", r.id, resp.StatusCode, b)
+	if err := proc.Get(context.Background(), httpClient, "http://"+r.Client+"/readyz", nil); err != nil {
+		return fmt.Errorf("%s /readyz: %w", r.ID, err)
 	}
 	return nil
 }
 
 func (c *cluster) waitReady(r *replica) {
 	c.t.Helper()
-	eventually(c.t, 60*time.Second, r.ready)
-}
-
-// clusterStatus is the part of GET /admin/cluster the tests read.
-type clusterStatus struct {
-	Self struct {
-		ID       string `json:"id"`
-		State    string `json:"state"`
-		LeaderID string `json:"leader_id"`
-	} `json:"self"`
-	Bindings int `json:"bindings"`
-}
-
-func (r *replica) status() (clusterStatus, error) {
-	var st clusterStatus
-	resp, err := httpClient.Get("http://" + r.admin + "/admin/cluster")
-	if err != nil {
-		return st, err
+	if err := proc.WaitReady(c.t.Context(), httpClient, "http://"+r.Client+"/readyz", 60*time.Second); err != nil {
+		c.t.Fatalf("%s: %v", r.ID, err)
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return st, fmt.Errorf("status %d", resp.StatusCode)
-	}
-	return st, json.NewDecoder(resp.Body).Decode(&st)
 }
 
-// leader waits until a replica reports itself leader and returns it.
+func (r *replica) status() (proc.Status, error) {
+	return proc.GetStatus(context.Background(), httpClient, r.Admin)
+}
+
+// leader waits until a running replica reports itself leader and returns it.
 func (c *cluster) leader() *replica {
 	c.t.Helper()
+	var running []*replica
+	for _, r := range c.replicas {
+		if r.proc.Running() {
+			running = append(running, r)
+		}
+	}
+	return c.leaderAmong(running)
+}
+
+// leaderAmong waits until one of rs reports itself leader and returns it.
+func (c *cluster) leaderAmong(rs []*replica) *replica {
+	c.t.Helper()
+	admins := make([]string, len(rs))
+	for i, r := range rs {
+		admins[i] = r.Admin
+	}
 	var out *replica
 	eventually(c.t, 30*time.Second, func() error {
-		for _, r := range c.replicas {
-			if r.cmd == nil {
-				continue
-			}
-			st, err := r.status()
-			if err == nil && st.Self.State == "Leader" {
-				out = r
-				return nil
-			}
+		i, err := proc.FindLeader(c.t.Context(), httpClient, admins)
+		if err == nil {
+			out = rs[i]
 		}
-		return errors.New("no leader")
+		return err
 	})
 	return out
 }
@@ -295,7 +247,7 @@ type answer struct {
 
 // chat sends one non-streaming chat request with a session key straight to a replica.
 func chat(ctx context.Context, r *replica, session, prompt string) (answer, error) {
-	return chatVia(ctx, httpClient, "http://"+r.client, session, prompt, 4)
+	return chatVia(ctx, httpClient, "http://"+r.Client, session, prompt, 4)
 }
 
 // chatVia sends one non-streaming chat request with a session key to base (a replica or a

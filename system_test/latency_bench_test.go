@@ -1,7 +1,6 @@
 package system_test
 
 import (
-	"bytes"
 	"fmt"
 	"io"
 	"net/http"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 )
 
 // releaseBuilds are kvrouter-ha built without the race detector, for benchmarks, by build
@@ -42,38 +42,20 @@ func releaseBuild(b *testing.B, tags string) string {
 	return p
 }
 
-// process runs a command until the benchmark ends.
+// process runs bin with args until the benchmark ends.
 func process(b *testing.B, bin string, args ...string) {
 	b.Helper()
-	cmd := exec.Command(bin, args...)
-	var log bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &log, &log
-	if err := cmd.Start(); err != nil {
+	if err := newProcess(b, proc.Spec{Name: args[0], Argv: append([]string{bin}, args...)}).Start(); err != nil {
 		b.Fatal(err)
 	}
-	b.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		if b.Failed() {
-			b.Logf("%s log:\n%s", filepath.Base(bin), tail(log.String(), 4000))
-		}
-	})
 }
 
+// waitHTTP waits until url answers 200.
 func waitHTTP(b *testing.B, url string) {
 	b.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		resp, err := http.Get(url)
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
-			}
-		}
-		time.Sleep(20 * time.Millisecond)
+	if err := proc.WaitReady(b.Context(), nil, url, 30*time.Second); err != nil {
+		b.Fatal(err)
 	}
-	b.Fatalf("%s never answered 200", url)
 }
 
 // BenchmarkAddedLatencyProcesses is the proxy's added latency as a deployment sees it: the

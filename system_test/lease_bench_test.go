@@ -70,7 +70,7 @@ func BenchmarkBoundReadsThroughThreeReplicas(b *testing.B) {
 					for n := 0; n < 1_000_000 && time.Now().Before(end); n++ {
 						r := c.replicas[(cl+n)%3]
 						start := time.Now()
-						a, err := chatVia(context.Background(), hc, "http://"+r.client, fmt.Sprintf("bench-%d", (cl*7+n)%sessions), "again", 2)
+						a, err := chatVia(context.Background(), hc, "http://"+r.Client, fmt.Sprintf("bench-%d", (cl*7+n)%sessions), "again", 2)
 						d := time.Since(start)
 						mu.Lock()
 						if err != nil || a.status != http.StatusOK {
@@ -122,7 +122,7 @@ func BenchmarkFailoverToFirstNewBinding(b *testing.B) {
 			c := clusters[i]
 			leader := c.leader()
 			survivor := c.others(leader)[round%2]
-			_ = leader.cmd.Process.Signal(syscall.SIGKILL)
+			_ = leader.proc.Signal(syscall.SIGKILL)
 			killed := time.Now()
 			session := fmt.Sprintf("failover-%d", round)
 			for {
@@ -135,8 +135,7 @@ func BenchmarkFailoverToFirstNewBinding(b *testing.B) {
 				}
 			}
 			times[i] = append(times[i], time.Since(killed))
-			<-leader.done
-			leader.cmd = nil
+			<-leader.proc.Done()
 			c.start(leader)
 			for _, r := range c.replicas {
 				c.waitReady(r)

@@ -2,14 +2,12 @@ package system_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net/http"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
@@ -20,53 +18,34 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
 // haproxyConfig is the deployment's own HAProxy configuration, relative to this package.
 var haproxyConfig = filepath.Join("..", "deploy", "haproxy.cfg")
 
-// loadBalancer is a real HAProxy process running deploy/haproxy.cfg in front of a cluster.
-type loadBalancer struct {
-	addr string
-	cmd  *exec.Cmd
-	mu   sync.Mutex
-	log  bytes.Buffer
-	done chan struct{}
-}
-
 // startHAProxy validates deploy/haproxy.cfg with the cluster's addresses, then runs it in the
-// foreground; it is killed at cleanup.
-func startHAProxy(t *testing.T, bin string, c *cluster) *loadBalancer {
+// foreground; it is killed at cleanup. It returns the address clients connect to.
+func startHAProxy(t *testing.T, bin string, c *cluster) string {
 	t.Helper()
-	lb := &loadBalancer{addr: loopbacktest.Addr(t), done: make(chan struct{})}
-	env := append(os.Environ(), "KVR_LISTEN="+lb.addr)
-	for i, r := range c.replicas {
-		env = append(env, fmt.Sprintf("KVR_REPLICA%d=%s", i, r.client))
+	listen := loopbacktest.Addr(t)
+	var members []proc.Replica
+	for _, r := range c.replicas {
+		members = append(members, r.Replica)
 	}
-	check := exec.Command(bin, "-c", "-f", haproxyConfig)
-	check.Env = env
-	if out, err := check.CombinedOutput(); err != nil {
-		t.Fatalf("haproxy -c -f %s: %v\n%s", haproxyConfig, err, out)
+	env, err := proc.DeployEnv(listen, members)
+	if err != nil {
+		t.Fatal(err)
 	}
-	lb.cmd = exec.Command(bin, "-db", "-f", haproxyConfig)
-	lb.cmd.Env = env
-	w := lockedWriter{&lb.mu, &lb.log}
-	lb.cmd.Stdout, lb.cmd.Stderr = w, w
-	if err := lb.cmd.Start(); err != nil {
-		t.Fatalf("start haproxy: %v", err)
+	h := proc.HAProxy{Binary: bin, Config: haproxyConfig, Env: env}
+	if err := h.Check(t.Context()); err != nil {
+		t.Fatal(err)
 	}
-	go func() { _ = lb.cmd.Wait(); close(lb.done) }()
-	t.Cleanup(func() {
-		_ = lb.cmd.Process.Kill()
-		<-lb.done
-		if t.Failed() {
-			lb.mu.Lock()
-			t.Logf("---- haproxy log (tail) ----\n%s", tail(lb.log.String(), 6000))
-			lb.mu.Unlock()
-		}
-	})
-	return lb
+	if err := newProcess(t, h.Spec()).Start(); err != nil {
+		t.Fatal(err)
+	}
+	return listen
 }
 
 // streamVia sends one streamed chat request to base and reads it to the end: nil only when
@@ -132,8 +111,7 @@ func TestRollingRestartBehindHAProxyLosesNothing(t *testing.T) {
 	// 2s is above what deploy/haproxy.cfg's checks need to take a replica out (inter 1s,
 	// fastinter 250ms, fall 2).
 	c := startCluster(t, 3, fl, "--shutdown-delay", "2s", "--shutdown-timeout", "20s")
-	lb := startHAProxy(t, bin, c)
-	base := "http://" + lb.addr
+	base := "http://" + startHAProxy(t, bin, c)
 	tr := &http.Transport{MaxIdleConnsPerHost: 16}
 	t.Cleanup(tr.CloseIdleConnections)
 	hc := &http.Client{Transport: tr, Timeout: 30 * time.Second}
@@ -232,28 +210,28 @@ func TestRollingRestartBehindHAProxyLosesNothing(t *testing.T) {
 	}
 
 	leader := c.leader()
-	t.Logf("restarting r0, r1, r2 in turn; %s leads", leader.id)
+	t.Logf("restarting r0, r1, r2 in turn; %s leads", leader.ID)
 	restartsBegin := time.Now()
 	var outFor []string
 	for _, r := range c.replicas {
-		oldPid := r.cmd.Process.Pid
+		oldPid := r.proc.PID()
 		// Straight to the replica, not through HAProxy: a long request and a stream that are
 		// surely running on it when its port closes, which the drain must let finish.
 		s := sessions[len(outFor)]
 		pinned := make(chan sample, 1)
 		go func() {
 			start := time.Now()
-			rp, err := chatVia(context.Background(), hc, "http://"+r.client, s, "pinned to "+r.id, 300)
+			rp, err := chatVia(context.Background(), hc, "http://"+r.Client, s, "pinned to "+r.ID, 300)
 			pinned <- sample{long: true, session: s, at: start, latency: time.Since(start), reply: rp, err: err}
 		}()
 		pinnedStream := make(chan error, 1)
-		go func() { pinnedStream <- streamVia(context.Background(), hc, "http://"+r.client, s, 400) }()
+		go func() { pinnedStream <- streamVia(context.Background(), hc, "http://"+r.Client, s, 400) }()
 		stopped := time.Now()
 		c.signal(r, syscall.SIGTERM)
 		select {
-		case <-r.done:
+		case <-r.proc.Done():
 		case <-time.After(60 * time.Second):
-			t.Fatalf("%s did not exit within 60s of SIGTERM", r.id)
+			t.Fatalf("%s did not exit within 60s of SIGTERM", r.ID)
 		}
 		exited := time.Now()
 		for range 2 {
@@ -265,32 +243,32 @@ func TestRollingRestartBehindHAProxyLosesNothing(t *testing.T) {
 			case err := <-pinnedStream:
 				mu.Lock()
 				if err != nil {
-					streamErrs = append(streamErrs, fmt.Sprintf("pinned to %s: %v", r.id, err))
+					streamErrs = append(streamErrs, fmt.Sprintf("pinned to %s: %v", r.ID, err))
 				} else {
 					streamsOK++
 				}
 				mu.Unlock()
 			case <-time.After(30 * time.Second):
-				t.Fatalf("a request pinned to %s did not end within 30s of its exit", r.id)
+				t.Fatalf("a request pinned to %s did not end within 30s of its exit", r.ID)
 			}
 		}
-		if code := r.cmd.ProcessState.ExitCode(); code != 0 {
-			t.Fatalf("%s exited with status %d after SIGTERM, want 0 (a clean drain)", r.id, code)
+		if code := r.proc.ExitCode(); code != 0 {
+			t.Fatalf("%s exited with status %d after SIGTERM, want 0 (a clean drain)", r.ID, code)
 		}
 		c.start(r)
-		if r.cmd.Process.Pid == oldPid {
-			t.Fatalf("%s: the new process has the old pid %d", r.id, oldPid)
+		if r.proc.PID() == oldPid {
+			t.Fatalf("%s: the new process has the old pid %d", r.ID, oldPid)
 		}
 		c.waitReady(r)
 		// Back in HAProxy's rotation: the load reaches the new process.
 		eventually(t, 30*time.Second, func() error {
-			if !servedBy(r.id, exited) {
-				return fmt.Errorf("no request through haproxy answered by the restarted %s yet", r.id)
+			if !servedBy(r.ID, exited) {
+				return fmt.Errorf("no request through haproxy answered by the restarted %s yet", r.ID)
 			}
 			return nil
 		})
 		back := time.Now()
-		outFor = append(outFor, fmt.Sprintf("%s %s (drain to exit %s)", r.id,
+		outFor = append(outFor, fmt.Sprintf("%s %s (drain to exit %s)", r.ID,
 			back.Sub(stopped).Round(10*time.Millisecond), exited.Sub(stopped).Round(10*time.Millisecond)))
 	}
 	restartsEnd := time.Now()

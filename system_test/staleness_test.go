@@ -2,7 +2,6 @@ package system_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -14,7 +13,7 @@ import (
 
 // invalidate drops a session's binding through r's admin API (the write goes through the leader).
 func (r *replica) invalidate(session string) error {
-	req, err := http.NewRequest(http.MethodDelete, "http://"+r.admin+"/admin/sessions/"+session, nil)
+	req, err := http.NewRequest(http.MethodDelete, "http://"+r.Admin+"/admin/sessions/"+session, nil)
 	if err != nil {
 		return err
 	}
@@ -24,7 +23,7 @@ func (r *replica) invalidate(session string) error {
 	}
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("DELETE /admin/sessions/%s on %s: status %d", session, r.id, resp.StatusCode)
+		return fmt.Errorf("DELETE /admin/sessions/%s on %s: status %d", session, r.ID, resp.StatusCode)
 	}
 	return nil
 }
@@ -33,7 +32,7 @@ func (r *replica) invalidate(session string) error {
 // (X-Target-Worker), with its own client so a request can wait out a stopped replica.
 func chatTo(ctx context.Context, hc *http.Client, r *replica, session, target, prompt string) (answer, error) {
 	body := fmt.Sprintf(`{"model":"sim-model","messages":[{"role":"user","content":%q}],"max_tokens":4}`, prompt)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+r.client+"/v1/chat/completions", strings.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+r.Client+"/v1/chat/completions", strings.NewReader(body))
 	if err != nil {
 		return answer{}, err
 	}
@@ -63,7 +62,7 @@ func rebind(ctx context.Context, r *replica, session string, from answer, worker
 	case err != nil:
 		return a, err
 	case a.status != http.StatusOK || a.worker != to || a.revision <= from.revision:
-		return a, fmt.Errorf("rebind %s to %s via %s: %+v (was %s rev %d)", session, to, r.id, a, from.worker, from.revision)
+		return a, fmt.Errorf("rebind %s to %s via %s: %+v (was %s rev %d)", session, to, r.ID, a, from.worker, from.revision)
 	}
 	return a, nil
 }
@@ -92,7 +91,7 @@ func TestResumedReplicaNeverServesARevisionOlderThanTheBound(t *testing.T) {
 			eventually(t, 30*time.Second, func() error {
 				for _, r := range c.replicas {
 					if st, err := r.status(); err != nil || st.Bindings != len(sessions) {
-						return fmt.Errorf("%s holds %d bindings (%v), want %d", r.id, st.Bindings, err, len(sessions))
+						return fmt.Errorf("%s holds %d bindings (%v), want %d", r.ID, st.Bindings, err, len(sessions))
 					}
 				}
 				return nil
@@ -104,8 +103,8 @@ func TestResumedReplicaNeverServesARevisionOlderThanTheBound(t *testing.T) {
 			c.signal(stopped, syscall.SIGSTOP)
 			resumed := false
 			defer func() {
-				if !resumed && stopped.cmd != nil {
-					_ = stopped.cmd.Process.Signal(syscall.SIGCONT)
+				if !resumed {
+					_ = stopped.proc.Resume()
 				}
 			}()
 
@@ -127,16 +126,7 @@ func TestResumedReplicaNeverServesARevisionOlderThanTheBound(t *testing.T) {
 			}
 
 			// Rebind every session through a live leader (the next one, when the leader is stopped).
-			var live *replica
-			eventually(t, 30*time.Second, func() error {
-				for _, r := range c.others(stopped) {
-					if st, err := r.status(); err == nil && st.Self.State == "Leader" {
-						live = r
-						return nil
-					}
-				}
-				return errors.New("no leader among the running replicas")
-			})
+			live := c.leaderAmong(c.others(stopped))
 			after := map[string]answer{}
 			for _, s := range sessions {
 				var a answer
@@ -176,14 +166,14 @@ func TestResumedReplicaNeverServesARevisionOlderThanTheBound(t *testing.T) {
 				case r.a.revision < cur.revision:
 					counts[r.when+": OLD binding"]++
 					t.Errorf("%s (%s) on resumed %s: %s rev %d, but %s rev %d was acknowledged %v before it ran (bound %v); the binding before the pause was %s rev %d",
-						r.session, r.when, stopped.id, r.a.worker, r.a.revision, cur.worker, cur.revision, 2*bound, bound, old.worker, old.revision)
+						r.session, r.when, stopped.ID, r.a.worker, r.a.revision, cur.worker, cur.revision, 2*bound, bound, old.worker, old.revision)
 				case r.a.revision == cur.revision && r.a.worker != cur.worker:
 					t.Errorf("%s (%s): rev %d names %s, was acknowledged on %s", r.session, r.when, r.a.revision, r.a.worker, cur.worker)
 				default:
 					counts[r.when+": new binding"]++
 				}
 			}
-			t.Logf("stopped %s (%s): %v", stopped.id, name, counts)
+			t.Logf("stopped %s (%s): %v", stopped.ID, name, counts)
 		})
 	}
 }

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -10,12 +9,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
 )
@@ -26,103 +25,6 @@ import (
 // the Raft leader killed (SIGKILL) half-way through and started again. It reports what a
 // client saw: hit rate, TTFT, failed requests, sessions that changed worker, and how long
 // the cluster had no leader.
-
-// haProc is one replica process of the demo.
-type haProc struct {
-	id                               string
-	client, admin, raft, peer, gossp string
-	dataDir, logPath                 string
-	args                             []string
-	env                              []string // nil: this process's environment
-
-	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{}
-}
-
-// start runs the replica; its output goes to its log file.
-func (p *haProc) start() error {
-	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return err
-	}
-	cmd := exec.Command(p.args[0], p.args[1:]...)
-	cmd.Env, cmd.Stdout, cmd.Stderr = p.env, logf, logf
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		return fmt.Errorf("start %s: %w", p.id, err)
-	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); logf.Close(); close(done) }()
-	p.mu.Lock()
-	p.cmd, p.done = cmd, done
-	p.mu.Unlock()
-	return nil
-}
-
-// signal sends sig and waits (bounded) for the process to end.
-func (p *haProc) signal(sig syscall.Signal, wait time.Duration) {
-	p.mu.Lock()
-	cmd, done := p.cmd, p.done
-	p.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	_ = cmd.Process.Signal(sig)
-	select {
-	case <-done:
-	case <-time.After(wait):
-		_ = cmd.Process.Kill()
-		<-done
-	}
-}
-
-// haStatus is what the demo reads of /admin/cluster.
-type haStatus struct {
-	Raft map[string]string `json:"raft"`
-}
-
-// isLeader asks the replica whether it leads (false if it does not answer in time; the
-// bound is generous because a busy 2-core machine can be slow to answer).
-func (p *haProc) isLeader(ctx context.Context, hc *http.Client) bool {
-	ctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+p.admin+"/admin/cluster", nil)
-	if err != nil {
-		return false
-	}
-	resp, err := hc.Do(req)
-	if err != nil {
-		return false
-	}
-	defer resp.Body.Close()
-	var st haStatus
-	if json.NewDecoder(resp.Body).Decode(&st) != nil {
-		return false
-	}
-	return st.Raft["state"] == "Leader"
-}
-
-// pollReady polls url until it answers 200 or ctx ends.
-func pollReady(ctx context.Context, hc *http.Client, url string) error {
-	for {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-		if err != nil {
-			return err
-		}
-		if resp, err := hc.Do(req); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%s not ready: %w", url, ctx.Err())
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
 
 // leaderWatch measures how long no replica reported itself leader.
 type leaderWatch struct {
@@ -197,25 +99,16 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 	}
 
 	const replicas = 3
-	var procs []*haProc
-	var peers, seeds []string
-	for i := range replicas {
-		p := &haProc{id: fmt.Sprintf("r%d", i), dataDir: filepath.Join(dir, fmt.Sprintf("r%d", i)),
-			logPath: filepath.Join(dir, fmt.Sprintf("r%d.log", i))}
-		for _, a := range []*string{&p.client, &p.admin, &p.raft, &p.peer, &p.gossp} {
-			if *a, err = loopback.Addr(); err != nil {
-				return err
-			}
-		}
-		peers, seeds = append(peers, p.peer), append(seeds, p.gossp)
-		procs = append(procs, p)
+	members, err := proc.LoopbackReplicas(replicas, dir)
+	if err != nil {
+		return err
 	}
-	for _, p := range procs {
-		p.args = []string{self, "serve", "--replica-id", p.id, "--data-dir", p.dataDir,
-			"--listen", p.client, "--admin-listen", p.admin, "--raft-listen", p.raft, "--peer-listen", p.peer,
-			"--gossip-listen", p.gossp, "--bootstrap-expect", fmt.Sprint(replicas),
-			"--join", strings.Join(peers, ","), "--gossip-join", strings.Join(seeds, ","),
-			"--worker", strings.Join(workers, ","), "--log-level", "warn",
+	procs := make([]*proc.Process, len(members))
+	admins := make([]string, len(members))
+	for i, m := range members {
+		admins[i] = m.Admin
+		procs[i] = proc.New(proc.Spec{Name: m.ID, LogPath: filepath.Join(dir, m.ID+".log"), Argv: m.ServeArgv(self, members, workers,
+			"--log-level", "warn",
 			// Time runs cfg.Speedup times faster: the TTLs and hint intervals shrink with it.
 			"--approx-ttl", scaled(120*time.Second, cfg.Speedup).String(),
 			"--approx-max-blocks", fmt.Sprint(cfg.CapacityBlocks),
@@ -224,30 +117,37 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 			"--decision-flush-interval", scaled(50*time.Millisecond, cfg.Speedup).String(),
 			"--health-timeout", "2s",
 			// Nothing needs draining when the demo ends.
-			"--shutdown-delay", "0"}
+			"--shutdown-delay", "0")})
 	}
 	hc := &http.Client{Timeout: 2 * time.Second}
 	defer func() {
 		var wg sync.WaitGroup
 		for _, p := range procs {
-			wg.Go(func() { p.signal(syscall.SIGTERM, 10*time.Second) })
+			wg.Go(func() { _ = p.Stop(context.WithoutCancel(ctx), syscall.SIGTERM, 10*time.Second) })
 		}
 		wg.Wait()
 	}()
 	for _, p := range procs {
-		if err := p.start(); err != nil {
+		if err := p.Start(); err != nil {
 			return err
 		}
 	}
 	readyCtx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
-	for _, p := range procs {
-		if err := pollReady(readyCtx, hc, "http://"+p.client+"/readyz"); err != nil {
-			return fmt.Errorf("replica %s (log %s): %w", p.id, p.logPath, err)
+	for _, m := range members {
+		if err := proc.WaitReady(readyCtx, hc, "http://"+m.Client+"/readyz", 60*time.Second); err != nil {
+			return fmt.Errorf("replica %s (log %s): %w", m.ID, filepath.Join(dir, m.ID+".log"), err)
 		}
 	}
+	// leader asks every replica which one leads (bounded: a busy 2-core machine can be slow to
+	// answer, and a replica that does not answer in time counts as not leading).
+	leader := func(ctx context.Context) (int, error) {
+		ctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+		defer cancel()
+		return proc.FindLeader(ctx, hc, admins)
+	}
 
-	targets, front, stopLB, err := startBalancer(ctx, cfg, dir, procs, hc)
+	targets, front, stopLB, err := startBalancer(ctx, cfg, dir, members, hc)
 	if err != nil {
 		return err
 	}
@@ -262,14 +162,8 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 		t := time.NewTicker(20 * time.Millisecond)
 		defer t.Stop()
 		for {
-			has := false
-			for _, p := range procs {
-				if p.isLeader(watchCtx, hc) {
-					has = true
-					break
-				}
-			}
-			watch.observe(time.Now(), has)
+			_, err := leader(watchCtx)
+			watch.observe(time.Now(), err == nil)
 			select {
 			case <-watchCtx.Done():
 				return
@@ -289,24 +183,20 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 			return
 		case <-time.After(half):
 		}
-		for _, p := range procs {
-			if !p.isLeader(watchCtx, hc) {
-				continue
-			}
-			killAt = time.Since(start)
-			p.signal(syscall.SIGKILL, 5*time.Second)
-			killed = p.id
-			if err := p.start(); err != nil {
-				cfg.Logger.Error("restarting the killed leader", "replica", p.id, "err", err)
-				return
-			}
-			rctx, cancel := context.WithTimeout(watchCtx, 60*time.Second)
-			defer cancel()
-			if pollReady(rctx, hc, "http://"+p.client+"/readyz") == nil {
-				backAt = time.Since(start)
-				restarted = p.id
-			}
+		i, err := leader(watchCtx)
+		if err != nil {
 			return
+		}
+		killAt = time.Since(start)
+		procs[i].Kill()
+		killed = members[i].ID
+		if err := procs[i].Start(); err != nil {
+			cfg.Logger.Error("restarting the killed leader", "replica", killed, "err", err)
+			return
+		}
+		if proc.WaitReady(watchCtx, hc, "http://"+members[i].Client+"/readyz", 60*time.Second) == nil {
+			backAt = time.Since(start)
+			restarted = killed
 		}
 	})
 
@@ -335,7 +225,7 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 	case killed == "":
 		fmt.Fprintln(stdout, "no leader was found to kill half-way (the run was too short?)")
 	case restarted == "":
-		fmt.Fprintf(stdout, "leader %s killed at %.1f s; it did not come back ready (log: %s)\n", killed, killAt.Seconds(), procs[0].logPath)
+		fmt.Fprintf(stdout, "leader %s killed at %.1f s; it did not come back ready (log: %s)\n", killed, killAt.Seconds(), filepath.Join(dir, killed+".log"))
 	default:
 		fmt.Fprintf(stdout, "leader %s killed (SIGKILL) at %.1f s, restarted and ready again at %.1f s\n", killed, killAt.Seconds(), backAt.Seconds())
 	}
@@ -348,10 +238,10 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 // startBalancer puts HAProxy in front of the replicas when it is installed and its config
 // is found; otherwise the client sends to the replicas in turn. It returns the replay
 // targets, a description, and a stop function.
-func startBalancer(ctx context.Context, cfg demoConfig, dir string, procs []*haProc, hc *http.Client) ([]string, string, func(), error) {
+func startBalancer(ctx context.Context, cfg demoConfig, dir string, members []proc.Replica, hc *http.Client) ([]string, string, func(), error) {
 	var direct []string
-	for _, p := range procs {
-		direct = append(direct, "http://"+p.client)
+	for _, m := range members {
+		direct = append(direct, "http://"+m.Client)
 	}
 	roundRobin := func(why string) ([]string, string, func(), error) {
 		return direct, "no load balancer (" + why + "): the client sends to the replicas in turn", func() {}, nil
@@ -367,25 +257,24 @@ func startBalancer(ctx context.Context, cfg demoConfig, dir string, procs []*haP
 	if err != nil {
 		return nil, "", nil, err
 	}
-	env := append(os.Environ(), "KVR_LISTEN="+listen)
-	for i, p := range procs {
-		env = append(env, fmt.Sprintf("KVR_REPLICA%d=%s", i, p.client))
+	env, err := proc.DeployEnv(listen, members)
+	if err != nil {
+		return nil, "", nil, err
 	}
-	check := exec.CommandContext(ctx, bin, "-c", "-f", cfg.HAProxyConfig)
-	check.Env = env
-	if out, err := check.CombinedOutput(); err != nil {
-		return nil, "", nil, fmt.Errorf("haproxy -c -f %s: %w: %s", cfg.HAProxyConfig, err, out)
+	h := proc.HAProxy{Binary: bin, Config: cfg.HAProxyConfig, Env: env}
+	if err := h.Check(ctx); err != nil {
+		return nil, "", nil, err
 	}
-	p := &haProc{id: "haproxy", logPath: filepath.Join(dir, "haproxy.log"), args: []string{bin, "-db", "-f", cfg.HAProxyConfig}, env: env}
-	if err := p.start(); err != nil {
+	spec := h.Spec()
+	spec.LogPath = filepath.Join(dir, "haproxy.log")
+	p := proc.New(spec)
+	if err := p.Start(); err != nil {
 		return roundRobin(fmt.Sprintf("haproxy did not start: %v", err))
 	}
-	stop := func() { p.signal(syscall.SIGTERM, 5*time.Second) }
-	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if err := pollReady(rctx, hc, "http://"+listen+"/readyz"); err != nil {
+	stop := func() { _ = p.Stop(context.WithoutCancel(ctx), syscall.SIGTERM, 5*time.Second) }
+	if err := proc.WaitReady(ctx, hc, "http://"+listen+"/readyz", 30*time.Second); err != nil {
 		stop()
-		return nil, "", nil, fmt.Errorf("haproxy on %s (log %s): %w", listen, p.logPath, err)
+		return nil, "", nil, fmt.Errorf("haproxy on %s (log %s): %w", listen, spec.LogPath, err)
 	}
 	return []string{"http://" + listen}, fmt.Sprintf("behind HAProxy on %s (%s)", listen, cfg.HAProxyConfig), stop, nil
 }

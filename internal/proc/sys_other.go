@@ -1,6 +1,6 @@
 //go:build unix && !linux
 
-package jepsen
+package proc
 
 import "syscall"
 
@@ -8,9 +8,4 @@ import "syscall"
 // harness, which then stops its children by pid.
 func childAttr() *syscall.SysProcAttr {
 	return &syscall.SysProcAttr{Setpgid: true}
-}
-
-// newNetns is Linux only.
-func newNetns(string, int) (network, error) {
-	return nil, errNetnsUnsupported
 }

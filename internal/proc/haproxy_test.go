@@ -1,0 +1,148 @@
+package proc
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+)
+
+// deployConfig is deploy/haproxy.cfg, relative to this package.
+var deployConfig = filepath.Join("..", "..", "deploy", "haproxy.cfg")
+
+func haproxyBinary(t *testing.T) string {
+	t.Helper()
+	bin, err := exec.LookPath("haproxy")
+	if err != nil {
+		t.Skip("haproxy is not in PATH (apt-get install haproxy)")
+	}
+	return bin
+}
+
+// fakeReplicas are n HTTP servers that answer every request with 200 and their id.
+func fakeReplicas(t *testing.T, n int) []Replica {
+	t.Helper()
+	var rs []Replica
+	for i := range n {
+		id := fmt.Sprintf("r%d", i)
+		s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("X-Kvrouter-Replica", id)
+		}))
+		t.Cleanup(s.Close)
+		rs = append(rs, Replica{ID: id, Client: strings.TrimPrefix(s.URL, "http://")})
+	}
+	return rs
+}
+
+func TestDeployEnvNamesExactlyThreeReplicas(t *testing.T) {
+	rs := fakeReplicas(t, 4)
+	env, err := DeployEnv("127.0.0.1:1", rs[:3])
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"KVR_LISTEN=127.0.0.1:1", "KVR_REPLICA0=" + rs[0].Client, "KVR_REPLICA1=" + rs[1].Client, "KVR_REPLICA2=" + rs[2].Client}
+	if strings.Join(env, " ") != strings.Join(want, " ") {
+		t.Fatalf("DeployEnv = %q, want %q", env, want)
+	}
+	// The file must read every variable DeployEnv sets.
+	b, err := os.ReadFile(deployConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kv := range env {
+		if name, _, _ := strings.Cut(kv, "="); !strings.Contains(string(b), "${"+name) {
+			t.Errorf("%s does not read %s", deployConfig, name)
+		}
+	}
+	for _, n := range []int{2, 4} {
+		if _, err := DeployEnv("127.0.0.1:1", rs[:n]); err == nil {
+			t.Errorf("DeployEnv with %d replicas succeeded", n)
+		}
+	}
+}
+
+func TestHAProxyConfigNamesEveryReplica(t *testing.T) {
+	rs := fakeReplicas(t, 9)
+	cfg := HAProxyConfig("127.0.0.1:1", rs)
+	for _, want := range []string{"bind 127.0.0.1:1\n", "retry-on conn-failure empty-response 503\n", "option httpchk GET /readyz\n"} {
+		if !strings.Contains(cfg, want) {
+			t.Errorf("config misses %q:\n%s", want, cfg)
+		}
+	}
+	for _, r := range rs {
+		if want := fmt.Sprintf("    server %s %s check\n", r.ID, r.Client); !strings.Contains(cfg, want) {
+			t.Errorf("config misses %q", want)
+		}
+	}
+}
+
+// TestHAProxyRunsInFrontOfReplicas runs the real HAProxy, from deploy/haproxy.cfg and from
+// HAProxyConfig, in front of three fake replicas, and waits until it answers through them.
+func TestHAProxyRunsInFrontOfReplicas(t *testing.T) {
+	bin := haproxyBinary(t)
+	rs := fakeReplicas(t, 3)
+	cases := []struct {
+		name  string
+		setup func(t *testing.T, listen string) HAProxy
+	}{
+		{name: "deploy/haproxy.cfg", setup: func(t *testing.T, listen string) HAProxy {
+			env, err := DeployEnv(listen, rs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return HAProxy{Binary: bin, Config: deployConfig, Env: env}
+		}},
+		{name: "HAProxyConfig", setup: func(t *testing.T, listen string) HAProxy {
+			path := filepath.Join(t.TempDir(), "haproxy.cfg")
+			if err := os.WriteFile(path, []byte(HAProxyConfig(listen, rs)), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			return HAProxy{Config: path} // haproxy from PATH
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			listen, err := loopback.Addr()
+			if err != nil {
+				t.Fatal(err)
+			}
+			h := tc.setup(t, listen)
+			if err := h.Check(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+			spec := h.Spec()
+			spec.LogPath = filepath.Join(t.TempDir(), "haproxy.log")
+			p := New(spec)
+			if err := p.Start(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(p.Kill)
+			if err := WaitReady(t.Context(), nil, "http://"+listen+"/readyz", 30*time.Second); err != nil {
+				b, _ := os.ReadFile(spec.LogPath)
+				t.Fatalf("%v\nhaproxy log:\n%s", err, b)
+			}
+			if err := p.Stop(t.Context(), syscall.SIGTERM, 10*time.Second); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+func TestHAProxyCheckRefusesABadConfig(t *testing.T) {
+	haproxyBinary(t)
+	path := filepath.Join(t.TempDir(), "bad.cfg")
+	if err := os.WriteFile(path, []byte("frontend x\n    bind\n    no-such-keyword 1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := (HAProxy{Config: path}).Check(t.Context()); err == nil {
+		t.Fatal("haproxy -c accepted a broken config")
+	}
+}
