@@ -13,6 +13,7 @@ import (
 	"github.com/peterbourgon/ff/v3/ffcli"
 
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
+	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
 
 func replayCommand(stdout, stderr io.Writer) *ffcli.Command {
@@ -43,7 +44,7 @@ func replayCommand(stdout, stderr io.Writer) *ffcli.Command {
 			if (cfg.Target == "") == (len(cfg.Workers) == 0) {
 				return errors.New("give exactly one of --target or --workers")
 			}
-			reqs, err := loadTrace(*tracePath, *start)
+			reqs, err := trace.ForReplay(*tracePath, *start)
 			if err != nil {
 				return err
 			}

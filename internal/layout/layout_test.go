@@ -26,6 +26,9 @@ var allowed = map[string][]string{
 	"workers":            {"fsm", "routing"},
 	"admin":              {"cluster", "fsm", "routing", "transport/peer", "workers"},
 	"sim":                {"indexer", "transport/kvevents"},
+	// The fault harness and the process harness know the router only by its wire.
+	"jepsen":        {"internal/loopback", "internal/proc"},
+	"internal/proc": {"internal/loopback"},
 }
 
 // raftUsers are the only packages that may import hashicorp/raft itself.

@@ -310,3 +310,23 @@ func Ceiling(reqs []Request) (blockRatio, tokenRatio float64) {
 	}
 	return blockRatio, tokenRatio
 }
+
+// ForReplay reads the trace at path, or the bundled one when path is "", assigns sessions,
+// and returns it from request start on.
+func ForReplay(path string, start int) ([]Request, error) {
+	var reqs []Request
+	var err error
+	if path == "" {
+		reqs, err = Bundled()
+	} else {
+		reqs, err = Load(path)
+	}
+	if err != nil {
+		return nil, err
+	}
+	AssignSessions(reqs)
+	if start < 0 || start >= len(reqs) {
+		return nil, fmt.Errorf("--start %d outside the trace's %d requests", start, len(reqs))
+	}
+	return reqs[start:], nil
+}

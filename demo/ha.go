@@ -1,4 +1,4 @@
-package main
+package demo
 
 import (
 	"context"
@@ -17,6 +17,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
+	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
 
 // The high-availability demo, make demo's main job: three replica processes of this binary
@@ -61,9 +62,10 @@ func (w *leaderWatch) total(now time.Time) (time.Duration, time.Duration, int) {
 	return total, longest, w.episodes
 }
 
-// runHADemo is the high-availability demo.
-func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) error {
-	reqs, err := loadTrace(cfg.TracePath, cfg.Start)
+// HA is the high-availability demo: the Raft leader of three replica processes is killed
+// with SIGKILL half-way through the replay and started again; it reports what the client saw.
+func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
+	reqs, err := trace.ForReplay(cfg.TracePath, cfg.Start)
 	if err != nil {
 		return err
 	}
@@ -73,9 +75,11 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 	if len(reqs) < 2 {
 		return errors.New("the trace slice needs at least two requests")
 	}
-	self, err := os.Executable()
-	if err != nil {
-		return fmt.Errorf("find this binary: %w", err)
+	self := cfg.Binary
+	if self == "" {
+		if self, err = os.Executable(); err != nil {
+			return fmt.Errorf("find this binary: %w", err)
+		}
 	}
 	dir, err := os.MkdirTemp("", "kvrouter-ha-demo-")
 	if err != nil {
@@ -238,7 +242,7 @@ func runHADemo(ctx context.Context, cfg demoConfig, stdout, progress io.Writer) 
 // startBalancer puts HAProxy in front of the replicas when it is installed and its config
 // is found; otherwise the client sends to the replicas in turn. It returns the replay
 // targets, a description, and a stop function.
-func startBalancer(ctx context.Context, cfg demoConfig, dir string, members []proc.Replica, hc *http.Client) ([]string, string, func(), error) {
+func startBalancer(ctx context.Context, cfg Config, dir string, members []proc.Replica, hc *http.Client) ([]string, string, func(), error) {
 	var direct []string
 	for _, m := range members {
 		direct = append(direct, "http://"+m.Client)
