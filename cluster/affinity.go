@@ -35,7 +35,7 @@ type Affinity struct {
 
 // localSession is this replica's in-flight view of one session.
 type localSession struct {
-	initDone chan struct{} // open while an initializer runs
+	init     routing.InitGate // held while a request initialises (or replaces) the binding
 	active   int
 	// bound is the binding this replica committed or read, kept until the local FSM has
 	// applied it (a follower learns its own bind one round trip later).
@@ -120,15 +120,11 @@ func (a *Affinity) Acquire(ctx context.Context, session string, explicit *indexe
 	for {
 		a.mu.Lock()
 		ls := a.local[session]
-		if ls != nil && ls.initDone != nil {
-			wait := ls.initDone
-			a.mu.Unlock()
-			select {
-			case <-wait:
-				continue
-			case <-ctx.Done():
-				return nil, ctx.Err()
+		if ls != nil && ls.init.Busy() {
+			if err := ls.init.Wait(ctx, a.mu.Unlock); err != nil {
+				return nil, err
 			}
+			continue
 		}
 		if ls == nil {
 			ls = &localSession{}
@@ -161,15 +157,15 @@ func (a *Affinity) Acquire(ctx context.Context, session string, explicit *indexe
 			a.mu.Unlock()
 			return nil, fmt.Errorf("%d sessions bound: %w", max, routing.ErrTooManySessions)
 		}
-		ls.initDone = make(chan struct{})
+		ls.init.Take()
 		ls.active++
 		a.mu.Unlock()
-		return &lease{a: a, session: session, ls: ls, binding: routing.Binding{Session: session}}, nil
+		return &lease{a: a, session: session, ls: ls, binding: routing.Binding{Session: session}, gate: true}, nil
 	}
 }
 
 func (a *Affinity) dropIfIdleLocked(session string, ls *localSession) {
-	if ls.active == 0 && ls.initDone == nil && a.local[session] == ls {
+	if ls.active == 0 && !ls.init.Busy() && a.local[session] == ls {
 		delete(a.local, session)
 	}
 }
@@ -180,7 +176,7 @@ func (a *Affinity) Len() int {
 	defer a.mu.Unlock()
 	n := a.n.fsm.Len()
 	for s, ls := range a.local {
-		if _, ok := a.n.fsm.Get(s); !ok && (ls.initDone != nil || ls.bound.Revision != 0) {
+		if _, ok := a.n.fsm.Get(s); !ok && (ls.init.Busy() || ls.bound.Revision != 0) {
 			n++
 		}
 	}
@@ -328,7 +324,7 @@ func (a *Affinity) keepAlive() {
 		a.mu.Lock()
 		applied := a.n.fsm.AppliedIndex()
 		for s, ls := range a.local {
-			if ls.active == 0 && ls.initDone == nil && applied >= ls.bound.Revision {
+			if ls.active == 0 && !ls.init.Busy() && applied >= ls.bound.Revision {
 				delete(a.local, s) // its bind has reached the FSM: the map is no longer needed
 				continue
 			}
@@ -355,6 +351,9 @@ type lease struct {
 	done    bool
 	// replaces is the revision a reopened lease's Commit replaces (0: a first binding).
 	replaces uint64
+	// gate: this lease holds the session's initializer gate (until Commit or the end), so
+	// it opens the gate only while it is its own.
+	gate bool
 }
 
 // Reopen implements routing.Lease: this replica's other requests for the session wait for
@@ -366,10 +365,11 @@ func (l *lease) Reopen() bool {
 	a := l.a
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if l.ls.initDone != nil {
+	if l.ls.init.Busy() {
 		return false // another request is replacing it already
 	}
-	l.ls.initDone = make(chan struct{})
+	l.ls.init.Take()
+	l.gate = true
 	l.replaces = l.binding.Revision
 	l.bound, l.binding = false, routing.Binding{Session: l.session}
 	return true
@@ -381,7 +381,7 @@ func (l *lease) Binding() (routing.Binding, bool) { return l.binding, l.bound }
 // adopts that binding and returns it with routing.ErrBoundElsewhere, so the caller can move
 // the request to the bound worker while no byte has reached the client.
 func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, error) {
-	if l.done || l.bound {
+	if l.done || l.bound || !l.gate {
 		return routing.Binding{}, fmt.Errorf("commit of session %q: lease is not an open initializer", l.session)
 	}
 	res, err := l.a.bind(ctx, l.session, w, l.replaces)
@@ -392,9 +392,10 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, 
 	a := l.a
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	init := l.ls.initDone
-	l.ls.initDone = nil
-	defer close(init)
+	defer func() {
+		l.ls.init.Open()
+		l.gate = false
+	}()
 	if err != nil {
 		return routing.Binding{}, err
 	}
@@ -452,9 +453,9 @@ func (l *lease) end() {
 	a := l.a
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if l.ls.initDone != nil && !l.bound {
-		close(l.ls.initDone)
-		l.ls.initDone = nil
+	if l.gate {
+		l.ls.init.Open()
+		l.gate = false
 	}
 	l.ls.active--
 	if l.ls.active <= 0 && a.local[l.session] == l.ls && a.n.fsm.AppliedIndex() >= l.ls.bound.Revision {

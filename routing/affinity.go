@@ -25,8 +25,8 @@ type MemoryAffinity struct {
 type session struct {
 	binding Binding
 	bound   bool
-	// initDone is closed when the initializer commits or gives up.
-	initDone chan struct{}
+	// init is held while a request initialises (or replaces) the binding.
+	init InitGate
 	active   int // leases in flight
 	idle     time.Time
 }
@@ -66,7 +66,8 @@ func (m *MemoryAffinity) Acquire(ctx context.Context, key string, explicit *inde
 					return nil, fmt.Errorf("%d sessions bound: %w", m.max, ErrTooManySessions)
 				}
 			}
-			s = &session{binding: Binding{Session: key}, initDone: make(chan struct{}), active: 1}
+			s = &session{binding: Binding{Session: key}, active: 1}
+			s.init.Take()
 			m.sessions[key] = s
 			m.mu.Unlock()
 			return &memoryLease{store: m, s: s}, nil
@@ -81,12 +82,8 @@ func (m *MemoryAffinity) Acquire(ctx context.Context, key string, explicit *inde
 			m.mu.Unlock()
 			return &memoryLease{store: m, s: s, bound: true, binding: s.binding}, nil
 		default:
-			wait := s.initDone
-			m.mu.Unlock()
-			select {
-			case <-wait:
-			case <-ctx.Done():
-				return nil, ctx.Err()
+			if err := s.init.Wait(ctx, m.mu.Unlock); err != nil {
+				return nil, err
 			}
 		}
 	}
@@ -160,12 +157,21 @@ func (l *memoryLease) Commit(_ context.Context, w indexer.Worker) (Binding, erro
 	l.s.binding.Worker = w
 	l.s.binding.Revision = m.revision
 	l.s.bound = true
-	close(l.s.initDone)
+	l.s.init.Open()
 	l.bound, l.binding = true, l.s.binding
 	return l.binding, nil
 }
 
-func (l *memoryLease) Invalidate(_ context.Context) {
+// Invalidate drops the lease's binding (revision-guarded) or gives up an initialization.
+func (l *memoryLease) Invalidate(context.Context) { l.end(true) }
+
+// Release ends the request; the binding's idle TTL counts from now.
+func (l *memoryLease) Release() { l.end(false) }
+
+// end finishes the lease once: an initializer that never committed gives up (the session,
+// and a reopened binding with it, goes, and a waiter initialises instead); with drop, a
+// bound lease drops its binding if it is still the session's.
+func (l *memoryLease) end(drop bool) {
 	m := l.store
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -174,22 +180,21 @@ func (l *memoryLease) Invalidate(_ context.Context) {
 	}
 	l.done = true
 	l.s.active--
-	cur := m.sessions[l.s.binding.Session]
-	if cur != l.s {
-		return // already replaced: a newer binding is not ours to drop
-	}
-	if !l.bound {
-		// An initializer (of a first binding, or of a reopened one) gives up: the session's
-		// binding, if it had one, goes with it.
-		close(l.s.initDone)
-		delete(m.sessions, l.s.binding.Session)
-		return
-	}
-	if !l.s.bound {
-		return // another request is replacing the binding: its outcome decides
-	}
-	if l.s.binding.Revision == l.binding.Revision {
-		delete(m.sessions, l.s.binding.Session)
+	key := l.s.binding.Session
+	mine := m.sessions[key] == l.s
+	switch {
+	case !l.bound:
+		l.s.init.Open()
+		if mine {
+			delete(m.sessions, key)
+		}
+	case !drop:
+		if l.s.active == 0 {
+			l.s.idle = m.now()
+		}
+	case mine && l.s.bound && l.s.binding.Revision == l.binding.Revision:
+		// (Not bound: another request is replacing the binding, and its outcome decides.)
+		delete(m.sessions, key)
 	}
 }
 
@@ -203,30 +208,9 @@ func (l *memoryLease) Reopen() bool {
 		return false
 	}
 	l.s.bound = false
-	l.s.initDone = make(chan struct{})
+	l.s.init.Take()
 	l.bound = false
 	l.binding = Binding{Session: l.s.binding.Session}
 	return true
 }
 
-func (l *memoryLease) Release() {
-	m := l.store
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if l.done {
-		return
-	}
-	l.done = true
-	l.s.active--
-	if !l.bound {
-		// The initializer never committed: give up so a waiter initialises instead.
-		close(l.s.initDone)
-		if m.sessions[l.s.binding.Session] == l.s {
-			delete(m.sessions, l.s.binding.Session)
-		}
-		return
-	}
-	if l.s.active == 0 {
-		l.s.idle = m.now()
-	}
-}
