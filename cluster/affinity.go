@@ -35,8 +35,8 @@ type Affinity struct {
 
 // localSession is this replica's in-flight view of one session.
 type localSession struct {
-	init     routing.InitGate // held while a request initialises (or replaces) the binding
-	active   int
+	init   routing.InitGate // held while a request initialises (or replaces) the binding
+	active int
 	// bound is the binding this replica committed or read, kept until the local FSM has
 	// applied it (a follower learns its own bind one round trip later).
 	bound routing.Binding

@@ -26,9 +26,9 @@ type session struct {
 	binding Binding
 	bound   bool
 	// init is held while a request initialises (or replaces) the binding.
-	init InitGate
-	active   int // leases in flight
-	idle     time.Time
+	init   InitGate
+	active int // leases in flight
+	idle   time.Time
 }
 
 // NewMemoryAffinity returns a store whose bindings idle out ttl after their last request
@@ -213,4 +213,3 @@ func (l *memoryLease) Reopen() bool {
 	l.binding = Binding{Session: l.s.binding.Session}
 	return true
 }
-
