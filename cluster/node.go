@@ -204,122 +204,40 @@ const clusterIDFile = "cluster-id"
 
 // Open starts the replica's Raft node: a restarted node resumes from its data directory; a
 // new one bootstraps or joins in the background (see Config.BootstrapExpect and Join).
-func Open(ctx context.Context, cfg Config) (*Node, error) {
+func Open(ctx context.Context, cfg Config) (_ *Node, err error) {
 	cfg.defaults()
+	n := &Node{cfg: cfg, log: cfg.Logger.With("replica", cfg.ID), changed: make(chan struct{}), workers: make(chan struct{}, 1)}
+	// A failed Open leaves no port or file open: the Raft listener it was given included.
+	defer func() {
+		if err != nil {
+			n.unwindOpen()
+		}
+	}()
 	if cfg.ID == "" {
 		return nil, errors.New("cluster: a replica id is required")
 	}
-	n := &Node{cfg: cfg, log: cfg.Logger.With("replica", cfg.ID), changed: make(chan struct{}), workers: make(chan struct{}, 1)}
 	n.lead = newLeader(n)
 	n.lease = newReadLease()
 	n.fsm = fsm.New(fsm.Options{OnChange: n.onChange, OnApplied: func(uint64) { n.notifyApplied() }})
 	n.ctx, n.cancel = context.WithCancel(context.Background())
-
-	rc := raft.DefaultConfig()
-	rc.LocalID = raft.ServerID(cfg.ID)
-	rc.HeartbeatTimeout = cfg.HeartbeatTimeout
-	rc.ElectionTimeout = cfg.ElectionTimeout
-	rc.LeaderLeaseTimeout = cfg.LeaderLeaseTimeout
-	rc.CommitTimeout = cfg.CommitTimeout
-	rc.MaxAppendEntries = cfg.MaxAppendEntries
-	rc.BatchApplyCh = true
-	rc.SnapshotThreshold = cfg.SnapshotThreshold
-	rc.SnapshotInterval = cfg.SnapshotInterval
-	rc.TrailingLogs = 10240
-	// A node removed from the configuration keeps running (unready) so an operator can see it.
-	rc.ShutdownOnRemove = false
-	// restoreSnapshot has loaded (and checked) the newest snapshot already.
-	rc.NoSnapshotRestoreOnStart = true
-	rc.Logger = newHCLogger(n.log)
-
-	var (
-		logs   raft.LogStore
-		stable raft.StableStore
-		snaps  raft.SnapshotStore
-		err    error
-	)
-	if cfg.InMemory {
-		mem := raft.NewInmemStore()
-		logs, stable, snaps = mem, mem, raft.NewInmemSnapshotStore()
-	} else {
-		if cfg.DataDir == "" {
-			return nil, errors.New("cluster: a data directory is required")
-		}
-		if err := os.MkdirAll(cfg.DataDir, 0o750); err != nil {
-			return nil, fmt.Errorf("cluster: data directory: %w", err)
-		}
-		if id, err := readClusterID(cfg.DataDir); err != nil {
-			return nil, err
-		} else if id != "" {
-			n.clusterID.Store(&id)
-		}
-		bolt, err := raftboltdb.New(raftboltdb.Options{
-			Path:        filepath.Join(cfg.DataDir, "raft.db"),
-			BoltOptions: &bbolt.Options{Timeout: time.Second},
-		})
-		if err != nil {
-			return nil, fmt.Errorf("cluster: open raft log in %s (is another replica using it?): %w", cfg.DataDir, err)
-		}
-		n.store = bolt
-		cached, err := raft.NewLogCache(4096, bolt)
-		if err != nil {
-			_ = bolt.Close()
-			return nil, fmt.Errorf("cluster: log cache: %w", err)
-		}
-		logs, stable = cached, bolt
-		snaps, err = raft.NewFileSnapshotStoreWithLogger(cfg.DataDir, cfg.SnapshotRetain, rc.Logger) // in DataDir/snapshots
-		if err != nil {
-			_ = bolt.Close()
-			return nil, fmt.Errorf("cluster: snapshot store: %w", err)
-		}
-	}
-	// fail unwinds what Open made so far: a failed start leaves no port or file open.
-	fail := func(err error) (*Node, error) {
-		switch {
-		case n.trans != nil && cfg.Transport == nil:
-			n.closeTransport()
-		case n.trans == nil && cfg.RaftListener != nil:
-			_ = cfg.RaftListener.Close() // taken over: closed on every way out
-		}
-		if n.store != nil {
-			_ = n.store.Close()
-		}
+	rc := n.raftConfig()
+	logs, stable, snaps, err := n.openStores(rc.Logger)
+	if err != nil {
 		return nil, err
 	}
 	if err := restoreSnapshot(snaps, n.fsm); err != nil {
-		return fail(err)
+		return nil, err
 	}
-	if cfg.Transport != nil {
-		n.trans = cfg.Transport
-	} else {
-		var adv net.Addr
-		if cfg.RaftAdvertise != "" {
-			a, err := net.ResolveTCPAddr("tcp", cfg.RaftAdvertise)
-			if err != nil {
-				return fail(fmt.Errorf("cluster: raft advertise address %q: %w", cfg.RaftAdvertise, err))
-			}
-			adv = a
-		}
-		var tt *raft.NetworkTransport
-		if cfg.RaftListener != nil {
-			tt, err = newTransport(cfg.RaftListener, adv, cfg.RaftTLS, 4, 10*time.Second, rc.Logger)
-		} else {
-			tt, err = listenTransport(cfg.RaftBind, adv, cfg.RaftTLS, 4, 10*time.Second, rc.Logger)
-		}
-		if err != nil {
-			return fail(fmt.Errorf("cluster: raft port %s: %w", cfg.RaftBind, err))
-		}
-		n.trans = tt
+	if err := n.openTransport(rc.Logger); err != nil {
+		return nil, err
 	}
-	// What peers dial is what the transport tells them, whoever bound the port.
-	n.cfg.RaftAdvertise = string(n.trans.LocalAddr())
 	existing, err := raft.HasExistingState(logs, stable, snaps)
 	if err != nil {
-		return fail(fmt.Errorf("cluster: read raft state: %w", err))
+		return nil, fmt.Errorf("cluster: read raft state: %w", err)
 	}
 	r, err := raft.NewRaft(rc, n.fsm, logs, stable, snaps, n.trans)
 	if err != nil {
-		return fail(fmt.Errorf("cluster: start raft (a corrupt snapshot or log refuses to start rather than serve partial state): %w", err))
+		return nil, fmt.Errorf("cluster: start raft (a corrupt snapshot or log refuses to start rather than serve partial state): %w", err)
 	}
 	n.raft = r
 	if n.cfg.Remote == nil && cfg.Peers != nil {
@@ -338,6 +256,115 @@ func Open(ctx context.Context, cfg Config) (*Node, error) {
 	n.log.Info("raft node started", "raft", n.cfg.RaftAdvertise, "peer", cfg.PeerAddr, "existing_state", existing,
 		"bootstrap_expect", cfg.BootstrapExpect, "join", cfg.Join)
 	return n, nil
+}
+
+// unwindOpen closes what a failed Open made: the transport (or the listener it was given)
+// and the stores.
+func (n *Node) unwindOpen() {
+	switch {
+	case n.trans != nil && n.cfg.Transport == nil:
+		n.closeTransport()
+	case n.trans == nil && n.cfg.RaftListener != nil:
+		_ = n.cfg.RaftListener.Close()
+	}
+	if n.store != nil {
+		_ = n.store.Close()
+	}
+	if n.cancel != nil {
+		n.cancel()
+	}
+}
+
+// raftConfig is raft's configuration for this node.
+func (n *Node) raftConfig() *raft.Config {
+	cfg := n.cfg
+	rc := raft.DefaultConfig()
+	rc.LocalID = raft.ServerID(cfg.ID)
+	rc.HeartbeatTimeout = cfg.HeartbeatTimeout
+	rc.ElectionTimeout = cfg.ElectionTimeout
+	rc.LeaderLeaseTimeout = cfg.LeaderLeaseTimeout
+	rc.CommitTimeout = cfg.CommitTimeout
+	rc.MaxAppendEntries = cfg.MaxAppendEntries
+	rc.BatchApplyCh = true
+	rc.SnapshotThreshold = cfg.SnapshotThreshold
+	rc.SnapshotInterval = cfg.SnapshotInterval
+	rc.TrailingLogs = 10240
+	// A node removed from the configuration keeps running (unready) so an operator can see it.
+	rc.ShutdownOnRemove = false
+	// restoreSnapshot has loaded (and checked) the newest snapshot already.
+	rc.NoSnapshotRestoreOnStart = true
+	rc.Logger = newHCLogger(n.log)
+	return rc
+}
+
+// openStores opens the Raft log and stable store (bbolt, fsync on, behind a log cache) and
+// the snapshot store in the data directory, or in-memory ones for tests.
+func (n *Node) openStores(logger hclog.Logger) (raft.LogStore, raft.StableStore, raft.SnapshotStore, error) {
+	cfg := n.cfg
+	if cfg.InMemory {
+		mem := raft.NewInmemStore()
+		return mem, mem, raft.NewInmemSnapshotStore(), nil
+	}
+	if cfg.DataDir == "" {
+		return nil, nil, nil, errors.New("cluster: a data directory is required")
+	}
+	if err := os.MkdirAll(cfg.DataDir, 0o750); err != nil {
+		return nil, nil, nil, fmt.Errorf("cluster: data directory: %w", err)
+	}
+	if id, err := readClusterID(cfg.DataDir); err != nil {
+		return nil, nil, nil, err
+	} else if id != "" {
+		n.clusterID.Store(&id)
+	}
+	bolt, err := raftboltdb.New(raftboltdb.Options{
+		Path:        filepath.Join(cfg.DataDir, "raft.db"),
+		BoltOptions: &bbolt.Options{Timeout: time.Second},
+	})
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("cluster: open raft log in %s (is another replica using it?): %w", cfg.DataDir, err)
+	}
+	n.store = bolt
+	cached, err := raft.NewLogCache(4096, bolt)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("cluster: log cache: %w", err)
+	}
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(cfg.DataDir, cfg.SnapshotRetain, logger) // in DataDir/snapshots
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("cluster: snapshot store: %w", err)
+	}
+	return cached, bolt, snaps, nil
+}
+
+// openTransport makes the Raft transport: the configured one (tests), or TCP (with TLS when
+// configured) on the listener the caller bound or on RaftBind.
+func (n *Node) openTransport(logger hclog.Logger) error {
+	cfg := n.cfg
+	if cfg.Transport != nil {
+		n.trans = cfg.Transport
+	} else {
+		var adv net.Addr
+		if cfg.RaftAdvertise != "" {
+			a, err := net.ResolveTCPAddr("tcp", cfg.RaftAdvertise)
+			if err != nil {
+				return fmt.Errorf("cluster: raft advertise address %q: %w", cfg.RaftAdvertise, err)
+			}
+			adv = a
+		}
+		var tt *raft.NetworkTransport
+		var err error
+		if cfg.RaftListener != nil {
+			tt, err = newTransport(cfg.RaftListener, adv, cfg.RaftTLS, 4, 10*time.Second, logger)
+		} else {
+			tt, err = listenTransport(cfg.RaftBind, adv, cfg.RaftTLS, 4, 10*time.Second, logger)
+		}
+		if err != nil {
+			return fmt.Errorf("cluster: raft port %s: %w", cfg.RaftBind, err)
+		}
+		n.trans = tt
+	}
+	// What peers dial is what the transport tells them, whoever bound the port.
+	n.cfg.RaftAdvertise = string(n.trans.LocalAddr())
+	return nil
 }
 
 // restoreSnapshot loads the newest snapshot into f before Raft starts (Raft is told not to

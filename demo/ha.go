@@ -75,18 +75,11 @@ func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
 	if len(reqs) < 2 {
 		return errors.New("the trace slice needs at least two requests")
 	}
-	self := cfg.Binary
-	if self == "" {
-		if self, err = os.Executable(); err != nil {
-			return fmt.Errorf("find this binary: %w", err)
-		}
-	}
 	dir, err := os.MkdirTemp("", "kvrouter-ha-demo-")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(dir)
-
 	sc := cfg.Sim
 	sc.CapacityBlocks = cfg.CapacityBlocks
 	sc.Speedup = cfg.Speedup
@@ -97,112 +90,27 @@ func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
 		return err
 	}
 	defer fleet.Close()
-	var workers []string
-	for _, s := range fleet.specs {
-		workers = append(workers, s.ID+"="+s.URL)
-	}
-
-	const replicas = 3
-	members, err := proc.LoopbackReplicas(replicas, dir)
-	if err != nil {
+	h := &haCluster{cfg: cfg, dir: dir, hc: &http.Client{Timeout: 2 * time.Second}}
+	defer h.stop(ctx)
+	if err := h.start(ctx, fleet); err != nil {
 		return err
 	}
-	procs := make([]*proc.Process, len(members))
-	admins := make([]string, len(members))
-	for i, m := range members {
-		admins[i] = m.Admin
-		procs[i] = proc.New(proc.Spec{Name: m.ID, LogPath: filepath.Join(dir, m.ID+".log"), Argv: m.ServeArgv(self, members, workers,
-			"--log-level", "warn",
-			// Time runs cfg.Speedup times faster: the TTLs and hint intervals shrink with it.
-			"--approx-ttl", scaled(120*time.Second, cfg.Speedup).String(),
-			"--approx-max-blocks", fmt.Sprint(cfg.CapacityBlocks),
-			"--session-ttl", scaled(10*time.Minute, cfg.Speedup).String(),
-			"--load-share-interval", scaled(150*time.Millisecond, cfg.Speedup).String(),
-			"--decision-flush-interval", scaled(50*time.Millisecond, cfg.Speedup).String(),
-			"--health-timeout", "2s",
-			// Nothing needs draining when the demo ends.
-			"--shutdown-delay", "0")})
-	}
-	hc := &http.Client{Timeout: 2 * time.Second}
-	defer func() {
-		var wg sync.WaitGroup
-		for _, p := range procs {
-			wg.Go(func() { _ = p.Stop(context.WithoutCancel(ctx), syscall.SIGTERM, 10*time.Second) })
-		}
-		wg.Wait()
-	}()
-	for _, p := range procs {
-		if err := p.Start(); err != nil {
-			return err
-		}
-	}
-	readyCtx, cancel := context.WithTimeout(ctx, 60*time.Second)
-	defer cancel()
-	for _, m := range members {
-		if err := proc.WaitReady(readyCtx, hc, "http://"+m.Client+"/readyz", 60*time.Second); err != nil {
-			return fmt.Errorf("replica %s (log %s): %w", m.ID, filepath.Join(dir, m.ID+".log"), err)
-		}
-	}
-	// leader asks every replica which one leads (bounded: a busy 2-core machine can be slow to
-	// answer, and a replica that does not answer in time counts as not leading).
-	leader := func(ctx context.Context) (int, error) {
-		ctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
-		defer cancel()
-		return proc.FindLeader(ctx, hc, admins)
-	}
-
-	targets, front, stopLB, err := startBalancer(ctx, cfg, dir, members, hc)
+	targets, front, stopLB, err := startBalancer(ctx, cfg, dir, h.members, h.hc)
 	if err != nil {
 		return err
 	}
 	defer stopLB()
 	fmt.Fprintf(stdout, "three replicas (Raft + gossip) over %d simulated workers, %s\n", cfg.Workers, front)
 
-	// The leader watch polls every replica's admin API.
-	watch := &leaderWatch{}
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	var wg sync.WaitGroup
-	wg.Go(func() {
-		t := time.NewTicker(20 * time.Millisecond)
-		defer t.Stop()
-		for {
-			_, err := leader(watchCtx)
-			watch.observe(time.Now(), err == nil)
-			select {
-			case <-watchCtx.Done():
-				return
-			case <-t.C:
-			}
-		}
-	})
-
+	watch := &leaderWatch{}
+	wg.Go(func() { h.watchLeader(watchCtx, watch) })
 	// Half-way through the slice (in replay time), the leader is killed and started again.
-	half := scaled((reqs[len(reqs)-1].Timestamp-reqs[0].Timestamp)/2, cfg.Speedup)
-	var killed, restarted string
-	var killAt, backAt time.Duration
+	var kill killReport
 	start := time.Now()
-	wg.Go(func() {
-		select {
-		case <-watchCtx.Done():
-			return
-		case <-time.After(half):
-		}
-		i, err := leader(watchCtx)
-		if err != nil {
-			return
-		}
-		killAt = time.Since(start)
-		procs[i].Kill()
-		killed = members[i].ID
-		if err := procs[i].Start(); err != nil {
-			cfg.Logger.Error("restarting the killed leader", "replica", killed, "err", err)
-			return
-		}
-		if proc.WaitReady(watchCtx, hc, "http://"+members[i].Client+"/readyz", 60*time.Second) == nil {
-			backAt = time.Since(start)
-			restarted = killed
-		}
-	})
+	half := scaled((reqs[len(reqs)-1].Timestamp-reqs[0].Timestamp)/2, cfg.Speedup)
+	wg.Go(func() { kill = h.killLeader(watchCtx, start, half) })
 
 	rc := replay.DefaultConfig()
 	rc.Targets = targets
@@ -220,23 +128,152 @@ func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
 	if err != nil {
 		return err
 	}
-	without, longest, episodes := watch.total(time.Now())
+	h.report(stdout, sum, kill, watch)
+	return nil
+}
 
+// haCluster is the demo's three replica processes.
+type haCluster struct {
+	cfg     Config
+	dir     string
+	hc      *http.Client
+	members []proc.Replica
+	procs   []*proc.Process
+	admins  []string
+}
+
+// start runs three replicas of this binary over the fleet and waits until they are ready.
+func (h *haCluster) start(ctx context.Context, fleet *simFleet) error {
+	cfg := h.cfg
+	self := cfg.Binary
+	if self == "" {
+		var err error
+		if self, err = os.Executable(); err != nil {
+			return fmt.Errorf("find this binary: %w", err)
+		}
+	}
+	var workers []string
+	for _, s := range fleet.specs {
+		workers = append(workers, s.ID+"="+s.URL)
+	}
+	const replicas = 3
+	members, err := proc.LoopbackReplicas(replicas, h.dir)
+	if err != nil {
+		return err
+	}
+	h.members = members
+	for _, m := range members {
+		h.admins = append(h.admins, m.Admin)
+		h.procs = append(h.procs, proc.New(proc.Spec{Name: m.ID, LogPath: h.log(m.ID), Argv: m.ServeArgv(self, members, workers,
+			"--log-level", "warn",
+			// Time runs cfg.Speedup times faster: the TTLs and hint intervals shrink with it.
+			"--approx-ttl", scaled(120*time.Second, cfg.Speedup).String(),
+			"--approx-max-blocks", fmt.Sprint(cfg.CapacityBlocks),
+			"--session-ttl", scaled(10*time.Minute, cfg.Speedup).String(),
+			"--load-share-interval", scaled(150*time.Millisecond, cfg.Speedup).String(),
+			"--decision-flush-interval", scaled(50*time.Millisecond, cfg.Speedup).String(),
+			"--health-timeout", "2s",
+			// Nothing needs draining when the demo ends.
+			"--shutdown-delay", "0")}))
+	}
+	for _, p := range h.procs {
+		if err := p.Start(); err != nil {
+			return err
+		}
+	}
+	readyCtx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	for _, m := range members {
+		if err := proc.WaitReady(readyCtx, h.hc, "http://"+m.Client+"/readyz", 60*time.Second); err != nil {
+			return fmt.Errorf("replica %s (log %s): %w", m.ID, h.log(m.ID), err)
+		}
+	}
+	return nil
+}
+
+func (h *haCluster) log(id string) string { return filepath.Join(h.dir, id+".log") }
+
+// stop sends every replica SIGTERM and waits (bounded) for them.
+func (h *haCluster) stop(ctx context.Context) {
+	var wg sync.WaitGroup
+	for _, p := range h.procs {
+		wg.Go(func() { _ = p.Stop(context.WithoutCancel(ctx), syscall.SIGTERM, 10*time.Second) })
+	}
+	wg.Wait()
+}
+
+// leader asks every replica which one leads (bounded: a busy 2-core machine can be slow to
+// answer, and a replica that does not answer in time counts as not leading).
+func (h *haCluster) leader(ctx context.Context) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	return proc.FindLeader(ctx, h.hc, h.admins)
+}
+
+// watchLeader records, every 20 ms until ctx ends, whether some replica leads.
+func (h *haCluster) watchLeader(ctx context.Context, watch *leaderWatch) {
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		_, err := h.leader(ctx)
+		watch.observe(time.Now(), err == nil)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// killReport is what happened to the leader killed half-way.
+type killReport struct {
+	killed, restarted string
+	killAt, backAt    time.Duration
+}
+
+// killLeader kills the leader after the delay (SIGKILL), starts it again and waits until it
+// is ready.
+func (h *haCluster) killLeader(ctx context.Context, start time.Time, after time.Duration) (r killReport) {
+	select {
+	case <-ctx.Done():
+		return r
+	case <-time.After(after):
+	}
+	i, err := h.leader(ctx)
+	if err != nil {
+		return r
+	}
+	r.killAt = time.Since(start)
+	h.procs[i].Kill()
+	r.killed = h.members[i].ID
+	if err := h.procs[i].Start(); err != nil {
+		h.cfg.Logger.Error("restarting the killed leader", "replica", r.killed, "err", err)
+		return r
+	}
+	if proc.WaitReady(ctx, h.hc, "http://"+h.members[i].Client+"/readyz", 60*time.Second) == nil {
+		r.backAt = time.Since(start)
+		r.restarted = r.killed
+	}
+	return r
+}
+
+// report prints the replay's summary and what the failover cost.
+func (h *haCluster) report(stdout io.Writer, sum *replay.Summary, k killReport, watch *leaderWatch) {
+	without, longest, episodes := watch.total(time.Now())
 	fmt.Fprintln(stdout)
 	replay.Table(stdout, []*replay.Summary{sum})
 	fmt.Fprintln(stdout)
 	switch {
-	case killed == "":
+	case k.killed == "":
 		fmt.Fprintln(stdout, "no leader was found to kill half-way (the run was too short?)")
-	case restarted == "":
-		fmt.Fprintf(stdout, "leader %s killed at %.1f s; it did not come back ready (log: %s)\n", killed, killAt.Seconds(), filepath.Join(dir, killed+".log"))
+	case k.restarted == "":
+		fmt.Fprintf(stdout, "leader %s killed at %.1f s; it did not come back ready (log: %s)\n", k.killed, k.killAt.Seconds(), h.log(k.killed))
 	default:
-		fmt.Fprintf(stdout, "leader %s killed (SIGKILL) at %.1f s, restarted and ready again at %.1f s\n", killed, killAt.Seconds(), backAt.Seconds())
+		fmt.Fprintf(stdout, "leader %s killed (SIGKILL) at %.1f s, restarted and ready again at %.1f s\n", k.killed, k.killAt.Seconds(), k.backAt.Seconds())
 	}
 	fmt.Fprintf(stdout, "time without a leader: %.2f s in all (%d spell(s), longest %.2f s)\n", without.Seconds(), episodes, longest.Seconds())
 	fmt.Fprintf(stdout, "requests failed: %d of %d %v\n", sum.Failed, sum.Requests, sum.Errors)
 	fmt.Fprintf(stdout, "sessions that changed worker: %d of %d\n", sum.SessionsMoved, sum.Sessions)
-	return nil
 }
 
 // startBalancer puts HAProxy in front of the replicas when it is installed and its config
