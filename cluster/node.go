@@ -708,11 +708,25 @@ func (n *Node) HandOverLeadership() (bool, error) {
 	if !other {
 		return false, nil
 	}
-	if err := n.raft.LeadershipTransfer().Error(); err != nil {
-		return false, fmt.Errorf("cluster: leadership transfer: %w", err)
+	// Raft gives the chosen follower one election timeout to win; on a loaded machine it can
+	// miss that, so a transfer that timed out is tried again (the follower most up to date
+	// then may be another) while this node still leads.
+	var err error
+	for attempt := 0; attempt < handOverAttempts && n.IsLeader(); attempt++ {
+		if err = n.raft.LeadershipTransfer().Error(); err == nil {
+			return true, nil
+		}
+		n.log.Debug("leadership transfer attempt failed", "attempt", attempt+1, "err", err)
 	}
-	return true, nil
+	if !n.IsLeader() {
+		// The last attempt timed out, yet another replica won meanwhile.
+		return true, nil
+	}
+	return false, fmt.Errorf("cluster: leadership transfer (%d attempts): %w", handOverAttempts, err)
 }
+
+// handOverAttempts bounds HandOverLeadership's tries.
+const handOverAttempts = 3
 
 // Close stops the node: Raft shuts down and the log and stable store close. It does not
 // hand leadership over first (a replica leaving gracefully calls HandOverLeadership before,
