@@ -871,3 +871,42 @@ func waitReady(t *testing.T, c *routerClient, status int) {
 		return a.status == status, fmt.Sprintf("%d %s", a.status, a.body)
 	})
 }
+
+// TestNonStreamingSiblingSentDuringGenerationGoesToTheSameWorker: a non-streaming request's
+// prompt enters the index when it is sent, not when its answer (at the end of generation)
+// comes back, so a sibling sent while it generates is predicted cached on its worker. Two
+// workers: A runs the first request (20 blocks, non-streaming, a long decode), B a busy one
+// of 15 blocks. The kv cost of the sibling is then 20+20+20 = 60 on A with the 20 blocks
+// predicted (the first's prefill and decode load, no prefill of its own) against 15+15+20+20
+// = 70 on B: A. Recorded at the worker's first answer, the sibling saw an overlap of 0 on A
+// (cost 80) and went to B.
+func TestNonStreamingSiblingSentDuringGenerationGoesToTheSameWorker(t *testing.T) {
+	fleet := startWorkers(t, 2, simConfig(20*time.Millisecond))
+	rep := startTestReplica(t, fleet, nil)
+	c := newRouterClient(t, rep)
+	inFlight := func(n int64) {
+		eventually(t, fmt.Sprintf("%d requests in flight", n), func() (bool, string) {
+			var total int64
+			for _, l := range rep.tracker.Snapshot() {
+				total += l.Requests
+			}
+			return total == n, fmt.Sprintf("%d", total)
+		})
+	}
+	prompt := promptTokens(41, 20*blockTokens)
+	first := make(chan answer, 1)
+	go func() { first <- c.complete(prompt, 40, nil) }()
+	inFlight(1)
+	busy := make(chan answer, 1)
+	go func() { busy <- c.complete(promptTokens(42, 15*blockTokens), 40, nil) }()
+	inFlight(2)
+	second := c.complete(prompt, 2, nil).mustOK(t)
+	a, b := (<-first).mustOK(t), (<-busy).mustOK(t)
+	if a.worker() == b.worker() {
+		t.Fatalf("the first and the busy request both went to %s", a.worker())
+	}
+	if second.worker() != a.worker() || second.overlap(t) != 20 {
+		t.Fatalf("the sibling went to %s with %d blocks predicted; the first is on %s (20 blocks), the busy one on %s",
+			second.worker(), second.overlap(t), a.worker(), b.worker())
+	}
+}

@@ -72,7 +72,28 @@ func (kvPolicy) choose(req *Request, promptBlocks int, cands []candidate, r *Rou
 	if r.cfg.Temperature > 0 {
 		return r.softmin(cost, r.cfg.Temperature)
 	}
-	return r.argmin(cost)
+	return r.argminPreferring(cost, cands)
+}
+
+// argminPreferring is argmin where a tie in cost goes to the candidate with the longer
+// overlap, then at random. Ties are common: a cached prompt's saved prefill is exactly what
+// the request already occupying that worker costs while its prefill counts (for a
+// non-streaming request, until its answer ends), so a duplicate costs on its worker what it
+// costs on an idle one. Sending it where the prefix is keeps one copy in the fleet's caches.
+func (r *Router) argminPreferring(cost []float64, cands []candidate) int {
+	best, ties := 0, 1
+	for i := 1; i < len(cost); i++ {
+		switch {
+		case cost[i] < cost[best] || cost[i] == cost[best] && cands[i].overlap > cands[best].overlap:
+			best, ties = i, 1
+		case cost[i] == cost[best] && cands[i].overlap == cands[best].overlap:
+			ties++
+			if r.intn(ties) == 0 {
+				best = i
+			}
+		}
+	}
+	return best
 }
 
 // argmin returns the index of the smallest value, ties broken at random.

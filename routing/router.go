@@ -55,7 +55,7 @@ type Config struct {
 	Policy        string
 	BlockSize     int     // tokens per block (16)
 	PrefillWeight float64 // kv cost weight of prefill blocks (1.0)
-	Temperature   float64 // 0: argmin with random tie-break; >0: softmax sampling
+	Temperature   float64 // 0: argmin, ties to the longer overlap, then random; >0: softmax sampling
 	// BusyDecodeFraction marks a worker busy when its decode blocks exceed this share of its
 	// capacity; 0 disables.
 	BusyDecodeFraction float64
@@ -453,7 +453,6 @@ type Attempt struct {
 	tried       []indexer.Worker
 	retries     int
 	finished    bool
-	recorded    bool
 }
 
 // Decision returns the attempt's current decision.
@@ -482,13 +481,22 @@ func (a *Attempt) selectAndStart(ctx context.Context) error {
 		d.Binding = Binding{Session: a.req.Session}
 	}
 	a.decision = d
-	a.startTicket()
+	a.startDispatch()
 	return nil
 }
 
-// startTicket starts the load accounting of the decision's target: the prompt's uncached
-// tokens to prefill, its blocks to decode.
-func (a *Attempt) startTicket() {
+// startDispatch is called as the request is about to go to the decision's target: it starts
+// the target's load accounting (the prompt's uncached tokens to prefill, its blocks to
+// decode) and records the decision in the index (and, through the recorder, on the other
+// replicas), as the reference router's track_selection does before dispatch_selection. For
+// a non-streaming request the worker's first answer comes only at the end of generation, and
+// its prompt must be visible to every selection meanwhile. A dispatch that fails before the
+// worker accepts it stays recorded on that worker: it ages out with the index's TTL, and
+// the retry records where the request went instead.
+func (a *Attempt) startDispatch() {
+	if r := a.router.deps.Recorder; r != nil && len(a.req.Hashes) > 0 {
+		r.Record(a.decision.Target.Worker, a.req.Hashes)
+	}
 	d := a.decision
 	prefill := int64(a.req.PromptTokens) - int64(d.Overlap)*int64(a.router.cfg.BlockSize)
 	if a.ticket == nil {
@@ -573,15 +581,10 @@ func (a *Attempt) fail(ctx context.Context) {
 
 // Commit records that the worker accepted the request; for a new session it binds the
 // session to the worker and returns the binding with its revision. Without a session it
-// returns a zero Binding. The decision is recorded into the approximate index here, when the
-// worker starts prefilling, so that concurrent siblings of the prompt already see it.
+// returns a zero Binding. (The decision entered the index at dispatch, startDispatch.)
 func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	if a.finished {
 		return a.decision.Binding, errors.New("commit of a finished attempt")
-	}
-	if !a.recorded && a.router.deps.Recorder != nil && len(a.req.Hashes) > 0 {
-		a.router.deps.Recorder.Record(a.decision.Target.Worker, a.req.Hashes)
-		a.recorded = true
 	}
 	if a.lease == nil || a.decision.Bound {
 		return a.decision.Binding, nil
@@ -597,7 +600,7 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 		a.ticket.Finish()
 		a.decision.Target = Target{Worker: b.Worker, Spec: &spec}
 		a.decision.Binding, a.decision.Bound = b, true
-		a.startTicket()
+		a.startDispatch()
 		return b, err
 	}
 	if err != nil {

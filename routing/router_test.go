@@ -420,18 +420,34 @@ func TestQueryOnlyChangesNothing(t *testing.T) {
 	}
 }
 
-func TestCommitRecordsTheDecision(t *testing.T) {
-	rg := newRig(t, 2, Config{})
+// TestDispatchRecordsTheDecision: the decision enters the index as the request is sent, not
+// when the worker first answers (for a non-streaming request that is the end of generation,
+// and its prompt must be visible to the selections meanwhile); a retry records where the
+// request went next.
+func TestDispatchRecordsTheDecision(t *testing.T) {
+	rg := newRig(t, 2, Config{MaxRetries: 1})
 	h := hashes(77, 4)
 	a := route(t, rg.router, Request{PromptTokens: 64, Hashes: h})
-	if m := rg.index.FindMatches(h, nil); len(m) != 0 {
-		t.Fatal("recorded before the worker accepted")
+	first := a.Decision().Target.Worker
+	m := rg.index.FindMatches(h, nil)
+	if len(m) != 1 || m[0].Worker != first || m[0].Blocks != 4 {
+		t.Fatalf("matches once dispatched, before any answer = %v, want 4 blocks on %s", m, first)
+	}
+	if err := a.Retry(context.Background(), errors.New("connection refused")); err != nil {
+		t.Fatal(err)
+	}
+	second := a.Decision().Target.Worker
+	if second == first {
+		t.Fatalf("the retry went to %s again", first)
 	}
 	a.Commit(context.Background())
 	a.Finish()
-	m := rg.index.FindMatches(h, nil)
-	if len(m) != 1 || m[0].Worker != a.Decision().Target.Worker || m[0].Blocks != 4 {
-		t.Fatalf("matches after commit = %v", m)
+	found := map[indexer.Worker]int{}
+	for _, x := range rg.index.FindMatches(h, nil) {
+		found[x.Worker] = x.Blocks
+	}
+	if found[second] != 4 {
+		t.Fatalf("matches after the retry = %v, want 4 blocks on %s", found, second)
 	}
 }
 
@@ -520,5 +536,24 @@ func TestRetryDropsARacingBindingToATriedWorker(t *testing.T) {
 	}
 	if b, ok, _ := rg.affinity.Peek(ctx, "s"); ok && b.Revision == rebound.Revision {
 		t.Fatal("the racing binding to the failed worker survived")
+	}
+}
+
+// TestKVCostTieGoesToTheLongerOverlap: a duplicate of a prompt decoding on its worker costs
+// there what it costs on an idle worker (the first's decode load equals the duplicate's
+// saved prefill, at the default prefill weight); the tie goes to the worker holding the
+// prefix, every time.
+func TestKVCostTieGoesToTheLongerOverlap(t *testing.T) {
+	rg := newRig(t, 4, Config{})
+	h := hashes(91, 8)
+	first := route(t, rg.router, Request{PromptTokens: 8 * 16, Hashes: h})
+	defer first.Finish()
+	first.FirstToken()
+	for range 20 {
+		a := route(t, rg.router, Request{PromptTokens: 8 * 16, Hashes: h})
+		if a.Decision().Target.Worker != first.Decision().Target.Worker || a.Decision().Overlap != 8 {
+			t.Fatalf("duplicate went to %s (overlap %d), the first is on %s", a.Decision().Target.Worker, a.Decision().Overlap, first.Decision().Target.Worker)
+		}
+		a.Finish()
 	}
 }
