@@ -46,6 +46,11 @@ type Config struct {
 	Sim            sim.Config
 	JSONPath       string
 	Progress       bool
+	// NoStream replays non-streaming requests instead of streaming ones.
+	NoStream bool
+	// RecordAt lists where the compared routers record decisions: dispatch (the default) and,
+	// to show what that buys, commit (the worker's first answer, as before issue 14).
+	RecordAt []string
 	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with.
 	HAProxyConfig string
 	Logger        *slog.Logger
@@ -72,17 +77,24 @@ func Compare(ctx context.Context, cfg Config, stdout, progress io.Writer) error 
 	if len(cfg.Topologies) == 0 {
 		cfg.Topologies = []Topology{{Replicas: 1}}
 	}
+	records := cfg.RecordAt
+	if len(records) == 0 {
+		records = []string{"dispatch"}
+	}
 	for _, tp := range cfg.Topologies {
 		for _, mode := range cfg.Modes {
 			for _, policy := range cfg.Policies {
-				if err := ctx.Err(); err != nil {
-					break
+				for _, rec := range records {
+					if err := ctx.Err(); err != nil {
+						break
+					}
+					run := run{tp: tp, policy: policy, precise: mode == "precise", recordAtCommit: rec == "commit", label: len(records) > 1}
+					s, err := runOne(ctx, cfg, run, reqs, progress)
+					if err != nil {
+						return fmt.Errorf("policy %s, %s mode, %s, record at %s: %w", policy, mode, tp, rec, err)
+					}
+					sums = append(sums, s)
 				}
-				s, err := runOne(ctx, cfg, tp, policy, mode == "precise", reqs, progress)
-				if err != nil {
-					return fmt.Errorf("policy %s, %s mode, %s: %w", policy, mode, tp, err)
-				}
-				sums = append(sums, s)
 			}
 		}
 	}
@@ -261,7 +273,19 @@ func ParseTopology(s string) (Topology, error) {
 }
 
 // runOne replays reqs through a fresh fleet and fresh router replicas using policy.
-func runOne(ctx context.Context, cfg Config, tp Topology, policy string, precise bool, reqs []trace.Request, progress io.Writer) (*replay.Summary, error) {
+// run is one column of a comparison.
+type run struct {
+	tp      Topology
+	policy  string
+	precise bool
+	// recordAtCommit records decisions at the worker's first answer (the old behaviour);
+	// label marks the column with where it records.
+	recordAtCommit, label bool
+}
+
+// runOne replays reqs through a fresh fleet and fresh router replicas as r says.
+func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progress io.Writer) (*replay.Summary, error) {
+	tp, policy, precise := r.tp, r.policy, r.precise
 	quiet := cfg.Logger
 	sc := cfg.Sim
 	sc.CapacityBlocks = cfg.CapacityBlocks
@@ -281,7 +305,7 @@ func runOne(ctx context.Context, cfg Config, tp Topology, policy string, precise
 	base := replica.Config{
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
 		Workers: fleet.specs,
-		Router:  routing.Config{Policy: policy},
+		Router:  routing.Config{Policy: policy, RecordAtCommit: r.recordAtCommit},
 		// The decision index forgets on the workers' scale: a decision stays for the
 		// trace's reuse gap, and a worker remembers no more than its cache holds.
 		ApproxTTL: time.Duration(float64(120*time.Second) / cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
@@ -307,12 +331,16 @@ func runOne(ctx context.Context, cfg Config, tp Topology, policy string, precise
 	rc.Concurrency = cfg.Concurrency
 	rc.MaxOutputTokens = cfg.MaxOutput
 	rc.Model = sim.DefaultModel
+	rc.Stream = !cfg.NoStream
 	rc.Label = policy
 	if len(cfg.Modes) > 1 || precise {
 		rc.Label = policy + map[bool]string{true: "/precise", false: "/approx"}[precise]
 	}
 	if len(cfg.Topologies) > 1 || tp.Replicas > 1 {
 		rc.Label += " x" + tp.String()
+	}
+	if r.label {
+		rc.Label += map[bool]string{true: " @commit", false: " @dispatch"}[r.recordAtCommit]
 	}
 	rc.Progress = progress
 	rc.Logger = quiet

@@ -119,6 +119,7 @@ func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
 	rc.Concurrency = cfg.Concurrency
 	rc.MaxOutputTokens = cfg.MaxOutput
 	rc.Model = sim.DefaultModel
+	rc.Stream = !cfg.NoStream
 	rc.Label = "kv x3, leader killed"
 	rc.Progress = progress
 	rc.Logger = cfg.Logger

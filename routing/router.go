@@ -67,6 +67,11 @@ type Config struct {
 	// TextChunkBytes is the chunk size for hashing text prompts (BlockSize*4: about a block).
 	TextChunkBytes int
 	Seed           uint64 // random source seed; 0 = unseeded
+	// RecordAtCommit records a decision when the worker first answers instead of at dispatch:
+	// the behaviour before issue 14, kept only so that comparisons (demo --record-at) can
+	// show what recording at dispatch buys; it hides a non-streaming prompt from every
+	// selection while it generates.
+	RecordAtCommit bool
 }
 
 // Deps are the parts a Router reads.
@@ -453,6 +458,7 @@ type Attempt struct {
 	tried       []indexer.Worker
 	retries     int
 	finished    bool
+	recorded    bool // under RecordAtCommit: the decision was recorded
 }
 
 // Decision returns the attempt's current decision.
@@ -494,8 +500,8 @@ func (a *Attempt) selectAndStart(ctx context.Context) error {
 // worker accepts it stays recorded on that worker: it ages out with the index's TTL, and
 // the retry records where the request went instead.
 func (a *Attempt) startDispatch() {
-	if r := a.router.deps.Recorder; r != nil && len(a.req.Hashes) > 0 {
-		r.Record(a.decision.Target.Worker, a.req.Hashes)
+	if !a.router.cfg.RecordAtCommit {
+		a.record()
 	}
 	d := a.decision
 	prefill := int64(a.req.PromptTokens) - int64(d.Overlap)*int64(a.router.cfg.BlockSize)
@@ -586,6 +592,10 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	if a.finished {
 		return a.decision.Binding, errors.New("commit of a finished attempt")
 	}
+	if a.router.cfg.RecordAtCommit && !a.recorded {
+		a.record()
+		a.recorded = true
+	}
 	if a.lease == nil || a.decision.Bound {
 		return a.decision.Binding, nil
 	}
@@ -608,6 +618,13 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	}
 	a.decision.Binding = b
 	return b, nil
+}
+
+// record puts the decision's prompt into the index on its target.
+func (a *Attempt) record() {
+	if r := a.router.deps.Recorder; r != nil && len(a.req.Hashes) > 0 {
+		r.Record(a.decision.Target.Worker, a.req.Hashes)
+	}
 }
 
 // FirstToken moves the request's load from prefill to decode.

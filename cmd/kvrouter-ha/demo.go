@@ -35,6 +35,8 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.Sim.DecodePerToken, "decode-per-token", 10*time.Millisecond, "simulated time per output token")
 	fs.StringVar(&cfg.JSONPath, "json", "", "also write the summaries as JSON to this file")
 	fs.BoolVar(&cfg.Progress, "progress", true, "show a progress bar")
+	fs.BoolVar(&cfg.NoStream, "no-stream", false, "replay non-streaming requests (the first token is seen with the last) instead of streaming ones")
+	recordAt := fs.String("record-at", "dispatch", "compare: where routers record their decisions, dispatch and/or commit (the worker's first answer, the behaviour before recording at dispatch), to show the difference")
 	logLevel := fs.String("log-level", "error", "router and worker log level: debug, info, warn or error")
 	return &ffcli.Command{
 		Name:       "demo",
@@ -44,6 +46,12 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 		Exec: func(ctx context.Context, _ []string) error {
 			cfg.Policies = splitList(*policies)
 			cfg.Modes = splitList(*modes)
+			cfg.RecordAt = splitList(*recordAt)
+			for _, r := range cfg.RecordAt {
+				if r != "dispatch" && r != "commit" {
+					return fmt.Errorf("--record-at: %q is neither dispatch nor commit", r)
+				}
+			}
 			for _, t := range splitList(*topologies) {
 				tp, err := demo.ParseTopology(t)
 				if err != nil {

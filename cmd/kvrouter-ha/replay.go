@@ -28,6 +28,7 @@ func replayCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.IntVar(&cfg.Concurrency, "concurrency", 256, "most requests in flight")
 	fs.DurationVar(&cfg.Timeout, "timeout", 10*time.Minute, "per-request timeout")
 	fs.StringVar(&cfg.Model, "model", "sim-model", "model name sent in requests")
+	fs.BoolVar(&cfg.Stream, "stream", true, "send streaming requests (SSE, TTFT measured at the first token); false sends non-streaming ones (the first token is seen with the last)")
 	fs.IntVar(&cfg.MaxOutputTokens, "max-output-tokens", 0, "cap each request's output tokens (0: as in the trace)")
 	fs.IntVar(&cfg.RouterBlockSize, "router-block-size", 16, "the router's block size, to turn predicted overlap into tokens")
 	fs.StringVar(&cfg.Label, "label", "replay", "name of this run in the summary")
