@@ -273,6 +273,22 @@ func ParseTopology(s string) (Topology, error) {
 }
 
 // runOne replays reqs through a fresh fleet and fresh router replicas using policy.
+// replayConfig is the replay of reqs through targets that every demo run makes.
+func (cfg Config) replayConfig(targets []string, reqs []trace.Request, label string, progress io.Writer) replay.Config {
+	rc := replay.DefaultConfig()
+	rc.Targets = targets
+	rc.Requests = reqs
+	rc.Speedup = cfg.Speedup
+	rc.Concurrency = cfg.Concurrency
+	rc.MaxOutputTokens = cfg.MaxOutput
+	rc.Model = sim.DefaultModel
+	rc.Stream = !cfg.NoStream
+	rc.Label = label
+	rc.Progress = progress
+	rc.Logger = cfg.Logger
+	return rc
+}
+
 // run is one column of a comparison.
 type run struct {
 	tp      Topology
@@ -322,17 +338,11 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 			r.Close()
 		}
 	}()
-	rc := replay.DefaultConfig()
+	var targets []string
 	for _, r := range reps {
-		rc.Targets = append(rc.Targets, "http://"+r.Addr())
+		targets = append(targets, "http://"+r.Addr())
 	}
-	rc.Requests = reqs
-	rc.Speedup = cfg.Speedup
-	rc.Concurrency = cfg.Concurrency
-	rc.MaxOutputTokens = cfg.MaxOutput
-	rc.Model = sim.DefaultModel
-	rc.Stream = !cfg.NoStream
-	rc.Label = policy
+	rc := cfg.replayConfig(targets, reqs, policy, progress)
 	if len(cfg.Modes) > 1 || precise {
 		rc.Label = policy + map[bool]string{true: "/precise", false: "/approx"}[precise]
 	}
@@ -342,8 +352,6 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	if r.label {
 		rc.Label += map[bool]string{true: " @commit", false: " @dispatch"}[r.recordAtCommit]
 	}
-	rc.Progress = progress
-	rc.Logger = quiet
 	sent := func() (bytes, dropped, gaps uint64, n int) {
 		for _, r := range reps {
 			if st, ok := r.SharingStats(); ok {

@@ -15,7 +15,6 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
-	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
@@ -112,18 +111,7 @@ func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
 	half := scaled((reqs[len(reqs)-1].Timestamp-reqs[0].Timestamp)/2, cfg.Speedup)
 	wg.Go(func() { kill = h.killLeader(watchCtx, start, half) })
 
-	rc := replay.DefaultConfig()
-	rc.Targets = targets
-	rc.Requests = reqs
-	rc.Speedup = cfg.Speedup
-	rc.Concurrency = cfg.Concurrency
-	rc.MaxOutputTokens = cfg.MaxOutput
-	rc.Model = sim.DefaultModel
-	rc.Stream = !cfg.NoStream
-	rc.Label = "kv x3, leader killed"
-	rc.Progress = progress
-	rc.Logger = cfg.Logger
-	sum, err := replay.Run(ctx, rc)
+	sum, err := replay.Run(ctx, cfg.replayConfig(targets, reqs, "kv x3, leader killed", progress))
 	stopWatch()
 	wg.Wait()
 	if err != nil {
