@@ -249,11 +249,33 @@ func TestAssignSessions(t *testing.T) {
 			want: []string{"s0", "s1", "s0"},
 		},
 		{
-			name: "ties go to the most recent",
-			// Requests 1 (s1) and 2 (s0, its partial id 3 dropped) both end at
-			// chain (1, 2); request 3 takes the more recent one's session.
+			name: "a chain the trace continues two ways is a shared prefix",
+			// Chain (1, 2), where requests 1 and 2 end, goes on with 3 (requests 0 and 2)
+			// and with 7 (request 3): a shared opening, which continues nobody's session.
 			reqs: []trace.Request{mk(true, 1, 2, 3), mk(true, 1, 2), mk(false, 1, 2, 3), mk(true, 1, 2, 7)},
-			want: []string{"s0", "s1", "s0", "s0"},
+			want: []string{"s0", "s1", "s0", "s3"},
+		},
+		{
+			name: "a short first turn that is only the system prompt anchors nothing",
+			// Requests 0 and 3 are a conversation's turns whose whole blocks are the
+			// two-block system prompt (10, 11); 1, 2 and 4 are conversations that open
+			// with it. Each conversation's later turn continues its own first turn.
+			reqs: []trace.Request{
+				mk(false, 10, 11, 12), // A, turn 1: the system prompt and a partial block
+				mk(true, 10, 11, 20, 21),
+				mk(true, 10, 11, 30),
+				mk(true, 10, 11, 20, 21, 22), // the second conversation's next turn
+				mk(true, 10, 11, 40, 41),
+				mk(true, 10, 11, 30, 31), // the third conversation's next turn
+			},
+			want: []string{"s0", "s1", "s2", "s1", "s4", "s2"},
+		},
+		{
+			name: "ties go to the most recent",
+			// Requests 0 and 1 both end at chain (5, 6) (1 repeats 0 with a partial
+			// block more); request 2 continues the more recent.
+			reqs: []trace.Request{mk(true, 5, 6), mk(false, 5, 6, 7), mk(true, 5, 6, 7)},
+			want: []string{"s0", "s0", "s0"},
 		},
 		{
 			name: "single partial block never anchors a session",
