@@ -330,7 +330,9 @@ func (d *Decisions) Flush(ctx context.Context) {
 	}
 
 	packet := d.cfg.Messenger.MaxBroadcastPayload()
-	reliable := estimateDecisionBytes(d.self, q) > smallBatchPackets*packet
+	// UDP packets only when the batch is small and every decision fits in one: a decision
+	// split over packets would be stored in pieces (see pack).
+	reliable := estimateDecisionBytes(d.self, q) > smallBatchPackets*packet || !fitsOnePacket(d.self, q, packet)
 	limit := packet
 	if reliable {
 		limit = d.cfg.MaxMessageBytes
@@ -417,8 +419,24 @@ func estimateDecisionBytes(self string, q []queuedDecision) int {
 	return n
 }
 
-// pack encodes q into messages of at most limit bytes, cutting chains too long for one
-// message into pieces (each later piece continues the one before it).
+// fitsOnePacket reports whether every decision of q fits in one packet of its own.
+func fitsOnePacket(self string, q []queuedDecision, packet int) bool {
+	for _, e := range q {
+		if decisionHeaderMax+len(self)+decisionEntryMax+workerWireMax(e.w)+8*len(e.hashes) > packet {
+			return false
+		}
+	}
+	return true
+}
+
+// pack encodes q into messages of at most limit bytes. A decision goes whole into one
+// message when it fits in one, so that the receiver stores it with one Store, and a store
+// queues a chain's blocks from its tail to its head: a cap then evicts the tail first and
+// the holdings stay prefix-closed, exactly as on the replica that made the decision. (Cut
+// head first into messages applied one after another, the head became the receiver's
+// oldest and was evicted first, hiding the whole chain from the prefix-closed lookup.) A
+// decision longer than a whole message goes in pieces, tail first, so that its head is
+// stored last there too.
 func (d *Decisions) pack(q []queuedDecision, limit int) []packedDecisions {
 	var (
 		out     []packedDecisions
@@ -440,27 +458,33 @@ func (d *Decisions) pack(q []queuedDecision, limit int) []packedDecisions {
 		reset()
 	}
 	reset()
+	extra := func(w indexer.Worker) int {
+		if workers[w] {
+			return decisionEntryMax
+		}
+		return decisionEntryMax + workerWireMax(w)
+	}
 	for _, e := range q {
-		for len(e.hashes) > 0 {
-			extra := decisionEntryMax
-			if !workers[e.w] {
-				extra += workerWireMax(e.w)
-			}
-			room := (limit - size - extra) / 8
-			if len(cur) > 0 && (room < 1 || (room < len(e.hashes) && room < 16)) {
-				emit() // not worth a sliver here: start a new message
-				continue
-			}
-			if room < 1 {
-				// Even alone it does not fit (a limit below any real packet size).
-				d.m.drop(shareDecisions, DropShareSize)
-				break
-			}
-			k := min(room, len(e.hashes))
-			cur = append(cur, queuedDecision{w: e.w, cont: e.cont, hashes: e.hashes[:k]})
+		if len(cur) > 0 && size+extra(e.w)+8*len(e.hashes) > limit {
+			emit() // it fits in a message of its own, perhaps: do not cut it
+		}
+		if size+extra(e.w)+8*len(e.hashes) <= limit {
+			cur = append(cur, e)
+			size += extra(e.w) + 8*len(e.hashes)
 			workers[e.w] = true
-			size += extra + 8*k
-			e = queuedDecision{w: e.w, cont: true, hashes: e.hashes[k:]}
+			continue
+		}
+		room := (limit - size - extra(e.w)) / 8
+		if room < 1 {
+			// Even alone it does not fit (a limit below any real packet size).
+			d.m.drop(shareDecisions, DropShareSize)
+			continue
+		}
+		for end := len(e.hashes); end > 0; {
+			start := max(0, end-room)
+			cur = append(cur, queuedDecision{w: e.w, cont: e.cont || start > 0, hashes: e.hashes[start:end]})
+			emit()
+			end = start
 		}
 	}
 	emit()

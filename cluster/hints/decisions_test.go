@@ -546,3 +546,46 @@ func TestReorderedDecisionMessagesAreLateNotLost(t *testing.T) {
 		})
 	}
 }
+
+// TestReceiverUnderACapHoldsWhatTheOriginHolds: both replicas cap a worker's blocks, and the
+// origin records decisions longer than a packet (and one longer than a whole message). The
+// receiver stores each decision as the origin did, tail to head, so the cap evicts the same
+// blocks on both and the receiver predicts every decision's overlap as the origin does. Cut
+// head first and applied piece by piece, the receiver evicted heads and saw nothing of the
+// chains whose head it lost.
+func TestReceiverUnderACapHoldsWhatTheOriginHolds(t *testing.T) {
+	fn := newFakeNet()
+	ma, mb := fn.join("a", ""), fn.join("b", "")
+	opts := indexer.Options{TTL: time.Minute, MaxBlocksPerWorker: 1500}
+	idxA, idxB := indexer.New(opts), indexer.New(opts)
+	da, err := NewDecisions(DecisionsConfig{Messenger: ma, Index: idxA, MaxMessageBytes: 8 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NewDecisions(DecisionsConfig{Messenger: mb, Index: idxB}); err != nil {
+		t.Fatal(err)
+	}
+	w := indexer.Worker{ID: "w0"}
+	var prompts [][]uint64
+	for i, n := range []int{400, 300, 1200, 250, 500} { // 1200 blocks: more than one 8 KiB message
+		p := sharePrompt(uint64(100+i), n)
+		prompts = append(prompts, p)
+		da.Record(w, p)
+		da.Flush(context.Background()) // each decision in a batch of its own
+	}
+	for i, p := range prompts {
+		var a, b int
+		for _, m := range idxA.FindMatches(p, nil) {
+			a = m.Blocks
+		}
+		for _, m := range idxB.FindMatches(p, nil) {
+			b = m.Blocks
+		}
+		if a != b {
+			t.Errorf("decision %d (%d blocks): the origin predicts %d, the receiver %d", i, len(p), a, b)
+		}
+	}
+	if a, b := idxA.Blocks(w), idxB.Blocks(w); a != b {
+		t.Errorf("the origin holds %d blocks of w0, the receiver %d", a, b)
+	}
+}
