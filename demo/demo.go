@@ -48,6 +48,9 @@ type Config struct {
 	Progress       bool
 	// NoStream replays non-streaming requests instead of streaming ones.
 	NoStream bool
+	// RequestLogDir, when set, receives each compare run's per-request log
+	// (replay.RequestRecord lines), one file per run named after its label.
+	RequestLogDir string
 	// RecordAt lists where the compared routers record decisions: dispatch (the default) and,
 	// to show what that buys, commit (the worker's first answer, as before issue 14).
 	RecordAt []string
@@ -366,6 +369,14 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 		return bytes, dropped, gaps, n
 	}
 	bytes0, dropped0, gaps0, _ := sent()
+	if cfg.RequestLogDir != "" {
+		f, err := os.Create(filepath.Join(cfg.RequestLogDir, strings.NewReplacer(" ", "_", "/", "-").Replace(rc.Label)+".jsonl"))
+		if err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		rc.RequestLog = f
+	}
 	sum, err := replay.Run(ctx, rc)
 	if err != nil {
 		return nil, err

@@ -610,6 +610,9 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 		a.ticket.Finish()
 		a.decision.Target = Target{Worker: b.Worker, Spec: &spec}
 		a.decision.Binding, a.decision.Bound = b, true
+		// What the router predicts is what the request will find where it goes now: the
+		// overlap on the worker the session is bound to, not on the one first chosen.
+		a.decision.Overlap = a.router.overlapOn(b.Worker, a.req.Hashes)
 		a.startDispatch()
 		return b, err
 	}
@@ -618,6 +621,19 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	}
 	a.decision.Binding = b
 	return b, nil
+}
+
+// overlapOn is how many leading blocks of hashes the index credits w with.
+func (r *Router) overlapOn(w indexer.Worker, hashes []uint64) int {
+	if r.deps.Index == nil || len(hashes) == 0 {
+		return 0
+	}
+	for _, m := range r.deps.Index.FindMatches(hashes, nil) {
+		if m.Worker == w {
+			return m.Blocks
+		}
+	}
+	return 0
 }
 
 // record puts the decision's prompt into the index on its target.

@@ -557,3 +557,50 @@ func TestKVCostTieGoesToTheLongerOverlap(t *testing.T) {
 		a.Finish()
 	}
 }
+
+// elsewhere is an affinity store whose every first request loses the race: another
+// replica bound the session to bound first.
+type elsewhere struct{ bound Binding }
+
+func (e elsewhere) Acquire(context.Context, string, *indexer.Worker) (Lease, error) {
+	return &elsewhereLease{bound: e.bound}, nil
+}
+func (e elsewhere) Peek(context.Context, string) (Binding, bool, error) { return Binding{}, false, nil }
+func (e elsewhere) Invalidate(context.Context, string, uint64) error    { return nil }
+
+type elsewhereLease struct{ bound Binding }
+
+func (l *elsewhereLease) Binding() (Binding, bool) { return Binding{}, false }
+func (l *elsewhereLease) Commit(context.Context, indexer.Worker) (Binding, error) {
+	return l.bound, ErrBoundElsewhere
+}
+func (l *elsewhereLease) Reopen() bool               { return false }
+func (l *elsewhereLease) Invalidate(context.Context) {}
+func (l *elsewhereLease) Release()                   {}
+
+// TestAMovedRequestPredictsTheBoundWorkersOverlap: a first request that lost the binding
+// race moves to the worker the session is bound to, and the overlap it reports is that
+// worker's (2 blocks), not the first choice's (4): otherwise every such move counted as a
+// misprediction of the whole prompt.
+func TestAMovedRequestPredictsTheBoundWorkersOverlap(t *testing.T) {
+	rg := newRig(t, 4, Config{})
+	h := hashes(500, 4)
+	rg.index.Record(worker("w1"), h)
+	rg.index.Record(worker("w3"), h[:2])
+	router, err := New(Config{}, Deps{Index: rg.index, Recorder: rg.index, Workers: rg.reg, Tracker: rg.tracker,
+		Affinity: elsewhere{bound: Binding{Session: "s", Worker: worker("w3"), Revision: 9}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := route(t, router, Request{Session: "s", PromptTokens: 64, Hashes: h})
+	if d := a.Decision(); d.Target.Worker != worker("w1") || d.Overlap != 4 {
+		t.Fatalf("first choice %s with %d blocks, want w1 with 4", d.Target.Worker, d.Overlap)
+	}
+	if _, err := a.Commit(context.Background()); !errors.Is(err, ErrBoundElsewhere) {
+		t.Fatalf("commit: %v, want ErrBoundElsewhere", err)
+	}
+	defer a.Finish()
+	if d := a.Decision(); d.Target.Worker != worker("w3") || d.Overlap != 2 {
+		t.Fatalf("after the move: %s with %d blocks predicted, want w3 with 2", d.Target.Worker, d.Overlap)
+	}
+}

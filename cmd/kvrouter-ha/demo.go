@@ -34,6 +34,7 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.Sim.PrefillPerToken, "prefill-per-token", 50*time.Microsecond, "simulated prefill time per uncached token")
 	fs.DurationVar(&cfg.Sim.DecodePerToken, "decode-per-token", 10*time.Millisecond, "simulated time per output token")
 	fs.StringVar(&cfg.JSONPath, "json", "", "also write the summaries as JSON to this file")
+	fs.StringVar(&cfg.RequestLogDir, "request-log", "", "compare: write each run's requests (predicted and cached tokens, replica, worker, session) as JSON lines into this directory")
 	fs.BoolVar(&cfg.Progress, "progress", true, "show a progress bar")
 	fs.BoolVar(&cfg.NoStream, "no-stream", false, "replay non-streaming requests (the first token is seen with the last) instead of streaming ones")
 	recordAt := fs.String("record-at", "dispatch", "compare: where routers record their decisions, dispatch and/or commit (the worker's first answer, the behaviour before recording at dispatch), to show the difference")

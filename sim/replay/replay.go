@@ -62,6 +62,7 @@ const (
 	headerWorkerID      = "X-Worker-ID"
 	headerOverlapBlocks = "X-Kvrouter-Overlap-Blocks"
 	headerSession       = "X-Session-ID"
+	headerReplica       = "X-Kvrouter-Replica"
 )
 
 // Error causes counted in Summary.Errors besides "http_<status>".
@@ -117,6 +118,9 @@ type Config struct {
 	Label string
 	// Progress receives a progress bar; nil means none.
 	Progress io.Writer
+	// RequestLog, when set, receives one JSON line per request once the run ends (RequestRecord):
+	// the raw material behind the summary, for looking into a prediction error.
+	RequestLog io.Writer
 	// HTTPClient sends the requests; nil means a client sized for Concurrency.
 	HTTPClient *http.Client
 	// Logger receives per-failure debug lines and the run's start and end;
@@ -213,6 +217,8 @@ type result struct {
 	ok           bool
 	cause        string
 	worker       string
+	replica      string
+	sent         time.Duration // since the run's start
 	ttft         time.Duration
 	hasTTFT      bool
 	latency      time.Duration
@@ -310,7 +316,9 @@ dispatch:
 		ep := i % len(urls)
 		wg.Go(func() {
 			defer func() { <-sem }()
+			sent := time.Since(start)
 			results[i] = r.do(ctx, req, urls[ep], r.fallback[ep])
+			results[i].sent = sent
 			if bar != nil {
 				_ = bar.Add(1)
 			}
@@ -319,6 +327,11 @@ dispatch:
 	wg.Wait()
 	elapsed := time.Since(start)
 
+	if cfg.RequestLog != nil {
+		if err := writeRequestLog(cfg.RequestLog, reqs[:dispatched], results[:dispatched], cfg.RouterBlockSize); err != nil {
+			cfg.Logger.Warn("replay request log", "err", err)
+		}
+	}
 	sum := summarize(results[:dispatched], cfg.RouterBlockSize)
 	sum.Label = cfg.Label
 	sum.Planned = len(reqs)
@@ -393,7 +406,7 @@ func (r *runner) do(parent context.Context, req trace.Request, endpoint, fallbac
 	}
 	defer resp.Body.Close()
 
-	res := result{worker: workerOf(resp.Header, fallback), session: req.Session}
+	res := result{worker: workerOf(resp.Header, fallback), session: req.Session, replica: resp.Header.Get(headerReplica)}
 	if v := resp.Header.Get(headerOverlapBlocks); v != "" {
 		if n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64); err == nil && n >= 0 {
 			res.overlap, res.hasOverlap = n, true
@@ -651,4 +664,37 @@ func readJSON(body io.Reader) (*usage, string, error) {
 		return nil, CauseNoUsage, errors.New("response without usage")
 	}
 	return c.Usage, "", nil
+}
+
+// RequestRecord is one replayed request as RequestLog writes it.
+type RequestRecord struct {
+	Index   int    `json:"index"`
+	Session string `json:"session,omitempty"`
+	// SentMs is when it was sent, from the run's start.
+	SentMs  float64 `json:"sent_ms"`
+	OK      bool    `json:"ok"`
+	Cause   string  `json:"cause,omitempty"`
+	Replica string  `json:"replica,omitempty"`
+	Worker  string  `json:"worker,omitempty"`
+	Prompt  int64   `json:"prompt_tokens"`
+	Cached  int64   `json:"cached_tokens"`
+	// Predicted is the router's predicted overlap in tokens (-1: it said nothing).
+	Predicted int64   `json:"predicted_tokens"`
+	TTFTMs    float64 `json:"ttft_ms"`
+}
+
+func writeRequestLog(w io.Writer, reqs []trace.Request, results []result, blockSize int) error {
+	enc := json.NewEncoder(w)
+	for i, res := range results {
+		rec := RequestRecord{Index: reqs[i].Index, Session: res.session, SentMs: float64(res.sent.Microseconds()) / 1000,
+			OK: res.ok, Cause: res.cause, Replica: res.replica, Worker: res.worker, Prompt: res.promptTokens,
+			Cached: res.cachedTokens, Predicted: -1, TTFTMs: float64(res.ttft.Microseconds()) / 1000}
+		if res.hasOverlap {
+			rec.Predicted = res.overlap * int64(blockSize)
+		}
+		if err := enc.Encode(rec); err != nil {
+			return err
+		}
+	}
+	return nil
 }
