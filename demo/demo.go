@@ -355,7 +355,7 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	if r.label {
 		rc.Label += map[bool]string{true: " @commit", false: " @dispatch"}[r.recordAtCommit]
 	}
-	sent := func() (bytes, dropped, gaps uint64, n int) {
+	sent := func() (bytes, dropped, gaps uint64, lag hints.LagHistogram, n int) {
 		for _, r := range reps {
 			if st, ok := r.SharingStats(); ok {
 				bytes += st.Gossip.BytesOut
@@ -363,12 +363,13 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 					dropped += d
 				}
 				gaps += st.Hints.DecisionGaps - min(st.Hints.DecisionLate, st.Hints.DecisionGaps)
+				lag = lag.Add(st.Hints.DecisionLag)
 				n++
 			}
 		}
-		return bytes, dropped, gaps, n
+		return bytes, dropped, gaps, lag, n
 	}
-	bytes0, dropped0, gaps0, _ := sent()
+	bytes0, dropped0, gaps0, lag0, _ := sent()
 	if cfg.RequestLogDir != "" {
 		f, err := os.Create(filepath.Join(cfg.RequestLogDir, strings.NewReplacer(" ", "_", "/", "-").Replace(rc.Label)+".jsonl"))
 		if err != nil {
@@ -381,11 +382,20 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	if err != nil {
 		return nil, err
 	}
-	if bytes1, dropped1, gaps1, n := sent(); n > 1 && sum.DurationSeconds > 0 {
+	if bytes1, dropped1, gaps1, lag1, n := sent(); n > 1 && sum.DurationSeconds > 0 {
 		sum.GossipBytesPerSecond = float64(bytes1-bytes0) / float64(n) / sum.DurationSeconds
 		sum.GossipDropped = dropped1 - dropped0
 		// A message counted missing before the run may arrive during it.
 		sum.DecisionGaps = gaps1 - min(gaps0, gaps1)
+		if lag := lag1.Since(lag0); lag.Total() > 0 {
+			for _, q := range []float64{0.5, 0.9, 0.99} {
+				v := -1.0
+				if d := lag.Quantile(q); d >= 0 {
+					v = float64(d) / float64(time.Millisecond)
+				}
+				sum.DecisionLagMs = append(sum.DecisionLagMs, v)
+			}
+		}
 	}
 	return sum, nil
 }

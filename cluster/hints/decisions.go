@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -38,10 +39,18 @@ import (
 // (a peer that joined or came back) also clears every sent set, so that it gets whole
 // chains.
 //
-// The same rotation keeps peers' entries alive: a suffix refreshes only its own blocks at
-// the receiver, so a prefix that the sender keeps using is resent, refreshing the peers'
-// TTLs, once FullAfter has passed. A peer's entry may thus expire up to 2*FullAfter before
-// the sender's; FullAfter defaults to an eighth of the TTL.
+// A copy ages like the original. The origin stores each decision's whole chain, which
+// makes the chain's opening its most recent entry again (and restarts its TTL); a receiver
+// storing only the suffix would let the opening age, and under the per-worker cap evict it
+// first, hiding the whole conversation from the prefix-closed lookup. So a suffix carries
+// its anchor, the block before its first, and the length of the prefix it continues; the
+// receiver remembers, for the chains decisions brought recently, each block's predecessor
+// (chainLinks, shared by all peers: a chained hash names its prefix whoever sends it), walks
+// back from the anchor, and stores the whole chain in one Store, as the origin did. When a
+// link is missing (a lost message, a forgotten generation, the tail-first pieces of a
+// decision longer than a message) the suffix is stored alone and counted; the rotation
+// below then resends the chain within 2*FullAfter, refreshing the peers' entries.
+// FullAfter defaults to an eighth of the TTL.
 //
 // Merges commute: storing a block for a worker is idempotent, and a receiver counts a TTL
 // from when it stored the block, so of two decisions over a block the later one decides
@@ -132,15 +141,27 @@ type Decisions struct {
 
 	rmu  sync.Mutex
 	recv map[string]recvState
+
+	lmu   sync.Mutex
+	links chainLinks
 }
 
 // queuedDecision is one decision's part that peers have not got: hashes of blocks from
 // a chain's start, or continuing one (cont) whose earlier blocks were sent before.
 type queuedDecision struct {
-	w      indexer.Worker
-	cont   bool
+	w    indexer.Worker
+	cont bool
+	// prefix is how many blocks of the chain come before hashes (sent before), anchor the
+	// last of them; 0 when the entry names no anchor (whole, or longer than
+	// maxAnchoredPrefix).
+	prefix int
+	anchor uint64
 	hashes []uint64
+	at     int64 // when it was decided, Unix microseconds
 }
+
+// anchored is an entry the receiver can expand to the whole chain.
+func (q queuedDecision) anchored() bool { return q.prefix > 0 }
 
 // sentSet is what a worker's recent decisions sent: two generations of hashes.
 type sentSet struct {
@@ -195,6 +216,7 @@ func NewDecisions(cfg DecisionsConfig) (*Decisions, error) {
 		sent:  map[indexer.Worker]*sentSet{},
 		peers: map[string]bool{},
 		recv:  map[string]recvState{},
+		links: chainLinks{perGeneration: defaultChainLinks},
 	}
 	if d.log == nil {
 		d.log = slog.New(slog.DiscardHandler)
@@ -259,7 +281,11 @@ func (d *Decisions) Record(w indexer.Worker, seq []uint64) {
 	for _, h := range suffix {
 		s.cur.add(h)
 	}
-	d.queue = append(d.queue, queuedDecision{w: w, cont: start > 0, hashes: append([]uint64(nil), suffix...)})
+	q := queuedDecision{w: w, cont: start > 0, hashes: append([]uint64(nil), suffix...), at: d.now().UnixMicro()}
+	if start > 0 && start <= maxAnchoredPrefix {
+		q.prefix, q.anchor = start, seq[start-1]
+	}
+	d.queue = append(d.queue, q)
 	d.queued += len(suffix)
 }
 
@@ -404,8 +430,8 @@ type packedDecisions struct {
 
 // Sizes used to pack messages; upper bounds of the encoded lengths.
 const (
-	decisionHeaderMax = 1 + 1 + 3*binary.MaxVarintLen64 + 2*binary.MaxVarintLen32
-	decisionEntryMax  = 2*binary.MaxVarintLen32 + 1
+	decisionHeaderMax = 1 + 2 + 4*binary.MaxVarintLen64 + 2*binary.MaxVarintLen32
+	decisionEntryMax  = 3*binary.MaxVarintLen32 + 1 + 8
 )
 
 func workerWireMax(w indexer.Worker) int { return 2 + len(w.ID) + binary.MaxVarintLen32 }
@@ -415,6 +441,9 @@ func estimateDecisionBytes(self string, q []queuedDecision) int {
 	n := decisionHeaderMax + len(self)
 	for _, e := range q {
 		n += 8*len(e.hashes) + 4 + len(e.w.ID)
+		if e.anchored() {
+			n += 11
+		}
 	}
 	return n
 }
@@ -482,7 +511,15 @@ func (d *Decisions) pack(q []queuedDecision, limit int) []packedDecisions {
 		}
 		for end := len(e.hashes); end > 0; {
 			start := max(0, end-room)
-			cur = append(cur, queuedDecision{w: e.w, cont: e.cont || start > 0, hashes: e.hashes[start:end]})
+			piece := queuedDecision{w: e.w, cont: e.cont || start > 0, hashes: e.hashes[start:end], at: e.at,
+				prefix: e.prefix, anchor: e.anchor}
+			if start > 0 {
+				piece.prefix, piece.anchor = 0, 0
+				if p := e.prefix + start; (!e.cont || e.anchored()) && p <= maxAnchoredPrefix {
+					piece.prefix, piece.anchor = p, e.hashes[start-1]
+				}
+			}
+			cur = append(cur, piece)
 			emit()
 			end = start
 		}
@@ -491,27 +528,44 @@ func (d *Decisions) pack(q []queuedDecision, limit int) []packedDecisions {
 	return out
 }
 
-// Decision payload, version 1:
+// Decision payload, version 2 (decisionWireVersion; version 1 is still read):
 //
-//	version(1) replica id (uvarint length, bytes) epoch seq ttl_ms (uvarints)
+//	version(2) replica id (uvarint length, bytes) epoch seq ttl_ms (uvarints)
+//	decided_us (uvarint: when the message's oldest decision was made, Unix microseconds)
 //	workers (uvarint count), each: id (uvarint length, bytes), dp rank (uvarint)
 //	entries (uvarint count), each: worker index (uvarint), flags (1 byte: bit 0 = the
-//	  entry continues a chain sent before), n (uvarint, >= 1), n hashes of 8 bytes (LE)
+//	  entry continues a chain sent before, bit 1 = anchored, which needs bit 0),
+//	  when anchored: anchor (8 bytes LE, the chain's block before the entry's first) and
+//	  prefix (uvarint, 1..maxAnchoredPrefix: the blocks before the entry's first),
+//	  n (uvarint, >= 1), n hashes of 8 bytes (LE)
+//
+// Version 1 is version 2 without decided_us and without anchors.
+const decisionWireVersion = 2
+
+const (
+	flagCont     = 1
+	flagAnchored = 2
+)
 
 // encodeDecisions encodes one message and returns it with the number of hashes in it.
 func encodeDecisions(self string, epoch, seq uint64, ttl time.Duration, parts []queuedDecision) ([]byte, int) {
 	idx := map[indexer.Worker]int{}
 	var ws []indexer.Worker
-	for _, p := range parts {
+	oldest := int64(0)
+	for i, p := range parts {
 		if _, ok := idx[p.w]; !ok {
 			idx[p.w] = len(ws)
 			ws = append(ws, p.w)
 		}
+		if i == 0 || p.at < oldest {
+			oldest = p.at
+		}
 	}
-	b := appendHeader(make([]byte, 0, estimateDecisionBytes(self, parts)), self)
+	b := appendVersionedHeader(make([]byte, 0, estimateDecisionBytes(self, parts)), decisionWireVersion, self)
 	b = binary.AppendUvarint(b, epoch)
 	b = binary.AppendUvarint(b, seq)
 	b = binary.AppendUvarint(b, uint64(max(ttl, 0).Milliseconds()))
+	b = binary.AppendUvarint(b, uint64(max(oldest, 0)))
 	b = binary.AppendUvarint(b, uint64(len(ws)))
 	for _, w := range ws {
 		b = appendWorker(b, w)
@@ -522,9 +576,16 @@ func encodeDecisions(self string, epoch, seq uint64, ttl time.Duration, parts []
 		b = binary.AppendUvarint(b, uint64(idx[p.w]))
 		flags := byte(0)
 		if p.cont {
-			flags = 1
+			flags |= flagCont
+		}
+		if p.cont && p.anchored() {
+			flags |= flagAnchored
 		}
 		b = append(b, flags)
+		if flags&flagAnchored != 0 {
+			b = binary.LittleEndian.AppendUint64(b, p.anchor)
+			b = binary.AppendUvarint(b, uint64(p.prefix))
+		}
 		b = binary.AppendUvarint(b, uint64(len(p.hashes)))
 		for _, h := range p.hashes {
 			b = binary.LittleEndian.AppendUint64(b, h)
@@ -539,6 +600,7 @@ type decisionMessage struct {
 	replica    string
 	epoch, seq uint64
 	ttl        time.Duration
+	decidedUS  int64 // 0: not said (version 1)
 	workers    []indexer.Worker
 	entries    []decisionEntry
 }
@@ -546,6 +608,8 @@ type decisionMessage struct {
 type decisionEntry struct {
 	worker int
 	cont   bool
+	prefix int // 0: no anchor
+	anchor uint64
 	raw    []byte // 8 bytes per hash
 }
 
@@ -562,13 +626,21 @@ func (e decisionEntry) hashes(dst []uint64) []uint64 {
 func decodeDecisions(b []byte) (decisionMessage, error) {
 	r := wireReader{b: b}
 	var m decisionMessage
-	m.replica = r.header()
+	var version byte
+	version, m.replica = r.versionedHeader(shareWireVersion, decisionWireVersion)
 	m.epoch, m.seq = r.uvarint(), r.uvarint()
 	ttl := r.uvarint()
 	if r.err == nil && ttl > uint64(365*24*time.Hour/time.Millisecond) {
 		r.fail(errShareSize, "ttl of %d ms", ttl)
 	}
 	m.ttl = time.Duration(ttl) * time.Millisecond
+	if version >= 2 {
+		us := r.uvarint()
+		if r.err == nil && us > math.MaxInt64 {
+			r.fail(errShareSize, "decision time %d", us)
+		}
+		m.decidedUS = int64(us)
+	}
 	nw := r.count(2)
 	for range nw {
 		m.workers = append(m.workers, r.worker())
@@ -577,20 +649,39 @@ func decodeDecisions(b []byte) (decisionMessage, error) {
 	for range ne {
 		wi := r.uvarint()
 		flags := r.byte()
+		e := decisionEntry{worker: int(wi), cont: flags&flagCont != 0}
+		known := byte(flagCont)
+		if version >= 2 {
+			known |= flagAnchored
+		}
+		if r.err == nil && flags&^known != 0 {
+			r.fail(errShareDecode, "unknown flags %#x", flags)
+		}
+		if flags&flagAnchored != 0 {
+			if flags&flagCont == 0 {
+				r.fail(errShareDecode, "an anchored entry that continues nothing")
+			}
+			if a := r.take(8); a != nil {
+				e.anchor = binary.LittleEndian.Uint64(a)
+			}
+			p := r.uvarint()
+			if r.err == nil && (p == 0 || p > maxAnchoredPrefix) {
+				r.fail(errShareSize, "anchored prefix of %d blocks", p)
+			}
+			e.prefix = int(p)
+		}
 		n := r.count(8)
-		raw := r.take(8 * n)
+		e.raw = r.take(8 * n)
 		if r.err != nil {
 			break
 		}
 		switch {
 		case wi >= uint64(len(m.workers)):
 			r.fail(errShareDecode, "worker index %d of %d", wi, len(m.workers))
-		case flags&^1 != 0:
-			r.fail(errShareDecode, "unknown flags %#x", flags)
 		case n == 0:
 			r.fail(errShareDecode, "empty entry")
 		}
-		m.entries = append(m.entries, decisionEntry{worker: int(wi), cont: flags&1 != 0, raw: raw})
+		m.entries = append(m.entries, e)
 	}
 	if err := r.done(); err != nil {
 		return decisionMessage{}, err
@@ -607,7 +698,10 @@ func (d *Decisions) receive(from string, payload []byte) {
 		return
 	}
 	d.noteSeq(from, msg.epoch, msg.seq)
-	var buf []uint64
+	if msg.decidedUS > 0 {
+		d.m.lag.observe(d.now().Sub(time.UnixMicro(msg.decidedUS)))
+	}
+	var buf, chain []uint64
 	for _, e := range msg.entries {
 		w := msg.workers[e.worker]
 		if d.cfg.Known != nil && !d.cfg.Known(w) {
@@ -615,9 +709,37 @@ func (d *Decisions) receive(from string, payload []byte) {
 			continue
 		}
 		buf = e.hashes(buf)
-		d.cfg.Index.Record(w, buf)
+		store := buf
+		d.lmu.Lock()
+		expanded := false
+		if e.prefix > 0 {
+			// Store the whole chain, as the origin did: a suffix alone would refresh only
+			// its own blocks here, and the prefix would age (and be evicted) sooner than on
+			// the origin, which stored it again with this decision.
+			chain, expanded = d.links.expand(chain[:0], e.anchor, e.prefix)
+			if expanded {
+				chain = append(chain, buf...)
+				store = chain
+			}
+			d.m.anchors[boolIndex(expanded)].Add(1)
+		}
+		if expanded {
+			d.links.remember(store, 0, false) // every link, into the current generation
+		} else {
+			d.links.remember(buf, e.anchor, e.prefix > 0)
+		}
+		d.lmu.Unlock()
+		d.cfg.Index.Record(w, store)
 		d.m.blocksIn.Add(uint64(len(buf)))
 	}
+}
+
+// boolIndex is 1 for true, 0 for false.
+func boolIndex(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // noteSeq counts the messages of a peer's incarnation that were skipped over, and those

@@ -1,6 +1,7 @@
 package hints
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -288,9 +289,18 @@ func validDecision(sender string, n int) []byte {
 
 func TestBadDecisionMessagesAreDroppedAndCounted(t *testing.T) {
 	good := validDecision("r1", 4)
-	header := appendHeader(nil, "r1")
+	header := appendHeader(nil, "r1") // version 1
 	header = binary.AppendUvarint(binary.AppendUvarint(binary.AppendUvarint(header, 1), 1), 60000)
 	withWorker := appendWorker(binary.AppendUvarint(slices.Clone(header), 1), indexer.Worker{ID: "w0"})
+	header2 := appendVersionedHeader(nil, decisionWireVersion, "r1")
+	header2 = binary.AppendUvarint(binary.AppendUvarint(binary.AppendUvarint(binary.AppendUvarint(header2, 1), 1), 60000), 1)
+	withWorker2 := appendWorker(binary.AppendUvarint(slices.Clone(header2), 1), indexer.Worker{ID: "w0"})
+	// entry2 is a version-2 message of one entry of worker 0 with flags, then rest.
+	entry2 := func(flags byte, rest ...byte) []byte {
+		return append(append(binary.AppendUvarint(binary.AppendUvarint(slices.Clone(withWorker2), 1), 0), flags), rest...)
+	}
+	oneHash := append([]byte{1}, make([]byte, 8)...)
+	anchor := make([]byte, 8)
 	tests := []struct {
 		name    string
 		from    string
@@ -299,13 +309,21 @@ func TestBadDecisionMessagesAreDroppedAndCounted(t *testing.T) {
 	}{
 		{"garbage", "r1", []byte("\x01\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"), DropShareDecode},
 		{"empty", "r1", nil, DropShareDecode},
-		{"version 2", "r1", append([]byte{2}, good[1:]...), DropShareVersion},
+		{"version 3", "r1", append([]byte{3}, good[1:]...), DropShareVersion},
+		{"version 0", "r1", append([]byte{0}, good[1:]...), DropShareVersion},
 		{"truncated", "r1", good[:len(good)-3], DropShareSize},
 		{"trailing bytes", "r1", append(slices.Clone(good), 0), DropShareDecode},
 		{"claims a million entries", "r1", binary.AppendUvarint(slices.Clone(withWorker), 1e6), DropShareSize},
 		{"claims a huge chain", "r1", binary.AppendUvarint(append(binary.AppendUvarint(binary.AppendUvarint(slices.Clone(withWorker), 1), 0), 0), 1<<40), DropShareSize},
 		{"worker index out of range", "r1", append(binary.AppendUvarint(append(binary.AppendUvarint(binary.AppendUvarint(slices.Clone(withWorker), 1), 7), 0), 1), make([]byte, 8)...), DropShareDecode},
 		{"unknown flags", "r1", append(binary.AppendUvarint(append(binary.AppendUvarint(binary.AppendUvarint(slices.Clone(withWorker), 1), 0), 6), 1), make([]byte, 8)...), DropShareDecode},
+		{"version 1 with an anchor", "r1", append(binary.AppendUvarint(append(binary.AppendUvarint(binary.AppendUvarint(slices.Clone(withWorker), 1), 0), 3), 1), make([]byte, 8)...), DropShareDecode},
+		{"anchored, continuing nothing", "r1", entry2(2, append(append(slices.Clone(anchor), 1), oneHash...)...), DropShareDecode},
+		{"anchored, prefix 0", "r1", entry2(3, append(append(slices.Clone(anchor), 0), oneHash...)...), DropShareSize},
+		{"anchored, prefix too long", "r1", entry2(3, append(binary.AppendUvarint(slices.Clone(anchor), maxAnchoredPrefix+1), oneHash...)...), DropShareSize},
+		{"anchored, anchor cut short", "r1", entry2(3, 0, 0, 0), DropShareSize},
+		{"decision time past int64", "r1", binary.AppendUvarint(binary.AppendUvarint(binary.AppendUvarint(binary.AppendUvarint(
+			appendVersionedHeader(nil, decisionWireVersion, "r1"), 1), 1), 60000), 1<<63), DropShareSize},
 		{"over 4 MiB", "r1", append(slices.Clone(good), make([]byte, 4<<20)...), DropShareSize},
 		{"from a non-member", "stranger", validDecision("stranger", 4), DropShareNonMember},
 		{"from itself", "r0", validDecision("r0", 4), DropShareNonMember},
@@ -336,19 +354,27 @@ func TestBadDecisionMessagesAreDroppedAndCounted(t *testing.T) {
 			}
 		})
 	}
-	t.Run("the good one is applied", func(t *testing.T) {
-		fn := newFakeNet()
-		m0 := fn.join("r0", "")
-		fn.join("r1", "")
-		idx := indexer.New(indexer.Options{TTL: time.Minute})
-		if _, err := NewDecisions(DecisionsConfig{Messenger: m0, Index: idx}); err != nil {
-			t.Fatal(err)
-		}
-		fn.inject("r1", "r0", gossip.KindDecisions, good)
-		if idx.Len() != 4 {
-			t.Fatalf("stored %d entries, want 4", idx.Len())
-		}
-	})
+	v1 := append(binary.AppendUvarint(append(binary.AppendUvarint(binary.AppendUvarint(slices.Clone(withWorker), 1), 0), 1), 2), make([]byte, 16)...)
+	v1[len(v1)-16], v1[len(v1)-8] = 5, 6
+	for _, tc := range []struct {
+		name    string
+		payload []byte
+		want    int
+	}{{"the good one is applied", good, 4}, {"a version-1 message is applied", v1, 2}} {
+		t.Run(tc.name, func(t *testing.T) {
+			fn := newFakeNet()
+			m0 := fn.join("r0", "")
+			fn.join("r1", "")
+			idx := indexer.New(indexer.Options{TTL: time.Minute})
+			if _, err := NewDecisions(DecisionsConfig{Messenger: m0, Index: idx}); err != nil {
+				t.Fatal(err)
+			}
+			fn.inject("r1", "r0", gossip.KindDecisions, tc.payload)
+			if idx.Len() != tc.want {
+				t.Fatalf("stored %d entries, want %d", idx.Len(), tc.want)
+			}
+		})
+	}
 }
 
 func FuzzDecisionDecode(f *testing.F) {
@@ -358,21 +384,41 @@ func FuzzDecisionDecode(f *testing.F) {
 		{w: indexer.Worker{ID: "b"}, hashes: []uint64{3}},
 	})
 	f.Add(b)
+	b, _ = encodeDecisions("r1", 7, 9, time.Second, []queuedDecision{
+		{w: indexer.Worker{ID: "a"}, cont: true, prefix: 12, anchor: 99, hashes: []uint64{1, 2}, at: 1234},
+	})
+	f.Add(b)
 	f.Add([]byte{1, 2, 'r', '1', 0, 0, 0, 0, 0})
+	f.Add([]byte{2, 2, 'r', '1', 0, 0, 0, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, err := decodeDecisions(b)
 		if err != nil {
 			return
 		}
-		// Whatever decodes re-encodes to the same bytes: nothing was skipped or invented.
+		// Whatever decodes re-encodes to what it decoded: nothing was skipped or invented.
 		parts := make([]queuedDecision, len(m.entries))
 		for i, e := range m.entries {
-			parts[i] = queuedDecision{w: m.workers[e.worker], cont: e.cont, hashes: e.hashes(nil)}
+			parts[i] = queuedDecision{w: m.workers[e.worker], cont: e.cont, prefix: e.prefix, anchor: e.anchor, hashes: e.hashes(nil), at: m.decidedUS}
 		}
 		again, _ := encodeDecisions(m.replica, m.epoch, m.seq, m.ttl, parts)
-		if m2, err := decodeDecisions(again); err != nil || len(m2.entries) != len(m.entries) {
+		m2, err := decodeDecisions(again)
+		if err != nil || len(m2.entries) != len(m.entries) || (len(parts) > 0 && m2.decidedUS != m.decidedUS) || m2.replica != m.replica {
 			t.Fatalf("re-encoded message: %v, %d entries of %d", err, len(m2.entries), len(m.entries))
 		}
+		for i, e := range m2.entries {
+			o := m.entries[i]
+			if m2.workers[e.worker] != m.workers[o.worker] || e.cont != o.cont || e.prefix != o.prefix || e.anchor != o.anchor || !bytes.Equal(e.raw, o.raw) {
+				t.Fatalf("entry %d changed in a round trip: %+v, then %+v", i, o, e)
+			}
+		}
+		// And applying it changes nothing that crashes.
+		fn := newFakeNet()
+		m0 := fn.join("r0", "")
+		fn.join(m.replica, "")
+		if _, err := NewDecisions(DecisionsConfig{Messenger: m0, Index: indexer.New(indexer.Options{TTL: time.Minute})}); err != nil {
+			t.Fatal(err)
+		}
+		fn.inject(m.replica, "r0", gossip.KindDecisions, b)
 	})
 }
 
@@ -573,19 +619,113 @@ func TestReceiverUnderACapHoldsWhatTheOriginHolds(t *testing.T) {
 		da.Record(w, p)
 		da.Flush(context.Background()) // each decision in a batch of its own
 	}
+	assertSameHoldings(t, idxA, idxB, w, prompts)
+}
+
+// assertSameHoldings fails unless the receiver predicts what the origin predicts for each
+// prompt, and holds as many blocks of w.
+func assertSameHoldings(t *testing.T, origin, receiver *indexer.Index, w indexer.Worker, prompts [][]uint64) {
+	t.Helper()
 	for i, p := range prompts {
 		var a, b int
-		for _, m := range idxA.FindMatches(p, nil) {
+		for _, m := range origin.FindMatches(p, nil) {
 			a = m.Blocks
 		}
-		for _, m := range idxB.FindMatches(p, nil) {
+		for _, m := range receiver.FindMatches(p, nil) {
 			b = m.Blocks
 		}
 		if a != b {
 			t.Errorf("decision %d (%d blocks): the origin predicts %d, the receiver %d", i, len(p), a, b)
 		}
 	}
-	if a, b := idxA.Blocks(w), idxB.Blocks(w); a != b {
-		t.Errorf("the origin holds %d blocks of w0, the receiver %d", a, b)
+	if a, b := origin.Blocks(w), receiver.Blocks(w); a != b {
+		t.Errorf("the origin holds %d blocks of %s, the receiver %d", a, w.ID, b)
+	}
+}
+
+// TestASuffixRefreshesTheWholeChainAtTheReceiver: a conversation's next turn goes to peers
+// as its new blocks only, but the origin stores the whole prompt again, which makes its
+// opening the most recent; the receiver, walking back from the suffix's anchor, must
+// too, or a cap evicts the opening there first and hides the conversation.
+func TestASuffixRefreshesTheWholeChainAtTheReceiver(t *testing.T) {
+	fn := newFakeNet()
+	ma, mb := fn.join("a", ""), fn.join("b", "")
+	opts := indexer.Options{TTL: time.Minute, MaxBlocksPerWorker: 1000}
+	idxA, idxB := indexer.New(opts), indexer.New(opts)
+	da, err := NewDecisions(DecisionsConfig{Messenger: ma, Index: idxA})
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := NewDecisions(DecisionsConfig{Messenger: mb, Index: idxB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := indexer.Worker{ID: "w0"}
+	opening := sharePrompt(1, 400)
+	turn2 := append(slices.Clone(opening), sharePrompt(2, 50)...)
+	turn3 := append(slices.Clone(turn2), sharePrompt(3, 50)...)
+	other, another := sharePrompt(4, 500), sharePrompt(5, 300)
+	for _, p := range [][]uint64{opening, turn2, other, turn3, another} {
+		da.Record(w, p)
+		da.Flush(context.Background())
+	}
+	assertSameHoldings(t, idxA, idxB, w, [][]uint64{turn3, other, another})
+	if st := db.m.Stats(); st.DecisionAnchorsExpanded != 2 || st.DecisionAnchorsMissed != 0 {
+		t.Errorf("anchors expanded %d, missed %d; want 2 and 0", st.DecisionAnchorsExpanded, st.DecisionAnchorsMissed)
+	}
+	if got := db.m.Stats().DecisionBlocksIn; got != 1300 {
+		t.Errorf("%d blocks crossed, want 1300 (each block once)", got)
+	}
+}
+
+// TestDecisionLagIsMeasuredFromTheDecision: the lag a receiver observes runs from when the
+// oldest decision of the message was made, not from when the batch was flushed.
+func TestDecisionLagIsMeasuredFromTheDecision(t *testing.T) {
+	clock := &shareClock{t: time.Unix(1_700_000_000, 0)}
+	fn := newFakeNet()
+	ma, mb := fn.join("a", ""), fn.join("b", "")
+	da, err := NewDecisions(DecisionsConfig{Messenger: ma, Index: indexer.New(indexer.Options{}), now: clock.now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := NewDecisions(DecisionsConfig{Messenger: mb, Index: indexer.New(indexer.Options{}), now: clock.now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	da.Record(indexer.Worker{ID: "w0"}, sharePrompt(1, 4))
+	clock.advance(25 * time.Millisecond)
+	da.Record(indexer.Worker{ID: "w1"}, sharePrompt(2, 4))
+	clock.advance(10 * time.Millisecond)
+	da.Flush(context.Background())
+	lag := db.m.Stats().DecisionLag
+	if lag.Total() != 1 || lag.Quantile(1) != 40*time.Millisecond || lag.Sum != 35*time.Millisecond {
+		t.Fatalf("lag: %d observed, max bucket %v, sum %v; want 1 in the 40 ms bucket, 35 ms", lag.Total(), lag.Quantile(1), lag.Sum)
+	}
+}
+
+func TestLagHistogramQuantiles(t *testing.T) {
+	var h lagHistogram
+	for _, d := range []time.Duration{-time.Second, 0, time.Millisecond, 4 * time.Millisecond, 45 * time.Millisecond, time.Minute} {
+		h.observe(d)
+	}
+	before := h.snapshot()
+	for range 94 {
+		h.observe(2 * time.Millisecond)
+	}
+	s := h.snapshot()
+	tests := []struct {
+		q    float64
+		want time.Duration
+	}{{0.01, 500 * time.Microsecond}, {0.03, time.Millisecond}, {0.5, 2 * time.Millisecond}, {0.98, 5 * time.Millisecond}, {0.99, 50 * time.Millisecond}, {1, -1}}
+	for _, tc := range tests {
+		if got := s.Quantile(tc.q); got != tc.want {
+			t.Errorf("q%.2f = %v, want %v", tc.q, got, tc.want)
+		}
+	}
+	if d := s.Since(before); d.Total() != 94 || d.Quantile(1) != 2*time.Millisecond {
+		t.Errorf("since: %d, max %v; want 94 at 2 ms", d.Total(), d.Quantile(1))
+	}
+	if (LagHistogram{}).Quantile(0.5) != -1 {
+		t.Error("an empty histogram has a median")
 	}
 }

@@ -1,6 +1,7 @@
 package hints
 
 import (
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -71,6 +72,8 @@ type Metrics struct {
 
 	blocksIn, blocksOut atomic.Uint64
 	gaps, late          atomic.Uint64
+	anchors             [2]atomic.Uint64 // [0 missed, 1 expanded]
+	lag                 lagHistogram
 	snapshots           [len(snapshotResults)]atomic.Uint64
 	snapshotBytes       atomic.Int64
 	warm                atomic.Bool
@@ -93,6 +96,13 @@ type Stats struct {
 	// applied): small batches go as UDP packets and big ones over TCP, so they overtake one
 	// another. DecisionGaps - DecisionLate were lost.
 	DecisionBlocksIn, DecisionBlocksOut, DecisionGaps, DecisionLate uint64
+	// DecisionAnchorsExpanded counts received suffixes stored as their whole chain, and
+	// DecisionAnchorsMissed those stored alone because a block of the chain before them
+	// was not known here (lost, forgotten, or a long decision's pieces arriving tail first).
+	DecisionAnchorsExpanded, DecisionAnchorsMissed uint64
+	// DecisionLag is the delay from a message's oldest decision, on the replica that made
+	// it, to its arrival here (so it includes the two replicas' clock offset).
+	DecisionLag LagHistogram
 	// Snapshots counts snapshot pulls by result.
 	Snapshots map[string]uint64
 	// SnapshotBytes is the size of the last snapshot loaded.
@@ -163,6 +173,8 @@ func (m *Metrics) Stats() Stats {
 		BytesPerSecondIn: map[string]uint64{}, BytesPerSecondOut: map[string]uint64{},
 		Dropped:          map[string]map[string]uint64{},
 		DecisionBlocksIn: m.blocksIn.Load(), DecisionBlocksOut: m.blocksOut.Load(), DecisionGaps: m.gaps.Load(), DecisionLate: m.late.Load(),
+		DecisionAnchorsExpanded: m.anchors[1].Load(), DecisionAnchorsMissed: m.anchors[0].Load(),
+		DecisionLag:   m.lag.snapshot(),
 		Snapshots:     map[string]uint64{},
 		SnapshotBytes: m.snapshotBytes.Load(), Warm: m.warm.Load(),
 		RemoteLoadReplicas: m.remoteReplicas.Load(),
@@ -222,6 +234,7 @@ type shareCollector struct {
 	m                                                   *Metrics
 	bytes, msgs, rate, dropped, blocks, gaps, snapshots *prometheus.Desc
 	late, snapshotBytes, warm, replicas                 *prometheus.Desc
+	anchors, lag                                        *prometheus.Desc
 }
 
 func newShareCollector(m *Metrics) *shareCollector {
@@ -239,11 +252,13 @@ func newShareCollector(m *Metrics) *shareCollector {
 		snapshotBytes: prometheus.NewDesc("kvrouter_share_snapshot_bytes", "Size of the last index snapshot loaded.", nil, nil),
 		warm:          prometheus.NewDesc("kvrouter_share_index_warm", "1 once the index holds a peer's snapshot (or there was none to pull).", nil, nil),
 		replicas:      prometheus.NewDesc("kvrouter_share_remote_load_replicas", "Other replicas whose load shares are live here.", nil, nil),
+		anchors:       prometheus.NewDesc("kvrouter_share_decision_anchors_total", "Received decision suffixes, by whether they were stored as their whole chain (expanded) or alone (missed: the chain before them was not known here).", []string{"result"}, nil),
+		lag:           prometheus.NewDesc("kvrouter_share_decision_lag_seconds", "Delay from the oldest decision of a peer's message, on the peer, to its arrival here (includes the clocks' offset).", nil, nil),
 	}
 }
 
 func (c *shareCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.bytes, c.msgs, c.rate, c.dropped, c.blocks, c.gaps, c.late, c.snapshots, c.snapshotBytes, c.warm, c.replicas} {
+	for _, d := range []*prometheus.Desc{c.bytes, c.msgs, c.rate, c.dropped, c.blocks, c.gaps, c.late, c.snapshots, c.snapshotBytes, c.warm, c.replicas, c.anchors, c.lag} {
 		ch <- d
 	}
 }
@@ -267,6 +282,9 @@ func (c *shareCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.CounterValue, float64(s.DecisionBlocksOut), "out")
 	ch <- prometheus.MustNewConstMetric(c.gaps, prometheus.CounterValue, float64(s.DecisionGaps))
 	ch <- prometheus.MustNewConstMetric(c.late, prometheus.CounterValue, float64(s.DecisionLate))
+	ch <- prometheus.MustNewConstMetric(c.anchors, prometheus.CounterValue, float64(s.DecisionAnchorsExpanded), "expanded")
+	ch <- prometheus.MustNewConstMetric(c.anchors, prometheus.CounterValue, float64(s.DecisionAnchorsMissed), "missed")
+	ch <- s.DecisionLag.metric(c.lag)
 	for _, r := range snapshotResults {
 		ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, float64(s.Snapshots[r]), r)
 	}
@@ -277,4 +295,107 @@ func (c *shareCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(c.warm, prometheus.GaugeValue, warm)
 	ch <- prometheus.MustNewConstMetric(c.replicas, prometheus.GaugeValue, float64(s.RemoteLoadReplicas))
+}
+
+// lagBounds are the upper bounds of the decision lag histogram's buckets.
+var lagBounds = [...]time.Duration{
+	500 * time.Microsecond, time.Millisecond, 2 * time.Millisecond, 3 * time.Millisecond,
+	5 * time.Millisecond, 7500 * time.Microsecond, 10 * time.Millisecond, 15 * time.Millisecond,
+	20 * time.Millisecond, 30 * time.Millisecond, 40 * time.Millisecond, 50 * time.Millisecond,
+	60 * time.Millisecond, 75 * time.Millisecond, 100 * time.Millisecond, 150 * time.Millisecond,
+	200 * time.Millisecond, 300 * time.Millisecond, 500 * time.Millisecond, time.Second,
+	2 * time.Second, 5 * time.Second,
+}
+
+// lagHistogram counts delays into lagBounds' buckets, the last one unbounded.
+type lagHistogram struct {
+	counts [len(lagBounds) + 1]atomic.Uint64
+	sumUS  atomic.Uint64
+}
+
+func (h *lagHistogram) observe(d time.Duration) {
+	d = max(d, 0)
+	i := 0
+	for i < len(lagBounds) && d > lagBounds[i] {
+		i++
+	}
+	h.counts[i].Add(1)
+	h.sumUS.Add(uint64(d.Microseconds()))
+}
+
+func (h *lagHistogram) snapshot() LagHistogram {
+	var s LagHistogram
+	for i := range h.counts {
+		s.Counts[i] = h.counts[i].Load()
+	}
+	s.Sum = time.Duration(h.sumUS.Load()) * time.Microsecond
+	return s
+}
+
+// LagHistogram is a snapshot of a delay histogram: Counts[i] delays of at most
+// LagBounds()[i] and more than the bound before (the last, more than every bound).
+type LagHistogram struct {
+	Counts [len(lagBounds) + 1]uint64
+	Sum    time.Duration
+}
+
+// LagBounds returns the histogram's bucket bounds.
+func LagBounds() []time.Duration { return append([]time.Duration(nil), lagBounds[:]...) }
+
+// Total is how many delays the histogram holds.
+func (h LagHistogram) Total() uint64 {
+	var n uint64
+	for _, c := range h.Counts {
+		n += c
+	}
+	return n
+}
+
+// Since returns the delays observed after earlier, a snapshot of the same histogram.
+func (h LagHistogram) Since(earlier LagHistogram) LagHistogram {
+	for i := range h.Counts {
+		h.Counts[i] -= min(earlier.Counts[i], h.Counts[i])
+	}
+	h.Sum -= min(earlier.Sum, h.Sum)
+	return h
+}
+
+// Add returns the sum of two histograms (several replicas' together).
+func (h LagHistogram) Add(o LagHistogram) LagHistogram {
+	for i := range h.Counts {
+		h.Counts[i] += o.Counts[i]
+	}
+	h.Sum += o.Sum
+	return h
+}
+
+// Quantile is the upper bound of the bucket that holds the q-quantile (0 < q <= 1); -1 when
+// the histogram is empty or the quantile lies past the last bound.
+func (h LagHistogram) Quantile(q float64) time.Duration {
+	total := h.Total()
+	if total == 0 {
+		return -1
+	}
+	rank := uint64(math.Ceil(q * float64(total)))
+	var seen uint64
+	for i, c := range h.Counts {
+		seen += c
+		if seen >= max(rank, 1) {
+			if i == len(lagBounds) {
+				return -1
+			}
+			return lagBounds[i]
+		}
+	}
+	return -1
+}
+
+func (h LagHistogram) metric(d *prometheus.Desc) prometheus.Metric {
+	buckets := make(map[float64]uint64, len(lagBounds))
+	var cum uint64
+	for i, b := range lagBounds {
+		cum += h.Counts[i]
+		buckets[b.Seconds()] = cum
+	}
+	return prometheus.MustNewConstHistogram(d, h.Total(), h.Sum.Seconds(), buckets)
 }

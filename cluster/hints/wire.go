@@ -53,7 +53,8 @@ func alivePeers(m Messenger) []gossip.Member {
 	return out
 }
 
-// shareWireVersion is the first byte of every decision and load payload.
+// shareWireVersion is the first byte of every load and health payload, and of decision
+// payloads of the first version (decisionWireVersion is the current one).
 const shareWireVersion = 1
 
 // maxSharePayload bounds a decision or load payload a replica accepts: the gossip layer's
@@ -166,15 +167,23 @@ func (r *wireReader) worker() indexer.Worker {
 
 // header reads and checks the version byte and the sender's replica id.
 func (r *wireReader) header() string {
+	_, id := r.versionedHeader(shareWireVersion, shareWireVersion)
+	return id
+}
+
+// versionedHeader reads a payload's version, which must lie in [lo, hi], and the sender's
+// id.
+func (r *wireReader) versionedHeader(lo, hi byte) (byte, string) {
 	if len(r.b) > maxSharePayload {
 		r.fail(errShareSize, "%d bytes, over the bound of %d", len(r.b), maxSharePayload)
-		return ""
+		return 0, ""
 	}
-	if v := r.byte(); r.err == nil && v != shareWireVersion {
-		r.fail(errShareVersion, "version %d, this build reads %d", v, shareWireVersion)
-		return ""
+	v := r.byte()
+	if r.err == nil && (v < lo || v > hi) {
+		r.fail(errShareVersion, "version %d, this build reads %d to %d", v, lo, hi)
+		return 0, ""
 	}
-	return r.id()
+	return v, r.id()
 }
 
 // done fails a payload with bytes left over.
@@ -196,7 +205,12 @@ func appendWorker(b []byte, w indexer.Worker) []byte {
 
 // appendHeader starts a payload: version byte and the sender's id.
 func appendHeader(b []byte, self string) []byte {
-	return appendID(append(b, shareWireVersion), self)
+	return appendVersionedHeader(b, shareWireVersion, self)
+}
+
+// appendVersionedHeader starts a payload of a kind whose version moved on.
+func appendVersionedHeader(b []byte, version byte, self string) []byte {
+	return appendID(append(b, version), self)
 }
 
 // admitShare counts a received message of kind k and lets it through only when it comes from

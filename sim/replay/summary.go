@@ -82,6 +82,11 @@ type Summary struct {
 	// arrived (sequence gaps seen by the receivers, less the messages that came late),
 	// filled in like the above: each leaves a receiver's index short of the blocks it carried.
 	DecisionGaps uint64 `json:"decision_gaps,omitempty"`
+	// DecisionLagMs is the delay, in milliseconds, from a decision on one replica to its
+	// arrival at another, at the 50th, 90th and 99th percentiles over the run's decision
+	// messages (each the upper bound of its histogram bucket; -1 past the last bound),
+	// filled in like the above.
+	DecisionLagMs []float64 `json:"decision_lag_ms_p50_p90_p99,omitempty"`
 }
 
 // WorkerStats is one worker's share of a run.
@@ -314,6 +319,19 @@ func Table(w io.Writer, sums []*Summary) {
 				return "-"
 			}
 			return fmt.Sprintf("%d", s.DecisionGaps)
+		})
+		row("decision lag p50/90/99 ms", func(s *Summary) string {
+			if len(s.DecisionLagMs) == 0 {
+				return "-"
+			}
+			parts := make([]string, len(s.DecisionLagMs))
+			for i, v := range s.DecisionLagMs {
+				parts[i] = fmt.Sprintf("%g", v)
+				if v < 0 {
+					parts[i] = "more"
+				}
+			}
+			return strings.Join(parts, "/")
 		})
 	}
 	_ = tw.Flush()

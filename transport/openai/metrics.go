@@ -13,13 +13,15 @@ import (
 // metrics are the front's instruments. Each Server owns its own set so that tests and
 // several servers in one process never share state.
 type metrics struct {
-	requests  *prometheus.CounterVec
-	errors    *prometheus.CounterVec
-	retries   prometheus.Counter
-	ttft      prometheus.Histogram
-	selection prometheus.Histogram
-	kvHit     prometheus.Histogram
-	predError prometheus.Histogram
+	requests *prometheus.CounterVec
+	errors   *prometheus.CounterVec
+	retries  prometheus.Counter
+	// dispatches counts requests sent to each worker, by why it was that worker.
+	dispatches *prometheus.CounterVec
+	ttft       prometheus.Histogram
+	selection  prometheus.Histogram
+	kvHit      prometheus.Histogram
+	predError  prometheus.Histogram
 }
 
 func newMetrics() *metrics {
@@ -36,6 +38,11 @@ func newMetrics() *metrics {
 			Name: "kvrouter_retries_total",
 			Help: "Dispatches retried on another worker before the first byte reached the client.",
 		}),
+		dispatches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_worker_dispatches_total",
+			Help: "Requests this replica sent to the worker (rank), retries included, by why that worker: " +
+				"binding (the session is bound to it; affinity outranks load) or choice (the policy, or X-Target-Worker).",
+		}, []string{"worker", "by"}),
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_ttft_seconds",
 			Help:    "Time from request arrival to the first body byte from the worker, as the router sees it.",
@@ -62,7 +69,7 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
-	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.ttft, m.selection, m.kvHit, m.predError, c} {
+	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError, c} {
 		if err := reg.Register(col); err != nil {
 			return fmt.Errorf("register metrics: %w", err)
 		}

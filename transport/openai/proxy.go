@@ -159,6 +159,11 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if d.Target.Spec == nil {
 		return retry, failure{cause: "internal", err: errors.New("routing chose a target without a spec")}
 	}
+	by := "choice"
+	if d.Bound {
+		by = "binding"
+	}
+	s.metrics.dispatches.WithLabelValues(d.Target.Worker.String(), by).Inc()
 	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
 	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, upstreamRequest(c.r, c.p, d.Target), firstBy)
 	if err != nil {

@@ -151,6 +151,13 @@ func TestResponseHeadersTellWhatHappened(t *testing.T) {
 	if resp.Header.Get(HeaderRevision) != "" {
 		t.Fatal("revision header set without a session")
 	}
+
+	// An operator sees how much of a worker's traffic its bindings send it.
+	for by, want := range map[string]float64{"choice": 2, "binding": 1} {
+		if got := rg.metric("kvrouter_worker_dispatches_total", map[string]string{"worker": "w0", "by": by}); got != want {
+			t.Errorf("dispatches to w0 by %s = %v, want %v", by, got, want)
+		}
+	}
 }
 
 func TestBodyOverLimitIs413(t *testing.T) {
