@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
@@ -51,8 +52,10 @@ type Config struct {
 	// RequestLogDir, when set, receives each compare run's per-request log
 	// (replay.RequestRecord lines), one file per run named after its label.
 	RequestLogDir string
-	// RecordAt lists where the compared routers record decisions: dispatch (the default) and,
-	// to show what that buys, commit (the worker's first answer, as before issue 14).
+	// RecordAt lists where the compared routers record decisions: dispatch (the default: at
+	// dispatch and again when the worker finishes the request) and, to show what that buys,
+	// dispatch-only (not again at the end) and commit (only at the worker's first answer, as
+	// before issue 14).
 	RecordAt []string
 	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with.
 	HAProxyConfig string
@@ -91,7 +94,7 @@ func Compare(ctx context.Context, cfg Config, stdout, progress io.Writer) error 
 					if err := ctx.Err(); err != nil {
 						break
 					}
-					run := run{tp: tp, policy: policy, precise: mode == "precise", recordAtCommit: rec == "commit", label: len(records) > 1}
+					run := run{tp: tp, policy: policy, precise: mode == "precise", recordAt: rec, label: len(records) > 1}
 					s, err := runOne(ctx, cfg, run, reqs, progress)
 					if err != nil {
 						return fmt.Errorf("policy %s, %s mode, %s, record at %s: %w", policy, mode, tp, rec, err)
@@ -161,9 +164,7 @@ func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDi
 		}
 		r, err := replica.Start(ctx, cfg)
 		if err != nil {
-			for _, r := range reps {
-				r.Close()
-			}
+			closeReplicas(reps)
 			return nil, err
 		}
 		reps = append(reps, r)
@@ -173,15 +174,54 @@ func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDi
 	for _, r := range reps {
 		for r.Ready() != nil {
 			if time.Now().After(deadline) || ctx.Err() != nil {
-				for _, r := range reps {
-					r.Close()
-				}
+				closeReplicas(reps)
 				return nil, fmt.Errorf("replicas not ready: %w", r.Ready())
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
 	return reps, nil
+}
+
+// closeReplicas stops a run's replicas together: one at a time, each survivor's Raft node
+// logs errors about the peers already gone, which here are no fault.
+func closeReplicas(reps []*replica.Replica) {
+	var wg sync.WaitGroup
+	for _, r := range reps {
+		wg.Go(func() { _ = r.Close() })
+	}
+	wg.Wait()
+}
+
+// untilOver is a run's log handler: it goes quiet when the run is over, when the replicas
+// stopping together log one another's absence (Raft's failed heartbeats and votes), which
+// is no fault of theirs.
+type untilOver struct {
+	slog.Handler
+	over *atomic.Bool
+}
+
+// Enabled implements slog.Handler.
+func (h untilOver) Enabled(ctx context.Context, l slog.Level) bool {
+	return !h.over.Load() && h.Handler.Enabled(ctx, l)
+}
+
+// Handle implements slog.Handler.
+func (h untilOver) Handle(ctx context.Context, r slog.Record) error {
+	if h.over.Load() {
+		return nil
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+// WithAttrs implements slog.Handler.
+func (h untilOver) WithAttrs(as []slog.Attr) slog.Handler {
+	return untilOver{Handler: h.Handler.WithAttrs(as), over: h.over}
+}
+
+// WithGroup implements slog.Handler.
+func (h untilOver) WithGroup(name string) slog.Handler {
+	return untilOver{Handler: h.Handler.WithGroup(name), over: h.over}
 }
 
 // freeLoopback returns a loopback address with a port free now.
@@ -297,15 +337,20 @@ type run struct {
 	tp      Topology
 	policy  string
 	precise bool
-	// recordAtCommit records decisions at the worker's first answer (the old behaviour);
-	// label marks the column with where it records.
-	recordAtCommit, label bool
+	// recordAt is where the routers record decisions (Config.RecordAt); label marks the
+	// column with it.
+	recordAt string
+	label    bool
 }
+
+// RecordPoints are the values of Config.RecordAt.
+func RecordPoints() []string { return []string{"dispatch", "dispatch-only", "commit"} }
 
 // runOne replays reqs through a fresh fleet and fresh router replicas as r says.
 func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progress io.Writer) (*replay.Summary, error) {
 	tp, policy, precise := r.tp, r.policy, r.precise
-	quiet := cfg.Logger
+	over := new(atomic.Bool)
+	quiet := slog.New(untilOver{Handler: cfg.Logger.Handler(), over: over})
 	sc := cfg.Sim
 	sc.CapacityBlocks = cfg.CapacityBlocks
 	sc.Speedup = cfg.Speedup
@@ -324,7 +369,8 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	base := replica.Config{
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
 		Workers: fleet.specs,
-		Router:  routing.Config{Policy: policy, RecordAtCommit: r.recordAtCommit},
+		Router: routing.Config{Policy: policy, RecordAtCommit: r.recordAt == "commit",
+			NoRefreshAtEnd: r.recordAt == "dispatch-only"},
 		// The decision index forgets on the workers' scale: a decision stays for the
 		// trace's reuse gap, and a worker remembers no more than its cache holds.
 		ApproxTTL: time.Duration(float64(120*time.Second) / cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
@@ -337,9 +383,8 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 		return nil, err
 	}
 	defer func() {
-		for _, r := range reps {
-			r.Close()
-		}
+		over.Store(true)
+		closeReplicas(reps)
 	}()
 	var targets []string
 	for _, r := range reps {
@@ -353,7 +398,7 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 		rc.Label += " x" + tp.String()
 	}
 	if r.label {
-		rc.Label += map[bool]string{true: " @commit", false: " @dispatch"}[r.recordAtCommit]
+		rc.Label += " @" + r.recordAt
 	}
 	sent := func() (bytes, dropped, gaps uint64, lag hints.LagHistogram, n int) {
 		for _, r := range reps {

@@ -872,6 +872,18 @@ func waitReady(t *testing.T, c *routerClient, status int) {
 	})
 }
 
+// waitInFlight polls until rep has n requests in flight on its workers.
+func waitInFlight(t *testing.T, rep *Replica, n int64) {
+	t.Helper()
+	eventually(t, fmt.Sprintf("%d requests in flight", n), func() (bool, string) {
+		var total int64
+		for _, l := range rep.tracker.Snapshot() {
+			total += l.Requests
+		}
+		return total == n, fmt.Sprintf("%d", total)
+	})
+}
+
 // TestNonStreamingSiblingSentDuringGenerationGoesToTheSameWorker: a non-streaming request's
 // prompt enters the index when it is sent, not when its answer (at the end of generation)
 // comes back, so a sibling sent while it generates is predicted cached on its worker. Two
@@ -884,22 +896,13 @@ func TestNonStreamingSiblingSentDuringGenerationGoesToTheSameWorker(t *testing.T
 	fleet := startWorkers(t, 2, simConfig(20*time.Millisecond))
 	rep := startTestReplica(t, fleet, nil)
 	c := newRouterClient(t, rep)
-	inFlight := func(n int64) {
-		eventually(t, fmt.Sprintf("%d requests in flight", n), func() (bool, string) {
-			var total int64
-			for _, l := range rep.tracker.Snapshot() {
-				total += l.Requests
-			}
-			return total == n, fmt.Sprintf("%d", total)
-		})
-	}
 	prompt := promptTokens(41, 20*blockTokens)
 	first := make(chan answer, 1)
 	go func() { first <- c.complete(prompt, 40, nil) }()
-	inFlight(1)
+	waitInFlight(t, rep, 1)
 	busy := make(chan answer, 1)
 	go func() { busy <- c.complete(promptTokens(42, 15*blockTokens), 40, nil) }()
-	inFlight(2)
+	waitInFlight(t, rep, 2)
 	second := c.complete(prompt, 2, nil).mustOK(t)
 	a, b := (<-first).mustOK(t), (<-busy).mustOK(t)
 	if a.worker() == b.worker() {
@@ -908,5 +911,36 @@ func TestNonStreamingSiblingSentDuringGenerationGoesToTheSameWorker(t *testing.T
 	if second.worker() != a.worker() || second.overlap(t) != 20 {
 		t.Fatalf("the sibling went to %s with %d blocks predicted; the first is on %s (20 blocks), the busy one on %s",
 			second.worker(), second.overlap(t), a.worker(), b.worker())
+	}
+}
+
+// TestAPromptFinishedLastIsEvictedLast: the index's recency follows the worker's cache,
+// which uses a request's blocks last when the request ends. One worker caching 64 blocks,
+// the router remembering 60: A (20 blocks, a long non-streaming decode) is sent first, B and
+// C (20 each) are sent and finish while A generates, then A finishes and D (20) comes. The
+// worker evicts B, released first, and keeps A; the router, which records A again when it
+// ends, evicts B too and predicts A whole. Recorded only at dispatch, A was the router's
+// oldest and D evicted it: A predicted 0 while the worker held all of it.
+func TestAPromptFinishedLastIsEvictedLast(t *testing.T) {
+	sc := simConfig(20 * time.Millisecond)
+	sc.CapacityBlocks = 64
+	fleet := startWorkers(t, 1, sc)
+	rep := startTestReplica(t, fleet, func(c *Config) { c.ApproxMaxBlocks = 60 })
+	c := newRouterClient(t, rep)
+	a := promptTokens(51, 20*blockTokens)
+	first := make(chan answer, 1)
+	go func() { first <- c.complete(a, 40, nil) }()
+	waitInFlight(t, rep, 1)
+	c.complete(promptTokens(52, 20*blockTokens), 2, nil).mustOK(t)
+	c.complete(promptTokens(53, 20*blockTokens), 2, nil).mustOK(t)
+	(<-first).mustOK(t)
+	c.complete(promptTokens(54, 20*blockTokens), 2, nil).mustOK(t)
+	if got := c.route(a, nil).OverlapBlocks; got != 20 {
+		t.Fatalf("A, finished after B and C, is predicted %d blocks cached, want 20", got)
+	}
+	again := c.complete(a, 2, nil).mustOK(t)
+	// The worker leaves the last prompt token to compute, so it reports one block less.
+	if got := again.cachedTokens(t); got != 19*blockTokens {
+		t.Fatalf("the worker had %d tokens of A cached, want %d", got, 19*blockTokens)
 	}
 }

@@ -9,8 +9,9 @@ import (
 
 // fakeIndex is a plain map index for testing the layer above the real one.
 type fakeIndex struct {
-	mu     sync.Mutex
-	blocks map[uint64]map[indexer.Worker]bool
+	mu      sync.Mutex
+	blocks  map[uint64]map[indexer.Worker]bool
+	records int // Record calls
 }
 
 func newFakeIndex() *fakeIndex { return &fakeIndex{blocks: map[uint64]map[indexer.Worker]bool{}} }
@@ -18,6 +19,7 @@ func newFakeIndex() *fakeIndex { return &fakeIndex{blocks: map[uint64]map[indexe
 func (f *fakeIndex) Record(w indexer.Worker, seq []uint64) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.records++
 	for _, h := range seq {
 		if f.blocks[h] == nil {
 			f.blocks[h] = map[indexer.Worker]bool{}

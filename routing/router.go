@@ -72,6 +72,11 @@ type Config struct {
 	// show what recording at dispatch buys; it hides a non-streaming prompt from every
 	// selection while it generates.
 	RecordAtCommit bool
+	// NoRefreshAtEnd leaves a decision's prompt where its dispatch put it in the index's
+	// recency instead of recording it again when the worker finishes the request (Complete):
+	// the behaviour of the first dispatch-time recording, kept only for comparisons (demo
+	// --record-at dispatch-only).
+	NoRefreshAtEnd bool
 }
 
 // Deps are the parts a Router reads.
@@ -459,6 +464,7 @@ type Attempt struct {
 	retries     int
 	finished    bool
 	recorded    bool // under RecordAtCommit: the decision was recorded
+	completed   bool // Complete ran
 }
 
 // Decision returns the attempt's current decision.
@@ -612,7 +618,7 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 		a.decision.Binding, a.decision.Bound = b, true
 		// What the router predicts is what the request will find where it goes now: the
 		// overlap on the worker the session is bound to, not on the one first chosen.
-		a.decision.Overlap = a.router.overlapOn(b.Worker, a.req.Hashes)
+		a.decision.Overlap = a.router.overlapOn(b.Worker, a.req)
 		a.startDispatch()
 		return b, err
 	}
@@ -623,12 +629,12 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	return b, nil
 }
 
-// overlapOn is how many leading blocks of hashes the index credits w with.
-func (r *Router) overlapOn(w indexer.Worker, hashes []uint64) int {
-	if r.deps.Index == nil || len(hashes) == 0 {
+// overlapOn is how many leading blocks of req's prompt the index credits w with.
+func (r *Router) overlapOn(w indexer.Worker, req *Request) int {
+	if r.deps.Index == nil || len(req.Hashes) == 0 {
 		return 0
 	}
-	for _, m := range r.deps.Index.FindMatches(hashes, nil) {
+	for _, m := range r.deps.Index.FindMatches(req.Hashes, nil) {
 		if m.Worker == w {
 			return m.Blocks
 		}
@@ -641,6 +647,61 @@ func (a *Attempt) record() {
 	if r := a.router.deps.Recorder; r != nil && len(a.req.Hashes) > 0 {
 		r.Record(a.decision.Target.Worker, a.req.Hashes)
 	}
+}
+
+// Complete says the worker has finished the request whole (the last byte of its answer is
+// in), having generated outputTokens tokens (0 when unknown); call it after a successful
+// Commit, before Finish. It records the prompt on the worker again, followed by stand-ins for
+// the blocks of the generated tokens (outputBlocks), because that is what the worker's cache
+// holds now and when it used it last: an engine caches the generated tokens' blocks after the
+// prompt's, pins a running request's blocks, and hands them to its LRU when the request ends.
+// So the index's recency, and the room its per-worker cap leaves, follow the worker's.
+// Recorded only at dispatch, a long generation's prompt aged from its dispatch and the cap
+// dropped it first; and without the generated blocks the index held more than the worker
+// could. Through the recorder the record reaches the other replicas too (the stand-ins, or
+// one block when they hold the rest). A request that failed, or whose client left, is not
+// recorded again.
+func (a *Attempt) Complete(outputTokens int) {
+	cfg := &a.router.cfg
+	if a.finished || a.completed || cfg.RecordAtCommit || cfg.NoRefreshAtEnd {
+		return
+	}
+	a.completed = true
+	r := a.router.deps.Recorder
+	if r == nil || len(a.req.Hashes) == 0 {
+		return
+	}
+	seq := a.req.Hashes
+	if n := outputBlockCount(a.req.PromptTokens, outputTokens, cfg.BlockSize); n > 0 {
+		seq = outputBlocks(append(make([]uint64, 0, len(seq)+n), seq...), a.req.PromptTokens, n)
+	}
+	r.Record(a.decision.Target.Worker, seq)
+}
+
+// maxOutputBlocks bounds the stand-ins one answer adds (a worker's usage is not trusted
+// further: 2^14 blocks is 262,144 tokens at 16 a block).
+const maxOutputBlocks = 1 << 14
+
+// outputBlockCount is how many full blocks the generated tokens complete after the prompt's
+// full blocks (the first of them holds the prompt's partial last block too).
+func outputBlockCount(promptTokens, outputTokens, blockSize int) int {
+	if outputTokens <= 0 || promptTokens < 0 || blockSize < 1 {
+		return 0
+	}
+	return min((promptTokens%blockSize+outputTokens)/blockSize, maxOutputBlocks)
+}
+
+// outputBlocks appends to seq (a prompt's sequence hashes) n stand-ins for the blocks of
+// its generated tokens, chained after it. The router never sees those tokens' ids, so the
+// stand-ins never match a later prompt; they only take the room in the worker's cache that
+// the real blocks take. They depend on the prompt and the block's place only, so a prompt
+// sent again (whose answer a greedy engine repeats) refreshes them instead of adding more.
+func outputBlocks(seq []uint64, promptTokens, n int) []uint64 {
+	local := make([]uint64, n)
+	for i := range local {
+		local[i] = mix64(uint64(promptTokens)<<20 ^ uint64(i) ^ 0x6f75747075740000)
+	}
+	return append(seq, indexer.Chain(seq[len(seq)-1], true, local, local)...)
 }
 
 // FirstToken moves the request's load from prefill to decode.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -448,6 +449,96 @@ func TestDispatchRecordsTheDecision(t *testing.T) {
 	}
 	if found[second] != 4 {
 		t.Fatalf("matches after the retry = %v, want 4 blocks on %s", found, second)
+	}
+}
+
+// TestCompleteRecordsThePromptAgain: a request the worker finished is recorded once more
+// (the worker's cache used its blocks last at the end, so the index's recency must too),
+// once, and not after Finish, nor in the comparison modes that leave it out.
+func TestCompleteRecordsThePromptAgain(t *testing.T) {
+	tests := []struct {
+		name                         string
+		cfg                          Config
+		dispatched, committed, ended int
+		finishFirst                  bool
+	}{
+		{name: "at dispatch and at the end", dispatched: 1, committed: 1, ended: 2},
+		{name: "Complete after Finish records nothing", dispatched: 1, committed: 1, ended: 1, finishFirst: true},
+		{name: "dispatch only", cfg: Config{NoRefreshAtEnd: true}, dispatched: 1, committed: 1, ended: 1},
+		{name: "at commit only", cfg: Config{RecordAtCommit: true}, dispatched: 0, committed: 1, ended: 1},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			rg := newRig(t, 2, tc.cfg)
+			a := route(t, rg.router, Request{PromptTokens: 64, Hashes: hashes(9, 4)})
+			counts := func() int {
+				rg.index.mu.Lock()
+				defer rg.index.mu.Unlock()
+				return rg.index.records
+			}
+			if got := counts(); got != tc.dispatched {
+				t.Fatalf("records once dispatched = %d, want %d", got, tc.dispatched)
+			}
+			if _, err := a.Commit(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			if got := counts(); got != tc.committed {
+				t.Fatalf("records once committed = %d, want %d", got, tc.committed)
+			}
+			if tc.finishFirst {
+				a.Finish()
+			}
+			a.Complete(0)
+			a.Complete(0)
+			a.Finish()
+			if got := counts(); got != tc.ended {
+				t.Fatalf("records at the end = %d, want %d", got, tc.ended)
+			}
+		})
+	}
+}
+
+func TestOutputBlockCount(t *testing.T) {
+	tests := []struct{ prompt, output, want int }{
+		{64, 48, 3},
+		{70, 10, 1}, // the prompt's 6 left-over tokens and 10 generated fill a block
+		{70, 9, 0},
+		{64, 0, 0},
+		{64, -5, 0},
+		{0, 1 << 30, maxOutputBlocks},
+	}
+	for _, tc := range tests {
+		if got := outputBlockCount(tc.prompt, tc.output, 16); got != tc.want {
+			t.Errorf("outputBlockCount(%d, %d, 16) = %d, want %d", tc.prompt, tc.output, got, tc.want)
+		}
+	}
+}
+
+// TestGeneratedBlocksAreRecordedAfterThePrompt: Complete records stand-ins for the blocks of
+// the generated tokens after the prompt; they take room but match no prompt, and the same
+// prompt's stand-ins are the same blocks again.
+func TestGeneratedBlocksAreRecordedAfterThePrompt(t *testing.T) {
+	rg := newRig(t, 1, Config{})
+	prompt := hashes(5, 4)
+	held := func() int {
+		rg.index.mu.Lock()
+		defer rg.index.mu.Unlock()
+		return len(rg.index.blocks)
+	}
+	for range 2 {
+		a := route(t, rg.router, Request{PromptTokens: 70, Hashes: prompt})
+		if _, err := a.Commit(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		a.Complete(58) // (6 + 58) / 16 = 4 blocks
+		a.Finish()
+		if got := held(); got != 8 {
+			t.Fatalf("blocks recorded = %d, want the prompt's 4 and 4 generated", got)
+		}
+	}
+	longer := append(slices.Clone(prompt), hashes(100, 4)...)
+	if m := rg.index.FindMatches(longer, nil); len(m) != 1 || m[0].Blocks != 4 {
+		t.Fatalf("a longer prompt matches %v, want the 4 prompt blocks only", m)
 	}
 }
 

@@ -27,7 +27,9 @@ import (
 // suffix and holds the whole chain. A replica remembers, per worker, the hashes it sent
 // recently, and sends each decision from the first block it did not send. Conversations
 // re-send the same growing prompt turn after turn, so most decisions cost only their new
-// blocks.
+// blocks; one that brings none (a repeated prompt, or the refresh at a request's end, see
+// routing.Attempt.Complete) costs its last block, anchored (below), so that the peers
+// refresh the chain as this replica did.
 //
 // Loss. A lost message leaves a hole: the receiver lacks blocks that later suffixes build
 // on, and those later suffixes do not fill it. The receiver's lookups then see the
@@ -268,7 +270,13 @@ func (d *Decisions) Record(w indexer.Worker, seq []uint64) {
 		start = sort.Search(len(seq), func(i int) bool { return !s.has(seq[i]) })
 	}
 	if start == len(seq) {
-		return
+		// The peers have the whole chain, but this decision refreshed it here (a repeated
+		// prompt, or the refresh when a request ends), and their copies must age like this
+		// one: the last block again, anchored, makes each of them store the whole chain.
+		if len(seq)-1 > maxAnchoredPrefix {
+			return
+		}
+		start = len(seq) - 1
 	}
 	suffix := seq[start:]
 	if d.queued+len(suffix) > d.cfg.MaxQueuedBlocks {

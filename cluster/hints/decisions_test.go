@@ -113,7 +113,7 @@ func TestDecisionsSendOnlyWhatPeersLack(t *testing.T) {
 		want   []string
 	}{
 		{name: "new chain goes whole", record: p[:10], worker: w, want: []string{"w:false:10"}},
-		{name: "a repeat sends nothing", record: p[:10], worker: w},
+		{name: "a repeat sends its last block, anchored", record: p[:10], worker: w, want: []string{"w:true:1"}},
 		{name: "an extension sends its new blocks", record: p[:15], worker: w, want: []string{"w:true:5"}},
 		{name: "another worker has its own sent set", record: p[:15], worker: v, want: []string{"v/3:false:15"}},
 		{name: "one rotation: still sent", do: func() { clock.advance(10 * time.Second); d.Flush(context.Background()) },
@@ -643,23 +643,30 @@ func assertSameHoldings(t *testing.T, origin, receiver *indexer.Index, w indexer
 	}
 }
 
+// cappedPair is two replicas sharing decisions over a fake network, each with an index
+// capped at capBlocks per worker: a sends, b receives.
+func cappedPair(t *testing.T, capBlocks int) (da, db *Decisions, idxA, idxB *indexer.Index) {
+	t.Helper()
+	fn := newFakeNet()
+	ma, mb := fn.join("a", ""), fn.join("b", "")
+	opts := indexer.Options{TTL: time.Minute, MaxBlocksPerWorker: capBlocks}
+	idxA, idxB = indexer.New(opts), indexer.New(opts)
+	var err error
+	if da, err = NewDecisions(DecisionsConfig{Messenger: ma, Index: idxA}); err != nil {
+		t.Fatal(err)
+	}
+	if db, err = NewDecisions(DecisionsConfig{Messenger: mb, Index: idxB}); err != nil {
+		t.Fatal(err)
+	}
+	return da, db, idxA, idxB
+}
+
 // TestASuffixRefreshesTheWholeChainAtTheReceiver: a conversation's next turn goes to peers
 // as its new blocks only, but the origin stores the whole prompt again, which makes its
 // opening the most recent; the receiver, walking back from the suffix's anchor, must
 // too, or a cap evicts the opening there first and hides the conversation.
 func TestASuffixRefreshesTheWholeChainAtTheReceiver(t *testing.T) {
-	fn := newFakeNet()
-	ma, mb := fn.join("a", ""), fn.join("b", "")
-	opts := indexer.Options{TTL: time.Minute, MaxBlocksPerWorker: 1000}
-	idxA, idxB := indexer.New(opts), indexer.New(opts)
-	da, err := NewDecisions(DecisionsConfig{Messenger: ma, Index: idxA})
-	if err != nil {
-		t.Fatal(err)
-	}
-	db, err := NewDecisions(DecisionsConfig{Messenger: mb, Index: idxB})
-	if err != nil {
-		t.Fatal(err)
-	}
+	da, db, idxA, idxB := cappedPair(t, 1000)
 	w := indexer.Worker{ID: "w0"}
 	opening := sharePrompt(1, 400)
 	turn2 := append(slices.Clone(opening), sharePrompt(2, 50)...)
@@ -675,6 +682,24 @@ func TestASuffixRefreshesTheWholeChainAtTheReceiver(t *testing.T) {
 	}
 	if got := db.m.Stats().DecisionBlocksIn; got != 1300 {
 		t.Errorf("%d blocks crossed, want 1300 (each block once)", got)
+	}
+}
+
+// TestARepeatRefreshesTheChainAtTheReceiver: a decision that brings no new block (a prompt
+// sent again, or a request's end refreshing its prompt) still refreshes the chain on the
+// receiver, so that the cap there evicts what the origin evicts.
+func TestARepeatRefreshesTheChainAtTheReceiver(t *testing.T) {
+	da, db, idxA, idxB := cappedPair(t, 1000)
+	w := indexer.Worker{ID: "w0"}
+	first, second, third := sharePrompt(1, 400), sharePrompt(2, 400), sharePrompt(3, 300)
+	// first is refreshed after second, so the cap takes second's blocks for third's.
+	for _, p := range [][]uint64{first, second, first, third} {
+		da.Record(w, p)
+		da.Flush(context.Background())
+	}
+	assertSameHoldings(t, idxA, idxB, w, [][]uint64{first, second, third})
+	if got := db.m.Stats().DecisionBlocksIn; got != 1101 {
+		t.Errorf("%d blocks crossed, want 1101 (each block once, and the repeat's last)", got)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -37,7 +38,7 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.StringVar(&cfg.RequestLogDir, "request-log", "", "compare: write each run's requests (predicted and cached tokens, replica, worker, session) as JSON lines into this directory")
 	fs.BoolVar(&cfg.Progress, "progress", true, "show a progress bar")
 	fs.BoolVar(&cfg.NoStream, "no-stream", false, "replay non-streaming requests (the first token is seen with the last) instead of streaming ones")
-	recordAt := fs.String("record-at", "dispatch", "compare: where routers record their decisions, dispatch and/or commit (the worker's first answer, the behaviour before recording at dispatch), to show the difference")
+	recordAt := fs.String("record-at", "dispatch", "compare: where routers record their decisions, to show the difference: dispatch (at dispatch and again when the worker finishes), dispatch-only (not again at the end) and/or commit (only at the worker's first answer, the behaviour before recording at dispatch)")
 	logLevel := fs.String("log-level", "error", "router and worker log level: debug, info, warn or error")
 	return &ffcli.Command{
 		Name:       "demo",
@@ -49,8 +50,8 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 			cfg.Modes = splitList(*modes)
 			cfg.RecordAt = splitList(*recordAt)
 			for _, r := range cfg.RecordAt {
-				if r != "dispatch" && r != "commit" {
-					return fmt.Errorf("--record-at: %q is neither dispatch nor commit", r)
+				if !slices.Contains(demo.RecordPoints(), r) {
+					return fmt.Errorf("--record-at: %q is not one of %s", r, strings.Join(demo.RecordPoints(), ", "))
 				}
 			}
 			for _, t := range splitList(*topologies) {

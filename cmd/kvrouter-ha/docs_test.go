@@ -142,7 +142,7 @@ func documentedCommands() []docCommand {
 				{"Workers and routing", "Which workers there are and how one is chosen for a request; sessions and their bindings.",
 					[]string{"worker", "workers-file", "policy", "prefill-weight", "temperature", "busy-decode-fraction", "busy-prefill-tokens",
 						"queue-size", "queue-wait", "max-retries", "session-ttl", "max-sessions"}},
-				{"Index", "What the router believes each worker has cached: learned from its own decisions (approximate) and, for workers that publish them, from vLLM KV events (precise).",
+				{"Index", "What the router believes each worker has cached: learned from its own decisions (approximate: a prompt when it is dispatched, and again with its generated blocks when the worker has answered) and, for workers that publish them, from vLLM KV events (precise).",
 					[]string{"block-size", "approx-ttl", "approx-max-blocks", "kv-events-bind", "kv-events-topic-pattern", "overlay-ttl", "tokenizer"}},
 				{"Cluster and Raft", "The Raft node that keeps session bindings: addresses, forming and joining a cluster, read consistency, timeouts and snapshots.",
 					[]string{"data-dir", "raft-listen", "raft-advertise", "peer-listen", "peer-advertise", "bootstrap-expect", "join",

@@ -124,7 +124,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.Router.QueueWait, "queue-wait", 5*time.Second, "how long a request waits for a non-busy worker before 503")
 	fs.IntVar(&cfg.Router.MaxRetries, "max-retries", 2, "retries on another worker before the first byte")
 	fs.DurationVar(&cfg.ApproxTTL, "approx-ttl", 120*time.Second, "how long a routing decision counts as cached on its worker")
-	fs.IntVar(&cfg.ApproxMaxBlocks, "approx-max-blocks", 1<<20, "per-worker cap of remembered blocks from decisions")
+	fs.IntVar(&cfg.ApproxMaxBlocks, "approx-max-blocks", 1<<20, "per-worker cap of remembered blocks from decisions (prompts, and the blocks their answers generated); the workers' KV cache size in blocks is the faithful value")
 	fs.DurationVar(&cfg.SessionTTL, "session-ttl", 10*time.Minute, "a session binding idles out this long after its last request ends")
 	fs.IntVar(&cfg.MaxSessions, "max-sessions", 1_000_000, "cap on bound sessions; beyond it new sessions get 429")
 	fs.Int64Var(&cfg.Proxy.MaxBodyBytes, "max-body-bytes", 8<<20, "largest request body accepted (413 beyond)")

@@ -37,6 +37,19 @@ func (m *mapIndex) Record(w indexer.Worker, seq []uint64) {
 	}
 }
 
+// held is how many blocks m holds for w.
+func (m *mapIndex) held(w indexer.Worker) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	n := 0
+	for _, ws := range m.blocks {
+		if ws[w] {
+			n++
+		}
+	}
+	return n
+}
+
 func (m *mapIndex) FindMatches(seq []uint64, dst []indexer.Match) []indexer.Match {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -67,6 +80,7 @@ type rig struct {
 	tracker  *routing.Tracker
 	affinity *routing.MemoryAffinity
 	reg      *prometheus.Registry
+	index    *mapIndex // nil with realIndex
 }
 
 type rigOptions struct {
@@ -87,12 +101,13 @@ func newRig(t testing.TB, specs []routing.WorkerSpec, opts rigOptions) *rig {
 	tracker := routing.NewTracker()
 	affinity := routing.NewMemoryAffinity(time.Hour, 0)
 	deps := routing.Deps{Workers: workers, Tracker: tracker, Affinity: affinity}
+	var mi *mapIndex
 	if opts.realIndex {
 		idx := indexer.New(indexer.Options{TTL: 2 * time.Minute})
 		deps.Index, deps.Recorder = idx, idx
 	} else {
-		idx := &mapIndex{blocks: map[uint64]map[indexer.Worker]bool{}}
-		deps.Index, deps.Recorder = idx, idx
+		mi = &mapIndex{blocks: map[uint64]map[indexer.Worker]bool{}}
+		deps.Index, deps.Recorder = mi, mi
 	}
 	rcfg := routing.Config{Seed: 1}
 	if opts.router != nil {
@@ -116,7 +131,7 @@ func newRig(t testing.TB, specs []routing.WorkerSpec, opts rigOptions) *rig {
 		front.Close()
 		srv.Close()
 	})
-	return &rig{t: t, srv: srv, front: front, workers: workers, tracker: tracker, affinity: affinity, reg: reg}
+	return &rig{t: t, srv: srv, front: front, workers: workers, tracker: tracker, affinity: affinity, reg: reg, index: mi}
 }
 
 func testLogger(t testing.TB) *slog.Logger {

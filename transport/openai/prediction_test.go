@@ -4,30 +4,35 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
-func TestCachedTokensScan(t *testing.T) {
+func TestUsageCountScan(t *testing.T) {
 	tests := []struct {
-		in   string
-		want int
-		ok   bool
+		in, key string
+		want    int
+		ok      bool
 	}{
-		{`{"usage":{"prompt_tokens_details":{"cached_tokens":1024}}}`, 1024, true},
-		{`data: {"usage":{"prompt_tokens_details":{"cached_tokens" : 0}}}` + "\n\n", 0, true},
-		{`{"a":{"cached_tokens":1},"b":{"cached_tokens":32}}`, 32, true},
-		{`{"cached_tokens":null}`, 0, false},
-		{`{"cached_tokens"`, 0, false},
-		{`{"usage":{}}`, 0, false},
+		{`{"usage":{"prompt_tokens_details":{"cached_tokens":1024}}}`, cachedTokensKey, 1024, true},
+		{`data: {"usage":{"prompt_tokens_details":{"cached_tokens" : 0}}}` + "\n\n", cachedTokensKey, 0, true},
+		{`{"a":{"cached_tokens":1},"b":{"cached_tokens":32}}`, cachedTokensKey, 32, true},
+		{`{"cached_tokens":null}`, cachedTokensKey, 0, false},
+		{`{"cached_tokens"`, cachedTokensKey, 0, false},
+		{`{"usage":{}}`, cachedTokensKey, 0, false},
+		{`{"usage":{"completion_tokens":17,"completion_tokens_details":{"reasoning_tokens":3}}}`, completionTokensKey, 17, true},
+		{`{"usage":{"completion_tokens_details":{"reasoning_tokens":3}}}`, completionTokensKey, 0, false},
+		{`{"usage":{"completion_tokens":99999999999999999999}}`, completionTokensKey, 999999999999, true},
 	}
 	for _, tc := range tests {
-		got, ok := cachedTokens([]byte(tc.in))
+		got, ok := usageCount([]byte(tc.in), tc.key)
 		if got != tc.want || ok != tc.ok {
-			t.Errorf("cachedTokens(%s) = %d, %v; want %d, %v", tc.in, got, ok, tc.want, tc.ok)
+			t.Errorf("usageCount(%s, %s) = %d, %v; want %d, %v", tc.in, tc.key, got, ok, tc.want, tc.ok)
 		}
 	}
 }
@@ -89,4 +94,52 @@ func tokenList(n int) string {
 		b = strconv.AppendInt(b, int64(1000+i), 10)
 	}
 	return string(b)
+}
+
+// TestAFinishedAnswerRecordsItsGeneratedBlocks: when a worker's answer ends whole, the prompt
+// is recorded again with stand-ins for the blocks its generated tokens fill (counted from the
+// usage, or one per stream event without one); an answer the worker refused adds nothing.
+func TestAFinishedAnswerRecordsItsGeneratedBlocks(t *testing.T) {
+	events := strings.Repeat("data: {\"choices\":[{\"text\":\"x\"}]}\n\n", 33) + "data: [DONE]\n\n"
+	tests := []struct {
+		name   string
+		stream bool
+		answer func(w http.ResponseWriter)
+		want   int // blocks held after the request: 4 of the prompt and those generated
+	}{
+		{name: "non-streaming, usage", answer: func(w http.ResponseWriter) {
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"choices":[{"text":"x"}],"usage":{"prompt_tokens":64,"completion_tokens":40}}`)
+		}, want: 6},
+		{name: "streaming, usage", stream: true, answer: func(w http.ResponseWriter) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			_, _ = io.WriteString(w, "data: {\"choices\":[{\"text\":\"x\"}]}\n\n")
+			_, _ = io.WriteString(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":64,\"completion_tokens\":50}}\n\ndata: [DONE]\n\n")
+		}, want: 7},
+		{name: "streaming, no usage", stream: true, answer: func(w http.ResponseWriter) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			_, _ = io.WriteString(w, events)
+		}, want: 6},
+		{name: "refused", answer: func(w http.ResponseWriter) {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusBadRequest)
+			_, _ = io.WriteString(w, `{"error":{"message":"no","usage":{"completion_tokens":400}}}`)
+		}, want: 4},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			fw := newFakeWorker(t, func(w http.ResponseWriter, r *http.Request) { tc.answer(w) })
+			rg := newRig(t, []routing.WorkerSpec{spec("w0", fw.URL)}, rigOptions{})
+			body := `{"model":"m","prompt":[` + tokenList(64) + `],"stream":` + strconv.FormatBool(tc.stream) + `}`
+			resp, _ := rg.post("/v1/completions", body, nil)
+			if resp.StatusCode/100 != 2 && tc.want != 4 {
+				t.Fatalf("status %d", resp.StatusCode)
+			}
+			// The answer's end reached the client after the record (the proxy records, then
+			// the handler returns and the response ends).
+			if got := rg.index.held(indexer.Worker{ID: "w0"}); got != tc.want {
+				t.Fatalf("blocks recorded on the worker = %d, want %d", got, tc.want)
+			}
+		})
+	}
 }

@@ -85,6 +85,10 @@ type call struct {
 	arrived time.Time
 	// firstAt is when the current dispatch's first body bytes arrived (zero: not yet).
 	firstAt time.Time
+	// ended: the current dispatch's answer reached its end (the worker finished it), with
+	// generated output tokens (its usage's completion_tokens, else its stream's events).
+	ended     bool
+	generated int
 }
 
 // firstBytes notes the first body bytes of a dispatch: the load moves from prefill to decode.
@@ -155,7 +159,7 @@ func retryError(err error, last failure) *Error {
 func (s *Server) dispatch(c *call) (outcome, failure) {
 	ctx := c.r.Context()
 	d := c.att.Decision()
-	c.firstAt = time.Time{}
+	c.firstAt, c.ended, c.generated = time.Time{}, false, 0
 	if d.Target.Spec == nil {
 		return retry, failure{cause: "internal", err: errors.New("routing chose a target without a spec")}
 	}
@@ -208,10 +212,14 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 
 	if c.p.Stream || isEventStream(resp.Header) {
-		return s.relay(c, &rd, d, func() {
+		res, fail := s.relay(c, &rd, d, func() {
 			c.observeTTFT(s)
 			s.writeHeaders(c, resp, d, binding, -1)
 		})
+		if c.ended {
+			c.att.Complete(c.generated)
+		}
+		return res, fail
 	}
 
 	body, err := s.readAll(c, &rd, resp.ContentLength)
@@ -226,8 +234,10 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	case resp.Header.Get("Content-Encoding") == "" && !validJSON(body):
 		return retry, s.badResponse(d, "upstream_garbage", errors.New("a 2xx answer that is not JSON"))
 	}
+	generated, _ := usageCount(body, completionTokensKey)
+	c.att.Complete(generated)
 	c.observeTTFT(s)
-	if n, ok := cachedTokens(body); ok {
+	if n, ok := usageCount(body, cachedTokensKey); ok {
 		s.observePrediction(d, n)
 	}
 	s.writeHeaders(c, resp, d, binding, len(body))
@@ -441,13 +451,20 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 	buf := *bp
 	started := hdr == nil
 	cached, sawUsage := 0, false
+	// The generated tokens: the usage's count when the stream has one (the usage chunk comes
+	// last), else about one per event (engines send a token or a few per chunk).
+	generated, sawGenerated, events := 0, false, 0
 	// Each pass reads at least one byte or ends; the idle timeout bounds how long a pass waits.
 	for {
 		n, err := rd.read(buf)
 		if n > 0 {
-			if v, ok := cachedTokens(buf[:n]); ok {
+			if v, ok := usageCount(buf[:n], cachedTokensKey); ok {
 				cached, sawUsage = v, true
 			}
+			if v, ok := usageCount(buf[:n], completionTokensKey); ok {
+				generated, sawGenerated = v, true
+			}
+			events += bytes.Count(buf[:n], []byte("data:"))
 			c.firstBytes()
 			if !started {
 				hdr()
@@ -471,6 +488,10 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 		case err == nil:
 			continue
 		case errors.Is(err, io.EOF) && started:
+			c.ended, c.generated = true, generated
+			if !sawGenerated {
+				c.generated = max(events-1, 0) // the last is [DONE]
+			}
 			if sawUsage {
 				s.observePrediction(d, cached)
 			}
@@ -602,17 +623,21 @@ func (u *upstreamReader) setDeadline(t time.Time) {
 // cause reports the timeout that cut the upstream request, if one did.
 func (u *upstreamReader) cause() error { return u.timedOut }
 
-// cachedTokensKey is how a worker's usage reports its prefix-cache hit.
-const cachedTokensKey = `"cached_tokens"`
+// How a worker's usage reports its prefix-cache hit and the tokens it generated.
+const (
+	cachedTokensKey     = `"cached_tokens"`
+	completionTokensKey = `"completion_tokens"`
+)
 
-// cachedTokens finds the last "cached_tokens": N in b (a whole answer, or one read of a stream,
-// where the usage chunk comes last). It is a scan, not a parse: the number only feeds a metric.
-func cachedTokens(b []byte) (int, bool) {
-	i := bytes.LastIndex(b, []byte(cachedTokensKey))
+// usageCount finds the last key: N in b (a whole answer, or one read of a stream, where the
+// usage chunk comes last). It is a scan, not a parse: the number only feeds a metric and the
+// index's estimate of what the worker caches.
+func usageCount(b []byte, key string) (int, bool) {
+	i := bytes.LastIndex(b, []byte(key))
 	if i < 0 {
 		return 0, false
 	}
-	rest := bytes.TrimLeft(b[i+len(cachedTokensKey):], " \t\r\n")
+	rest := bytes.TrimLeft(b[i+len(key):], " \t\r\n")
 	if len(rest) == 0 || rest[0] != ':' {
 		return 0, false
 	}
