@@ -578,6 +578,17 @@ func (n *Node) onChange(c fsm.Change) {
 	}
 }
 
+// Stability is how steady this node's view of the cluster has been: the leaders it learned of
+// (the first included) and its read-lease rounds that failed.
+type Stability struct {
+	LeaderChanges, LeaseFailures uint64
+}
+
+// Stability reports the node's Stability counters since it started.
+func (n *Node) Stability() Stability {
+	return Stability{LeaderChanges: n.leaderChanges.Load(), LeaseFailures: n.lease.failed.Load()}
+}
+
 // Workers lists the cluster registry's workers (the FSM's, sorted by id).
 func (n *Node) Workers() []fsm.Worker { return n.fsm.Workers() }
 

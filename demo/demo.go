@@ -19,6 +19,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/cluster"
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/replica"
@@ -36,17 +37,24 @@ type Config struct {
 	Binary         string
 	Workers        int
 	CapacityBlocks int
-	Policies       []string
-	Modes          []string // approximate and/or precise (KV events)
-	Topologies     []Topology
-	TracePath      string
-	Start, Limit   int
-	Speedup        float64
-	Concurrency    int
-	MaxOutput      int
-	Sim            sim.Config
-	JSONPath       string
-	Progress       bool
+	// ApproxTTL is the routers' approximate-index TTL in trace time (scaled by Speedup like
+	// everything else); 0 keeps no TTL, the per-worker cap (CapacityBlocks, the workers' own
+	// cache size) then standing in for eviction alone, as the workers' LRU does.
+	ApproxTTL time.Duration
+	// GossipBudget is each replica's outbound gossip budget in bytes per second (0: the
+	// replicas' default, replica.DefaultGossipBudget).
+	GossipBudget int
+	Policies     []string
+	Modes        []string // approximate and/or precise (KV events)
+	Topologies   []Topology
+	TracePath    string
+	Start, Limit int
+	Speedup      float64
+	Concurrency  int
+	MaxOutput    int
+	Sim          sim.Config
+	JSONPath     string
+	Progress     bool
 	// NoStream replays non-streaming requests instead of streaming ones.
 	NoStream bool
 	// RequestLogDir, when set, receives each compare run's per-request log
@@ -118,6 +126,14 @@ func Compare(ctx context.Context, cfg Config, stdout, progress io.Writer) error 
 	return nil
 }
 
+// scaledTTL is scaled for a TTL, where 0 means none and stays 0.
+func scaledTTL(d time.Duration, speedup float64) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return scaled(d, speedup)
+}
+
 // scaled is d in a simulation running speedup times faster than real time (at least 5 ms).
 func scaled(d time.Duration, speedup float64) time.Duration {
 	if speedup <= 1 {
@@ -141,6 +157,10 @@ func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDi
 		seeds = append(seeds, a.peer)
 		gossipSeeds = append(gossipSeeds, a.gossip)
 	}
+	budget := base.Cluster.Gossip.MaxBytesPerSecond
+	if budget <= 0 {
+		budget = replica.DefaultGossipBudget
+	}
 	var reps []*replica.Replica
 	for i, a := range all {
 		cfg := base
@@ -153,7 +173,7 @@ func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDi
 			// it goes on at once and keeps trying in the background.
 			// Time runs speedup times faster here, so the hints' intervals shrink with it,
 			// as the TTLs do: a load report every 150 ms of simulated time.
-			Gossip: replica.GossipConfig{Listen: a.gossip, MaxBytesPerSecond: replica.DefaultGossipBudget, JoinWait: 100 * time.Millisecond,
+			Gossip: replica.GossipConfig{Listen: a.gossip, MaxBytesPerSecond: budget, JoinWait: 100 * time.Millisecond,
 				HealthInterval: 200 * time.Millisecond, SnapshotDiscovery: time.Second, MinQuorum: 3, CleanupInterval: 5 * time.Minute,
 				LoadInterval:  scaled(hints.DefaultLoadInterval, speedup),
 				DecisionFlush: scaled(hints.DefaultDecisionFlush, speedup)},
@@ -371,13 +391,14 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 		Workers: fleet.specs,
 		Router: routing.Config{Policy: policy, RecordAtCommit: r.recordAt == "commit",
 			NoRefreshAtEnd: r.recordAt == "dispatch-only"},
-		// The decision index forgets on the workers' scale: a decision stays for the
-		// trace's reuse gap, and a worker remembers no more than its cache holds.
-		ApproxTTL: time.Duration(float64(120*time.Second) / cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
+		// The decision index forgets on the workers' scale: a worker remembers no more than
+		// its cache holds (and, with a TTL, a decision stays for the trace's reuse gap).
+		ApproxTTL: scaledTTL(cfg.ApproxTTL, cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
 		SessionTTL: time.Duration(float64(10*time.Minute) / cfg.Speedup), MaxSessions: 1_000_000,
 		Health: openai.HealthConfig{Timeout: 2 * time.Second, FailThreshold: 3},
 		Logger: quiet,
 	}
+	base.Cluster.Gossip.MaxBytesPerSecond = cfg.GossipBudget
 	reps, err := startReplicas(ctx, tp, base, dataDir, cfg.Speedup)
 	if err != nil {
 		return nil, err
@@ -414,7 +435,16 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 		}
 		return bytes, dropped, gaps, lag, n
 	}
+	stability := func() (s cluster.Stability) {
+		for _, r := range reps {
+			st := r.ClusterStability()
+			s.LeaderChanges += st.LeaderChanges
+			s.LeaseFailures += st.LeaseFailures
+		}
+		return s
+	}
 	bytes0, dropped0, gaps0, lag0, _ := sent()
+	stable0 := stability()
 	if cfg.RequestLogDir != "" {
 		f, err := os.Create(filepath.Join(cfg.RequestLogDir, strings.NewReplacer(" ", "_", "/", "-").Replace(rc.Label)+".jsonl"))
 		if err != nil {
@@ -427,6 +457,10 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	if err != nil {
 		return nil, err
 	}
+	stable1 := stability()
+	sum.Replicas = len(reps)
+	sum.LeaderChanges = stable1.LeaderChanges - stable0.LeaderChanges
+	sum.ReadLeaseFailures = stable1.LeaseFailures - stable0.LeaseFailures
 	if bytes1, dropped1, gaps1, lag1, n := sent(); n > 1 && sum.DurationSeconds > 0 {
 		sum.GossipBytesPerSecond = float64(bytes1-bytes0) / float64(n) / sum.DurationSeconds
 		sum.GossipDropped = dropped1 - dropped0

@@ -156,7 +156,7 @@ func (h *haCluster) start(ctx context.Context, fleet *simFleet) error {
 		h.procs = append(h.procs, proc.New(proc.Spec{Name: m.ID, LogPath: h.log(m.ID), Argv: m.ServeArgv(self, members, workers,
 			"--log-level", "warn",
 			// Time runs cfg.Speedup times faster: the TTLs and hint intervals shrink with it.
-			"--approx-ttl", scaled(120*time.Second, cfg.Speedup).String(),
+			"--approx-ttl", scaledTTL(cfg.ApproxTTL, cfg.Speedup).String(),
 			"--approx-max-blocks", fmt.Sprint(cfg.CapacityBlocks),
 			"--session-ttl", scaled(10*time.Minute, cfg.Speedup).String(),
 			"--load-share-interval", scaled(150*time.Millisecond, cfg.Speedup).String(),

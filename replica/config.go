@@ -100,8 +100,8 @@ type GossipConfig struct {
 }
 
 // DefaultGossipBudget is a replica's outbound gossip budget: decisions dominate it (about
-// 8 bytes per new prompt block per peer), and the bundled trace at ten times its rate needs
-// about 230 KB/s, so 1 MiB/s leaves room on any LAN.
+// 8 bytes per new prompt or generated block per peer), and a slice of the bundled trace at ten
+// times its rate needs about 260 KB/s, so 1 MiB/s leaves room on any LAN.
 const DefaultGossipBudget = 1 << 20
 
 // check refuses a config that cannot start, before anything is opened.

@@ -364,6 +364,14 @@ func (r *Replica) Ready() error {
 	return nil
 }
 
+// ClusterStability is the Raft node's Stability counters (zero before the node is open).
+func (r *Replica) ClusterStability() cluster.Stability {
+	if r.node == nil {
+		return cluster.Stability{}
+	}
+	return r.node.Stability()
+}
+
 // Addr is the client listener's address.
 func (r *Replica) Addr() string { return r.ln.Addr().String() }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/peterbourgon/ff/v3/ffcli"
 
 	"github.com/kvrouter-ha/kvrouter-ha/demo"
+	"github.com/kvrouter-ha/kvrouter-ha/replica"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
@@ -26,6 +27,8 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
 	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers")
 	fs.IntVar(&cfg.CapacityBlocks, "capacity-blocks", 32768, "each worker's KV cache in 16-token blocks (too small to hold the whole trace)")
+	fs.DurationVar(&cfg.ApproxTTL, "approx-ttl", 0, "the routers' approximate-index TTL in trace time (0: none: the per-worker cap, --capacity-blocks as the workers' own cache, stands in for their eviction alone, as their LRU does)")
+	fs.IntVar(&cfg.GossipBudget, "gossip-max-bytes-per-second", replica.DefaultGossipBudget, "compare: each replica's outbound gossip budget (as serve's flag of that name)")
 	fs.StringVar(&cfg.TracePath, "trace", "", "Mooncake-format trace (default: the bundled synthetic trace)")
 	fs.IntVar(&cfg.Start, "start", 2500, "first request of the trace to replay (the trace's reuse builds up over time; 2500 starts where sessions are in full swing)")
 	fs.IntVar(&cfg.Limit, "requests", 1000, "requests to replay (0: all)")

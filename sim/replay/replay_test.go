@@ -557,6 +557,22 @@ func TestSummaryJSONAndTable(t *testing.T) {
 			t.Errorf("table lacks %q:\n%s", want, tbl.String())
 		}
 	}
+	if strings.Contains(tbl.String(), "raft leader changes") {
+		t.Errorf("a table of one-replica runs shows cluster rows:\n%s", tbl.String())
+	}
+	x3 := rr
+	x3.Label, x3.Replicas, x3.LeaderChanges, x3.ReadLeaseFailures = "kv x3", 3, 4, 2
+	tbl.Reset()
+	replay.Table(&tbl, []*replay.Summary{kv, &x3})
+	for _, want := range []string{"raft leader changes", "read lease failures"} {
+		i := strings.Index(tbl.String(), want)
+		if i < 0 {
+			t.Fatalf("table lacks %q:\n%s", want, tbl.String())
+		}
+		if line := strings.SplitN(tbl.String()[i:], "\n", 2)[0]; !strings.HasSuffix(strings.TrimSpace(line), map[bool]string{true: "4", false: "2"}[want == "raft leader changes"]) {
+			t.Errorf("row %q: %q", want, line)
+		}
+	}
 	var text strings.Builder
 	kv.WriteText(&text)
 	for _, want := range []string{"kv: 4 of 4 requests", "hit rate", "TTFT ms", "  w  ", strconv.Itoa(4*64) + " prompt tokens"} {

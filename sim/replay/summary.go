@@ -87,6 +87,15 @@ type Summary struct {
 	// messages (each the upper bound of its histogram bucket; -1 past the last bound),
 	// filled in like the above.
 	DecisionLagMs []float64 `json:"decision_lag_ms_p50_p90_p99,omitempty"`
+	// Replicas is how many router replicas the run had (0: not said), filled in like the
+	// above; with more than one, the two counters below are shown.
+	Replicas int `json:"replicas,omitempty"`
+	// LeaderChanges is how many Raft leaders the replicas learned of during the run, summed
+	// over replicas (an election seen by all three counts three); ReadLeaseFailures how many
+	// of their read-lease rounds failed, during which bound requests waited. Filled in like
+	// the above.
+	LeaderChanges     uint64 `json:"raft_leader_changes,omitempty"`
+	ReadLeaseFailures uint64 `json:"read_lease_failures,omitempty"`
 }
 
 // WorkerStats is one worker's share of a run.
@@ -332,6 +341,20 @@ func Table(w io.Writer, sums []*Summary) {
 				}
 			}
 			return strings.Join(parts, "/")
+		})
+	}
+	if slices.ContainsFunc(sums, func(s *Summary) bool { return s.Replicas > 1 }) {
+		row("raft leader changes", func(s *Summary) string {
+			if s.Replicas == 0 {
+				return "-"
+			}
+			return fmt.Sprintf("%d", s.LeaderChanges)
+		})
+		row("read lease failures", func(s *Summary) string {
+			if s.Replicas == 0 {
+				return "-"
+			}
+			return fmt.Sprintf("%d", s.ReadLeaseFailures)
 		})
 	}
 	_ = tw.Flush()
