@@ -143,8 +143,9 @@ func scaled(d time.Duration, speedup float64) time.Duration {
 }
 
 // startReplicas starts tp.Replicas router replicas in this process that form one Raft
-// cluster on loopback (a lone replica is a one-node cluster).
-func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDir string, speedup float64) ([]*replica.Replica, error) {
+// cluster on loopback (a lone replica is a one-node cluster), each sending at most
+// gossipBudget bytes per second (0: replica.DefaultGossipBudget).
+func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDir string, speedup float64, gossipBudget int) ([]*replica.Replica, error) {
 	type addrs struct{ raft, peer, gossip string }
 	var all []addrs
 	var seeds, gossipSeeds []string
@@ -157,9 +158,8 @@ func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDi
 		seeds = append(seeds, a.peer)
 		gossipSeeds = append(gossipSeeds, a.gossip)
 	}
-	budget := base.Cluster.Gossip.MaxBytesPerSecond
-	if budget <= 0 {
-		budget = replica.DefaultGossipBudget
+	if gossipBudget <= 0 {
+		gossipBudget = replica.DefaultGossipBudget
 	}
 	var reps []*replica.Replica
 	for i, a := range all {
@@ -173,7 +173,7 @@ func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDi
 			// it goes on at once and keeps trying in the background.
 			// Time runs speedup times faster here, so the hints' intervals shrink with it,
 			// as the TTLs do: a load report every 150 ms of simulated time.
-			Gossip: replica.GossipConfig{Listen: a.gossip, MaxBytesPerSecond: budget, JoinWait: 100 * time.Millisecond,
+			Gossip: replica.GossipConfig{Listen: a.gossip, MaxBytesPerSecond: gossipBudget, JoinWait: 100 * time.Millisecond,
 				HealthInterval: 200 * time.Millisecond, SnapshotDiscovery: time.Second, MinQuorum: 3, CleanupInterval: 5 * time.Minute,
 				LoadInterval:  scaled(hints.DefaultLoadInterval, speedup),
 				DecisionFlush: scaled(hints.DefaultDecisionFlush, speedup)},
@@ -203,14 +203,12 @@ func startReplicas(ctx context.Context, tp Topology, base replica.Config, dataDi
 	return reps, nil
 }
 
-// closeReplicas stops a run's replicas together: one at a time, each survivor's Raft node
-// logs errors about the peers already gone, which here are no fault.
+// closeReplicas stops a run's replicas, one after another. (The survivors then log the
+// absence of those gone; a run's logger is quiet by then, see untilOver.)
 func closeReplicas(reps []*replica.Replica) {
-	var wg sync.WaitGroup
 	for _, r := range reps {
-		wg.Go(func() { _ = r.Close() })
+		_ = r.Close()
 	}
-	wg.Wait()
 }
 
 // untilOver is a run's log handler: it goes quiet when the run is over, when the replicas
@@ -398,8 +396,7 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 		Health: openai.HealthConfig{Timeout: 2 * time.Second, FailThreshold: 3},
 		Logger: quiet,
 	}
-	base.Cluster.Gossip.MaxBytesPerSecond = cfg.GossipBudget
-	reps, err := startReplicas(ctx, tp, base, dataDir, cfg.Speedup)
+	reps, err := startReplicas(ctx, tp, base, dataDir, cfg.Speedup, cfg.GossipBudget)
 	if err != nil {
 		return nil, err
 	}

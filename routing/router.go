@@ -618,7 +618,7 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 		a.decision.Binding, a.decision.Bound = b, true
 		// What the router predicts is what the request will find where it goes now: the
 		// overlap on the worker the session is bound to, not on the one first chosen.
-		a.decision.Overlap = a.router.overlapOn(b.Worker, a.req)
+		a.decision.Overlap = a.router.overlapOn(b.Worker, a.req.Hashes)
 		a.startDispatch()
 		return b, err
 	}
@@ -629,12 +629,12 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	return b, nil
 }
 
-// overlapOn is how many leading blocks of req's prompt the index credits w with.
-func (r *Router) overlapOn(w indexer.Worker, req *Request) int {
-	if r.deps.Index == nil || len(req.Hashes) == 0 {
+// overlapOn is how many leading blocks of hashes the index credits w with.
+func (r *Router) overlapOn(w indexer.Worker, hashes []uint64) int {
+	if r.deps.Index == nil || len(hashes) == 0 {
 		return 0
 	}
-	for _, m := range r.deps.Index.FindMatches(req.Hashes, nil) {
+	for _, m := range r.deps.Index.FindMatches(hashes, nil) {
 		if m.Worker == w {
 			return m.Blocks
 		}
@@ -673,7 +673,7 @@ func (a *Attempt) Complete(outputTokens int) {
 	}
 	seq := a.req.Hashes
 	if n := outputBlockCount(a.req.PromptTokens, outputTokens, cfg.BlockSize); n > 0 {
-		seq = outputBlocks(append(make([]uint64, 0, len(seq)+n), seq...), a.req.PromptTokens, n)
+		seq = outputBlocks(seq, a.req.PromptTokens, n)
 	}
 	r.Record(a.decision.Target.Worker, seq)
 }
@@ -691,17 +691,20 @@ func outputBlockCount(promptTokens, outputTokens, blockSize int) int {
 	return min((promptTokens%blockSize+outputTokens)/blockSize, maxOutputBlocks)
 }
 
-// outputBlocks appends to seq (a prompt's sequence hashes) n stand-ins for the blocks of
-// its generated tokens, chained after it. The router never sees those tokens' ids, so the
-// stand-ins never match a later prompt; they only take the room in the worker's cache that
-// the real blocks take. They depend on the prompt and the block's place only, so a prompt
-// sent again (whose answer a greedy engine repeats) refreshes them instead of adding more.
-func outputBlocks(seq []uint64, promptTokens, n int) []uint64 {
-	local := make([]uint64, n)
-	for i := range local {
-		local[i] = mix64(uint64(promptTokens)<<20 ^ uint64(i) ^ 0x6f75747075740000)
+// outputBlocks returns a new slice: prompt (a prompt's sequence hashes, left as it is)
+// followed by n stand-ins for the blocks of its generated tokens, chained after it. The
+// router never sees those tokens' ids, so the stand-ins never match a later prompt; they only
+// take the room in the worker's cache that the real blocks take. They depend on the prompt
+// and the block's place only, so a prompt sent again (whose answer a greedy engine repeats)
+// refreshes them instead of adding more.
+func outputBlocks(prompt []uint64, promptTokens, n int) []uint64 {
+	seq := slices.Grow(slices.Clip(prompt), n)
+	tail := seq[len(seq) : len(seq)+n]
+	for i := range tail {
+		tail[i] = mix64(uint64(promptTokens)<<20 ^ uint64(i) ^ 0x6f75747075740000)
 	}
-	return append(seq, indexer.Chain(seq[len(seq)-1], true, local, local)...)
+	indexer.Chain(prompt[len(prompt)-1], true, tail, tail) // in place
+	return seq[:len(seq)+n]
 }
 
 // FirstToken moves the request's load from prefill to decode.

@@ -514,6 +514,20 @@ func TestOutputBlockCount(t *testing.T) {
 	}
 }
 
+// TestOutputBlocksLeaveThePromptAlone: the stand-ins go into a new slice, never into the
+// spare room of the request's own hashes (which the request may still read).
+func TestOutputBlocksLeaveThePromptAlone(t *testing.T) {
+	backing := []uint64{1, 2, 3, 0, 0}
+	prompt := backing[:3]
+	seq := outputBlocks(prompt, 48, 2)
+	if len(seq) != 5 || !slices.Equal(seq[:3], prompt) || backing[3] != 0 || backing[4] != 0 {
+		t.Fatalf("seq %v, backing %v: want the prompt then 2 stand-ins, the backing untouched", seq, backing)
+	}
+	if again := outputBlocks(prompt, 48, 2); !slices.Equal(again, seq) {
+		t.Fatalf("the same prompt's stand-ins differ: %v then %v", seq, again)
+	}
+}
+
 // TestGeneratedBlocksAreRecordedAfterThePrompt: Complete records stand-ins for the blocks of
 // the generated tokens after the prompt; they take room but match no prompt, and the same
 // prompt's stand-ins are the same blocks again.
