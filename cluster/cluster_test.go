@@ -413,8 +413,8 @@ func TestRebindIsOneCompareAndSet(t *testing.T) {
 	if err != nil || nb.Worker.ID != "w2" || nb.Revision <= old.Revision {
 		t.Fatalf("first replacement: %+v %v", nb, err)
 	}
-	if got := ln.fsm.AppliedIndex() - before; got != 1 {
-		t.Fatalf("the replacement took %d log entries, want 1", got)
+	if got := commandsBetween(t, ln, before, ln.fsm.AppliedIndex()); got != 1 {
+		t.Fatalf("the replacement took %d commands, want 1", got)
 	}
 	lost, err := second.Commit(ctx, indexer.Worker{ID: "w3"})
 	if !errors.Is(err, routing.ErrBoundElsewhere) || lost != nb {

@@ -139,14 +139,23 @@ type testCluster struct {
 	net   *memNet
 	nodes []*Node
 	cfg   func(i int) Config
+	// wrap, if set, stands between node i's Raft and its in-memory transport.
+	wrap func(i int, tr raft.Transport) raft.Transport
 }
 
 func peerAddr(i int) string { return fmt.Sprintf("peer-%d", i) }
 func raftAddr(i int) string { return fmt.Sprintf("raft-%d", i) }
 
+// newTestCluster starts size in-process nodes on in-memory transports, bootstrapped together.
 func newTestCluster(t *testing.T, size int, tweak func(*Config)) *testCluster {
 	t.Helper()
-	c := &testCluster{t: t, net: newMemNet(), nodes: make([]*Node, size)}
+	return newWrappedCluster(t, size, tweak, nil)
+}
+
+// newWrappedCluster is newTestCluster with wrap between each node's Raft and its transport.
+func newWrappedCluster(t *testing.T, size int, tweak func(*Config), wrap func(i int, tr raft.Transport) raft.Transport) *testCluster {
+	t.Helper()
+	c := &testCluster{t: t, net: newMemNet(), nodes: make([]*Node, size), wrap: wrap}
 	var seeds []string
 	for i := range size {
 		seeds = append(seeds, peerAddr(i))
@@ -193,6 +202,9 @@ func (c *testCluster) start(i int) *Node {
 	c.net.mu.Unlock()
 	cfg := c.cfg(i)
 	cfg.Transport = tr
+	if c.wrap != nil {
+		cfg.Transport = c.wrap(i, tr)
+	}
 	var self *Node
 	var smu sync.Mutex
 	cfg.Remote = memRemote{net: c.net, addr: peerAddr(i), self: func() *Node { smu.Lock(); defer smu.Unlock(); return self }}
@@ -244,4 +256,21 @@ func (c *testCluster) leader() (int, *Node) {
 		return errors.New("no established leader")
 	})
 	return idx, ln
+}
+
+// commandsBetween counts the commands in n's log after index from, up to index to (the
+// barriers of read-lease rounds in between are not commands).
+func commandsBetween(t *testing.T, n *Node, from, to uint64) int {
+	t.Helper()
+	count := 0
+	for i := from + 1; i <= to; i++ {
+		var e raft.Log
+		if err := n.logs.GetLog(i, &e); err != nil {
+			t.Fatalf("log entry %d: %v", i, err)
+		}
+		if e.Type == raft.LogCommand {
+			count++
+		}
+	}
+	return count
 }

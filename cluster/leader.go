@@ -420,8 +420,15 @@ func (l *leader) rounds() {
 		// index of its last applied command bounds every write acknowledged before this
 		// read began (Raft's commit index would also count no-op and barrier entries, which
 		// never reach an FSM, and a follower would wait for them in vain).
+		//
+		// Leadership is proved by committing a barrier, not with VerifyLeader: VerifyLeader
+		// counts the first heartbeat answer each follower gives after it was asked, even an
+		// answer to a heartbeat sent before, and a leader resumed from a pause reads such
+		// answers from its sockets after the others have elected a new leader. Only answers
+		// to the append that carries the barrier can commit it, and a follower that has
+		// moved to a later term refuses that append. (The cost: one log entry per round.)
 		r.idx = l.n.fsm.AppliedIndex()
-		if err := l.n.raft.VerifyLeader().Error(); err != nil {
+		if err := l.n.raft.Barrier(l.n.cfg.StaleBound).Error(); err != nil {
 			r.err = fmt.Errorf("%w: %w", ErrNoLeader, err)
 		}
 		close(r.done)

@@ -14,9 +14,9 @@ import (
 // holds, this replica's FSM reflects every binding change acknowledged to any client before
 // the lease's round started, and the lease lasts StaleBound from that start: so a read under
 // it misses nothing acknowledged more than StaleBound ago. It is anchored on the log, never
-// on contact: a round is a read-index through the leader (VerifyLeader on the leader itself)
-// followed by waiting until the local FSM has applied that index. A heartbeat, which carries
-// neither entries nor a commit index, renews nothing.
+// on contact: a round is a read-index through the leader (a committed barrier on the leader
+// itself) followed by waiting until the local FSM has applied that index. A heartbeat, which
+// carries neither entries nor a commit index, renews nothing, and neither does its answer.
 //
 // The hot path only compares clocks and two of raft's atomics (leaseHolds); rounds run
 // in the background about every StaleBound/3, and at once when a reader finds the lease gone.

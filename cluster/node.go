@@ -174,6 +174,7 @@ type Node struct {
 	raft  *raft.Raft
 	trans raft.Transport
 	store io.Closer // the bolt store, nil in memory
+	logs  raft.LogStore
 	lead  *leader
 	lease *readLease
 
@@ -225,6 +226,7 @@ func Open(ctx context.Context, cfg Config) (_ *Node, err error) {
 	if err != nil {
 		return nil, err
 	}
+	n.logs = logs
 	if err := restoreSnapshot(snaps, n.fsm); err != nil {
 		return nil, err
 	}
