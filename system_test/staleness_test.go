@@ -101,6 +101,11 @@ func TestResumedReplicaNeverServesARevisionOlderThanTheBound(t *testing.T) {
 				stopped = c.others(leader)[0]
 			}
 			c.signal(stopped, syscall.SIGSTOP)
+			// Until every thread has stopped, the replica may still read and serve a request
+			// sent now, before the rebinds: that one may rightly get the old binding.
+			if err := stopped.proc.WaitStopped(t.Context()); err != nil {
+				t.Fatal(err)
+			}
 			resumed := false
 			defer func() {
 				if !resumed {

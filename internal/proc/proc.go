@@ -297,3 +297,62 @@ func (p *Process) Stop(ctx context.Context, sig os.Signal, grace time.Duration) 
 	}
 	return fmt.Errorf("stop %s: killed: no exit within %s of %v", p.spec.Name, grace, sig)
 }
+
+// WaitStopped waits until every thread of the process is stopped, once it was sent
+// SIGSTOP: the signal's sender returns before the kernel has stopped them all, and a
+// request the process reads meanwhile runs before the pause, not after it. It reads
+// /proc, so it is Linux only (elsewhere errors.ErrUnsupported).
+func (p *Process) WaitStopped(ctx context.Context) error {
+	p.mu.Lock()
+	if !p.runningLocked() {
+		p.mu.Unlock()
+		return fmt.Errorf("wait for %s to stop: %w", p.spec.Name, ErrNotRunning)
+	}
+	pid := p.cmd.Process.Pid
+	p.mu.Unlock()
+	tasks := fmt.Sprintf("/proc/%d/task", pid)
+	for {
+		stopped, err := allStopped(tasks)
+		if err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("wait for %s to stop: %w", p.spec.Name, errors.ErrUnsupported)
+			}
+			return fmt.Errorf("wait for %s to stop: %w", p.spec.Name, err)
+		}
+		if stopped {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for %s to stop: %w", p.spec.Name, ctx.Err())
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+// allStopped reports whether every task under dir (/proc/PID/task) is in state T (stopped).
+func allStopped(dir string) (bool, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return false, err
+	}
+	for _, e := range entries {
+		b, err := os.ReadFile(dir + "/" + e.Name() + "/stat")
+		if errors.Is(err, os.ErrNotExist) {
+			continue // the thread has exited
+		}
+		if err != nil {
+			return false, err
+		}
+		// The state follows the command name, which is in parentheses and may hold any byte.
+		s := string(b)
+		i := strings.LastIndexByte(s, ')')
+		if i < 0 || i+2 >= len(s) {
+			return false, fmt.Errorf("unreadable %s/%s/stat", dir, e.Name())
+		}
+		if s[i+2] != 'T' {
+			return false, nil
+		}
+	}
+	return true, nil
+}

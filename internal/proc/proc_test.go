@@ -362,3 +362,32 @@ func TestChildDiesWithItsParent(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestWaitStoppedWaitsForEveryThread: WaitStopped does not return while the process runs,
+// and returns once SIGSTOP has stopped it.
+func TestWaitStoppedWaitsForEveryThread(t *testing.T) {
+	p, log := child(t, "sleep")
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitLog(t, log, "hello from", 1)
+	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+	defer cancel()
+	if err := p.WaitStopped(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("WaitStopped on a running process: %v, want the deadline", err)
+	}
+	if err := p.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel = context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	if err := p.WaitStopped(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := state(p.PID()); st != 'T' {
+		t.Fatalf("WaitStopped returned with the process in state %q", st)
+	}
+	if err := p.Resume(); err != nil {
+		t.Fatal(err)
+	}
+}
