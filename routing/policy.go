@@ -64,10 +64,16 @@ func (kvPolicy) choose(req *Request, promptBlocks int, cands []candidate, r *Rou
 	if len(cands) > len(costs) {
 		cost = make([]float64, 0, len(cands))
 	}
+	// A prefill leg is weighed on prefill alone: a prefill worker's decode load (its legs'
+	// one token each) is not what delays the request.
+	decodeWeight := 1.0
+	if req.Role == RolePrefill {
+		decodeWeight = 0
+	}
 	for i := range cands {
 		c := &cands[i]
 		prefill := float64(c.load.PrefillTokens)/bs + float64(promptBlocks-c.overlap)
-		cost = append(cost, pw*prefill+float64(c.load.DecodeBlocks)+float64(promptBlocks))
+		cost = append(cost, pw*prefill+decodeWeight*float64(c.load.DecodeBlocks)+float64(promptBlocks))
 	}
 	if r.cfg.Temperature > 0 {
 		return r.softmin(cost, r.cfg.Temperature)

@@ -27,12 +27,17 @@ type Request struct {
 	// Target is an explicit target worker (X-Target-Worker), nil for none.
 	Target *indexer.Worker
 	LoRA   string
-	// Role restricts candidates to workers of this role (RoleBoth: any but prefill-only).
+	// Role restricts candidates to workers of this role: RoleBoth, any but prefill-only;
+	// RoleDecode, decode or aggregated workers; RolePrefill (a prefill leg), prefill-only
+	// workers, chosen on prefill cost alone.
 	Role Role
 	// DPRank restricts candidates to one rank; -1 is any.
 	DPRank int
 	// QueryOnly returns a decision and changes nothing: no load, no binding, no record.
 	QueryOnly bool
+	// NoWait fails the selection with ErrBusy instead of queueing when every candidate is
+	// busy.
+	NoWait bool
 }
 
 // Decision is the outcome of a selection.
@@ -77,6 +82,8 @@ type Config struct {
 	// the behaviour of the first dispatch-time recording, kept only for comparisons (demo
 	// --record-at dispatch-only).
 	NoRefreshAtEnd bool
+	// Disagg says when a request's prefill goes to a prefill worker (Attempt.PlanPrefill).
+	Disagg DisaggConfig
 }
 
 // Deps are the parts a Router reads.
@@ -141,6 +148,9 @@ func New(cfg Config, deps Deps) (*Router, error) {
 	}
 	if cfg.TextChunkBytes == 0 {
 		cfg.TextChunkBytes = cfg.BlockSize * 4
+	}
+	if err := cfg.Disagg.setDefaults(); err != nil {
+		return nil, err
 	}
 	if deps.Workers == nil || deps.Tracker == nil {
 		return nil, errors.New("router needs Workers and a Tracker")
@@ -374,6 +384,9 @@ func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.W
 			c := &free[r.policy.choose(req, promptBlocks, free, r)]
 			return Decision{Target: *c.target, Overlap: c.overlap, PromptBlocks: promptBlocks, Took: time.Since(start) - waited}, nil
 		}
+		if req.NoWait {
+			return Decision{}, fmt.Errorf("every candidate is busy: %w", ErrBusy)
+		}
 		w, err := r.waitForRoom(ctx, start.Add(r.cfg.QueueWait+waited))
 		if err != nil {
 			return Decision{}, err
@@ -392,6 +405,12 @@ func eligible(req *Request, t *Target, m *targetMeta, exclude []indexer.Worker) 
 	switch req.Role {
 	case RoleBoth:
 		if m.role == RolePrefill {
+			return false
+		}
+	case RolePrefill:
+		// A prefill leg goes to prefill workers only: an aggregated worker is where
+		// requests decode.
+		if m.role != RolePrefill {
 			return false
 		}
 	default:

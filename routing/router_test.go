@@ -201,7 +201,8 @@ func TestFiltersRoleLoRAAndRank(t *testing.T) {
 		want map[string]bool
 	}{
 		{"aggregated skips prefill-only", Request{DPRank: -1}, map[string]bool{"d": true, "d/1": true, "l": true}},
-		{"prefill role", Request{Role: RolePrefill, DPRank: -1}, map[string]bool{"p": true, "l": true}},
+		{"prefill leg: prefill-only workers", Request{Role: RolePrefill, DPRank: -1}, map[string]bool{"p": true}},
+		{"decode leg: decode and aggregated workers", Request{Role: RoleDecode, DPRank: -1}, map[string]bool{"d": true, "d/1": true, "l": true}},
 		{"lora", Request{LoRA: "sql", DPRank: -1}, map[string]bool{"l": true}},
 		{"rank 1", Request{DPRank: 1}, map[string]bool{"d/1": true}},
 	}

@@ -33,6 +33,8 @@ type routableView struct {
 	// meta[i] is what the filters read of routable[i]'s spec, side by side, so that filtering
 	// reads one array rather than following a pointer to each spec.
 	meta []targetMeta
+	// prefill: some routable worker has the prefill role.
+	prefill bool
 	// counters[i] are routable[i]'s load counters, nil for a worker the tracker has not seen
 	// (its load is zero until its first request, which also makes the view stale).
 	counters []*counters
@@ -63,6 +65,7 @@ func newRoutableView(routable []Target, workers *map[indexer.Worker]*counters) *
 	v.meta = make([]targetMeta, len(routable))
 	for i := range routable {
 		v.meta[i] = metaOf(&routable[i])
+		v.prefill = v.prefill || v.meta[i].role == RolePrefill
 	}
 	size := 4
 	for size < 2*len(routable) {

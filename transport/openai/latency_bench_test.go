@@ -214,3 +214,29 @@ func bareProxy(b *testing.B, workerURL string) http.Handler {
 		}
 	})
 }
+
+// BenchmarkDisaggregatedAddedLatency measures what the two-leg dispatch adds to one
+// aggregated dispatch: the same request through a router over one aggregated worker and
+// through a router that disaggregates it over a prefill and a decode worker, in turns, one
+// at a time. Every worker answers at once, so the difference is the router's prefill leg
+// (its selection, the body rewrite, a round trip, reading the params) and the decode body's
+// rewrite. In the metrics, "direct" is the aggregated router and "proxied" the
+// disaggregating one.
+func BenchmarkDisaggregatedAddedLatency(b *testing.B) {
+	for _, stream := range []bool{false, true} {
+		name := map[bool]string{false: "json", true: "sse"}[stream]
+		b.Run(name, func(b *testing.B) {
+			quiet := func(c *Config) { c.Logger = slog.New(slog.DiscardHandler) }
+			agg := httptest.NewServer(latencyWorker(stream))
+			b.Cleanup(agg.Close)
+			aggregated := newRig(b, []routing.WorkerSpec{spec("w0", agg.URL)}, rigOptions{realIndex: true, front: quiet})
+			pre := httptest.NewServer(prefillAnswer("eng-p0"))
+			b.Cleanup(pre.Close)
+			dec := httptest.NewServer(latencyWorker(stream))
+			b.Cleanup(dec.Close)
+			disagg := newRig(b, []routing.WorkerSpec{role(spec("p0", pre.URL), routing.RolePrefill), role(spec("d0", dec.URL), routing.RoleDecode)},
+				rigOptions{realIndex: true, front: quiet, router: func(c *routing.Config) { c.Disagg.Mode = routing.DisaggAlways }})
+			measureAdded(b, aggregated.front.URL, disagg.front.URL, latencyBody(stream), fixedRate)
+		})
+	}
+}

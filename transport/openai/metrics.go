@@ -22,6 +22,12 @@ type metrics struct {
 	selection  prometheus.Histogram
 	kvHit      prometheus.Histogram
 	predError  prometheus.Histogram
+	// Disaggregation: requests by plan outcome, and the phases of the disaggregated ones.
+	disagg           *prometheus.CounterVec
+	prefillSelection prometheus.Histogram
+	prefillLeg       prometheus.Histogram
+	decodeFirstToken prometheus.Histogram
+	transfer         prometheus.Histogram
 }
 
 func newMetrics() *metrics {
@@ -60,6 +66,31 @@ func newMetrics() *metrics {
 				"and the cached_tokens the worker reported in its usage.",
 			Buckets: append([]float64{0}, prometheus.ExponentialBuckets(16, 4, 8)...),
 		}),
+		disagg: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_disagg_requests_total",
+			Help: "Dispatches by disaggregation outcome: disaggregated, or why aggregated (never, no_prefill, cached, " +
+				"prefill_busy, explicit_target, prefill_failed).",
+		}, []string{"outcome"}),
+		prefillSelection: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_prefill_selection_seconds",
+			Help:    "Time spent choosing the prefill worker of a disaggregated request.",
+			Buckets: prometheus.ExponentialBuckets(1e-6, 4, 12),
+		}),
+		prefillLeg: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_prefill_leg_seconds",
+			Help:    "Time from sending a disaggregated request's prefill leg to its whole answer, retries included.",
+			Buckets: []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300},
+		}),
+		decodeFirstToken: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_decode_first_token_seconds",
+			Help:    "Time from sending a disaggregated request's decode leg to its first body byte (the KV transfer included).",
+			Buckets: []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10},
+		}),
+		transfer: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_kv_transfer_seconds",
+			Help:    "KV transfer time of a disaggregated request, as its decode worker reports it (X-KV-Transfer-Ms), when it does.",
+			Buckets: []float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1},
+		}),
 		kvHit: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_predicted_kv_hit_ratio",
 			Help:    "Predicted share of the prompt's blocks already cached on the chosen worker.",
@@ -69,7 +100,8 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
-	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError, c} {
+	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,
+		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, c} {
 		if err := reg.Register(col); err != nil {
 			return fmt.Errorf("register metrics: %w", err)
 		}

@@ -89,6 +89,13 @@ type call struct {
 	// generated output tokens (its usage's completion_tokens, else its stream's events).
 	ended     bool
 	generated int
+	// body is what the current dispatch sends: the client's body, or for a disaggregated
+	// request the decode leg's (the client's with the prefill worker's kv_transfer_params).
+	body []byte
+	// prefill names the current dispatch's prefill worker ("": aggregated), and decodeAt is
+	// when its decode leg was sent.
+	prefill  string
+	decodeAt time.Time
 }
 
 // firstBytes notes the first body bytes of a dispatch: the load moves from prefill to decode.
@@ -167,9 +174,13 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if d.Bound {
 		by = "binding"
 	}
+	c.body, c.prefill = c.p.Body, ""
+	if res, fail, ok := s.disaggregate(c); !ok {
+		return res, fail
+	}
 	s.metrics.dispatches.WithLabelValues(d.Target.Worker.String(), by).Inc()
 	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
-	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, upstreamRequest(c.r, c.p, d.Target), firstBy)
+	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, upstreamRequest(c.r, c.body, d.Target), firstBy)
 	if err != nil {
 		if ctx.Err() != nil {
 			s.fail(c.w, c.r, nil)
@@ -214,6 +225,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if c.p.Stream || isEventStream(resp.Header) {
 		res, fail := s.relay(c, &rd, d, func() {
 			c.observeTTFT(s)
+			s.observeDecodeLeg(c, resp.Header)
 			s.writeHeaders(c, resp, d, binding, -1)
 		})
 		if c.ended {
@@ -222,7 +234,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return res, fail
 	}
 
-	body, err := s.readAll(c, &rd, resp.ContentLength)
+	body, err := s.readAll(&rd, resp.ContentLength, c.firstBytes)
 	switch {
 	case err != nil && ctx.Err() != nil:
 		s.fail(c.w, c.r, nil)
@@ -237,6 +249,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	generated, _ := usageCount(body, completionTokensKey)
 	c.att.Complete(generated)
 	c.observeTTFT(s)
+	s.observeDecodeLeg(c, resp.Header)
 	if n, ok := usageCount(body, cachedTokensKey); ok {
 		s.observePrediction(d, n)
 	}
@@ -279,13 +292,13 @@ func (s *Server) badResponse(d routing.Decision, cause string, err error) failur
 }
 
 // upstreamRequest describes the worker's copy of the client request: the client's method,
-// path, query and body, and its end-to-end headers.
-func upstreamRequest(r *http.Request, p *Request, t routing.Target) outbound {
+// path, query and end-to-end headers, with body.
+func upstreamRequest(r *http.Request, body []byte, t routing.Target) outbound {
 	target := r.URL.EscapedPath()
 	if r.URL.RawQuery != "" {
 		target += "?" + r.URL.RawQuery
 	}
-	return outbound{method: r.Method, target: target, body: p.Body, header: func(b []byte) []byte {
+	return outbound{method: r.Method, target: target, body: body, header: func(b []byte) []byte {
 		return appendForwardHeaders(b, r, t)
 	}}
 }
@@ -414,7 +427,7 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 	copyHeaders(h, resp.Header)
 	// The names are canonical already, so the map is written directly; the values share
 	// one backing array.
-	vals := make([]string, 5)
+	vals := make([]string, 6)
 	set := func(k, v string) {
 		vals[0] = v
 		h[k] = vals[:1:1]
@@ -437,6 +450,9 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 		set(HeaderRevision, strconv.FormatUint(rev, 10))
 	}
 	set(HeaderOverlap, strconv.Itoa(d.Overlap))
+	if c.prefill != "" {
+		set(HeaderPrefillWorker, c.prefill)
+	}
 	c.w.WriteHeader(resp.StatusCode)
 }
 
@@ -527,7 +543,7 @@ func (s *Server) getCopyBuffer() *[]byte {
 
 // readAll reads a whole non-streamed answer within maxBufferedResponse; size is the
 // announced length, or -1.
-func (s *Server) readAll(c *call, rd *upstreamReader, size int64) ([]byte, error) {
+func (s *Server) readAll(rd *upstreamReader, size int64, first func()) ([]byte, error) {
 	// The buffer starts at the announced size (a worker's claim, so within reason) and one
 	// spare byte, so that the read that finds the end does not grow it.
 	if size < 0 {
@@ -541,7 +557,7 @@ func (s *Server) readAll(c *call, rd *upstreamReader, size int64) ([]byte, error
 		}
 		n, err := rd.read(out[len(out):cap(out)])
 		if n > 0 {
-			c.firstBytes()
+			first()
 			if len(out)+n > maxBufferedResponse {
 				return nil, fmt.Errorf("answer exceeds %d bytes", maxBufferedResponse)
 			}

@@ -39,6 +39,8 @@ const (
 	HeaderReplica  = "X-Kvrouter-Replica"
 	HeaderRevision = "X-Kvrouter-Binding-Revision"
 	HeaderOverlap  = "X-Kvrouter-Overlap-Blocks"
+	// HeaderPrefillWorker names the prefill worker of a disaggregated request.
+	HeaderPrefillWorker = "X-Kvrouter-Prefill-Worker"
 )
 
 // maxSessionKey is DESIGN's bound on a session key, in bytes.
@@ -541,6 +543,18 @@ type routeAnswer struct {
 	Session         string `json:"session,omitempty"`
 	BindingRevision uint64 `json:"binding_revision"`
 	Bound           bool   `json:"bound"`
+	// Disaggregation is "disaggregated" or why the request would be served aggregated; for a
+	// disaggregated one, the worker above decodes and Prefill prefills.
+	Disaggregation string        `json:"disaggregation"`
+	Prefill        *prefillRoute `json:"prefill,omitempty"`
+}
+
+// prefillRoute is the prefill worker of a disaggregated routing answer.
+type prefillRoute struct {
+	Worker        string `json:"worker"`
+	DPRank        uint32 `json:"dp_rank"`
+	URL           string `json:"url"`
+	OverlapBlocks int    `json:"overlap_blocks"`
 }
 
 // serveRoute answers the routing decision for a chat or completion body, dispatching nothing.
@@ -567,7 +581,13 @@ func (s *Server) serveRoute(w *recorder, r *http.Request) {
 	}
 	d := att.Decision()
 	att.Finish()
+	pd, plan, err := att.QueryPrefill(r.Context())
+	if err != nil {
+		s.fail(w, r, routeError(err))
+		return
+	}
 	ans := routeAnswer{
+		Disaggregation:  plan.Outcome,
 		Worker:          d.Target.Worker.ID,
 		DPRank:          d.Target.Worker.DPRank,
 		OverlapBlocks:   d.Overlap,
@@ -578,6 +598,12 @@ func (s *Server) serveRoute(w *recorder, r *http.Request) {
 	}
 	if d.Target.Spec != nil {
 		ans.URL = d.Target.Spec.URL
+	}
+	if plan.Outcome == routing.OutcomeDisaggregated {
+		ans.Prefill = &prefillRoute{Worker: pd.Target.Worker.ID, DPRank: pd.Target.Worker.DPRank, OverlapBlocks: pd.Overlap}
+		if pd.Target.Spec != nil {
+			ans.Prefill.URL = pd.Target.Spec.URL
+		}
 	}
 	writeJSON(w, http.StatusOK, ans)
 }

@@ -1,0 +1,187 @@
+package routing
+
+import (
+	"context"
+	"errors"
+	"fmt"
+)
+
+// Disaggregation modes (Config.Disagg.Mode).
+const (
+	// DisaggNever serves every request aggregated, on one worker.
+	DisaggNever = "never"
+	// DisaggAlways sends every request's prefill to a prefill worker when one is routable.
+	DisaggAlways = "always"
+	// DisaggConditional disaggregates a request only when the part of its prompt its decode
+	// worker does not hold is long enough, and the chosen prefill worker is not too loaded.
+	DisaggConditional = "conditional"
+)
+
+// DisaggModes lists the accepted modes.
+func DisaggModes() []string { return []string{DisaggConditional, DisaggAlways, DisaggNever} }
+
+// DisaggConfig says when a request's prefill goes to a prefill worker of its own.
+type DisaggConfig struct {
+	// Mode is conditional (the default), always or never. Nothing is disaggregated while no
+	// prefill worker is routable, whatever the mode.
+	Mode string
+	// MinUncachedTokens (conditional): disaggregate only when the decode worker would have
+	// at least this many prompt tokens to compute itself (its predicted overlap excluded).
+	// A prompt mostly cached where it decodes gains nothing from a prefill worker. 1024.
+	MinUncachedTokens int
+	// MaxPrefillQueueTokens (conditional): serve aggregated when the chosen prefill worker
+	// already has more in-flight prefill tokens than this; 0 is no limit.
+	MaxPrefillQueueTokens int64
+}
+
+func (c *DisaggConfig) setDefaults() error {
+	if c.Mode == "" {
+		c.Mode = DisaggConditional
+	}
+	switch c.Mode {
+	case DisaggConditional, DisaggAlways, DisaggNever:
+	default:
+		return fmt.Errorf("disaggregation mode %q: one of %v", c.Mode, DisaggModes())
+	}
+	if c.MinUncachedTokens == 0 {
+		c.MinUncachedTokens = 1024
+	}
+	if c.MinUncachedTokens < 0 || c.MaxPrefillQueueTokens < 0 {
+		return errors.New("disaggregation thresholds must not be negative")
+	}
+	return nil
+}
+
+// Why a request is or is not disaggregated (PrefillPlan.Outcome, a metric label).
+const (
+	OutcomeDisaggregated = "disaggregated"
+	OutcomeNever         = "never"           // the mode is never
+	OutcomeNoPrefill     = "no_prefill"      // no prefill worker is routable
+	OutcomeCached        = "cached"          // too little of the prompt is uncached on the decode worker
+	OutcomePrefillBusy   = "prefill_busy"    // the prefill worker's queue is over the limit, or all are busy
+	OutcomeTargeted      = "explicit_target" // the client named the worker (X-Target-Worker)
+)
+
+// PrefillPlan is the outcome of deciding whether a request is disaggregated.
+type PrefillPlan struct {
+	// Outcome is OutcomeDisaggregated or why not.
+	Outcome string
+	// Uncached is the number of prompt tokens the decode worker is predicted to lack.
+	Uncached int
+}
+
+// prefillRequest is req's prefill leg: the same prompt, free of the session (a session binds
+// its decode worker, where its KV lives afterwards) and of an explicit target or rank, for
+// prefill workers only.
+func prefillRequest(req *Request) *Request {
+	p := *req
+	p.Session, p.Target, p.Role, p.DPRank = "", nil, RolePrefill, -1
+	return &p
+}
+
+// PlanPrefill decides whether the attempt's request is disaggregated, on its current
+// decision (call it after Route or Retry, before dispatching). When it is, it returns the
+// prefill leg, started (its load counted on the prefill worker, its prompt recorded there),
+// and this attempt's own prefill tokens stop counting on the decode worker, which receives
+// the prompt's KV instead of computing it. The caller dispatches the leg, then Commits,
+// FirstTokens, Completes and Finishes it like any attempt, and Retries it on a failure before
+// its answer. A nil leg means aggregated, with the reason in the plan.
+func (a *Attempt) PlanPrefill(ctx context.Context) (*Attempt, PrefillPlan, error) {
+	r := a.router
+	cfg := r.cfg.Disagg
+	plan := a.gatePrefill()
+	if plan.Outcome != "" {
+		return nil, plan, nil
+	}
+	p := &Attempt{router: r, req: prefillRequest(a.req)}
+	if cfg.Mode == DisaggConditional {
+		// Conditional never queues for a prefill worker: a busy prefill fleet is a reason
+		// to prefill where the request decodes.
+		d, err := r.selectFree(ctx, p.req)
+		switch {
+		case errors.Is(err, ErrBusy) || errors.Is(err, ErrNoWorker):
+			plan.Outcome = OutcomePrefillBusy
+			return nil, plan, nil
+		case err != nil:
+			return nil, plan, err
+		}
+		if r.prefillQueueFull(d) {
+			plan.Outcome = OutcomePrefillBusy
+			return nil, plan, nil
+		}
+		p.decision = d
+		p.startDispatch()
+	} else if err := p.selectAndStart(ctx); err != nil {
+		if errors.Is(err, ErrNoWorker) {
+			plan.Outcome = OutcomeNoPrefill
+			return nil, plan, nil
+		}
+		return nil, plan, err
+	}
+	a.ticket.FirstToken()
+	plan.Outcome = OutcomeDisaggregated
+	return p, plan, nil
+}
+
+// gatePrefill is the plan's part that needs no prefill worker chosen: its Outcome is set
+// when the request is served aggregated, empty when a prefill worker is to be chosen.
+func (a *Attempt) gatePrefill() PrefillPlan {
+	r := a.router
+	cfg := r.cfg.Disagg
+	plan := PrefillPlan{Uncached: max(a.req.PromptTokens-a.decision.Overlap*r.cfg.BlockSize, 0)}
+	switch {
+	case cfg.Mode == DisaggNever:
+		plan.Outcome = OutcomeNever
+	case a.req.Target != nil:
+		plan.Outcome = OutcomeTargeted
+	case !r.hasPrefillWorker():
+		plan.Outcome = OutcomeNoPrefill
+	case cfg.Mode == DisaggConditional && plan.Uncached < cfg.MinUncachedTokens:
+		plan.Outcome = OutcomeCached
+	}
+	return plan
+}
+
+// prefillQueueFull reports whether the chosen prefill worker is over the conditional mode's
+// queue limit.
+func (r *Router) prefillQueueFull(d Decision) bool {
+	limit := r.cfg.Disagg.MaxPrefillQueueTokens
+	return limit > 0 && r.deps.Load.Load(d.Target.Worker).PrefillTokens > limit
+}
+
+// QueryPrefill is PlanPrefill for a query-only decision (POST /v1/route): it answers the
+// prefill worker a disaggregated request would go to, and changes nothing.
+func (a *Attempt) QueryPrefill(ctx context.Context) (Decision, PrefillPlan, error) {
+	r := a.router
+	plan := a.gatePrefill()
+	if plan.Outcome != "" {
+		return Decision{}, plan, nil
+	}
+	d, err := r.selectFree(ctx, prefillRequest(a.req))
+	switch {
+	case errors.Is(err, ErrBusy) || errors.Is(err, ErrNoWorker):
+		plan.Outcome = OutcomePrefillBusy
+		return Decision{}, plan, nil
+	case err != nil:
+		return Decision{}, plan, err
+	}
+	if r.cfg.Disagg.Mode == DisaggConditional && r.prefillQueueFull(d) {
+		plan.Outcome = OutcomePrefillBusy
+		return Decision{}, plan, nil
+	}
+	plan.Outcome = OutcomeDisaggregated
+	return d, plan, nil
+}
+
+// selectFree selects for req without waiting in the queue: ErrBusy when every candidate
+// is busy.
+func (r *Router) selectFree(ctx context.Context, req *Request) (Decision, error) {
+	q := *req
+	q.NoWait = true
+	return r.selectWorker(ctx, &q, nil, nil)
+}
+
+// hasPrefillWorker reports whether a prefill-role worker is routable.
+func (r *Router) hasPrefillWorker() bool {
+	return r.view(r.deps.Workers.Routable()).prefill
+}
