@@ -47,14 +47,21 @@ type Config struct {
 	Policies     []string
 	Modes        []string // approximate and/or precise (KV events)
 	Topologies   []Topology
-	TracePath    string
-	Start, Limit int
-	Speedup      float64
-	Concurrency  int
-	MaxOutput    int
-	Sim          sim.Config
-	JSONPath     string
-	Progress     bool
+	// Fleets are the worker fleets to compare (default: Workers aggregated workers); a
+	// fleet with prefill workers is run once per mode of DisaggModes.
+	Fleets []Fleet
+	// DisaggModes are the routers' disaggregation modes to compare on fleets with prefill
+	// workers (default: conditional), and MinUncachedTokens their conditional threshold.
+	DisaggModes       []string
+	MinUncachedTokens int
+	TracePath         string
+	Start, Limit      int
+	Speedup           float64
+	Concurrency       int
+	MaxOutput         int
+	Sim               sim.Config
+	JSONPath          string
+	Progress          bool
 	// NoStream replays non-streaming requests instead of streaming ones.
 	NoStream bool
 	// RequestLogDir, when set, receives each compare run's per-request log
@@ -95,19 +102,35 @@ func Compare(ctx context.Context, cfg Config, stdout, progress io.Writer) error 
 	if len(records) == 0 {
 		records = []string{"dispatch"}
 	}
-	for _, tp := range cfg.Topologies {
-		for _, mode := range cfg.Modes {
-			for _, policy := range cfg.Policies {
-				for _, rec := range records {
-					if err := ctx.Err(); err != nil {
-						break
+	fleets := cfg.Fleets
+	if len(fleets) == 0 {
+		fleets = []Fleet{{Aggregated: cfg.Workers}}
+	}
+	for _, fl := range fleets {
+		disagg := []string{""}
+		if fl.Disaggregated() {
+			disagg = cfg.DisaggModes
+			if len(disagg) == 0 {
+				disagg = []string{routing.DisaggConditional}
+			}
+		}
+		for _, dm := range disagg {
+			for _, tp := range cfg.Topologies {
+				for _, mode := range cfg.Modes {
+					for _, policy := range cfg.Policies {
+						for _, rec := range records {
+							if err := ctx.Err(); err != nil {
+								break
+							}
+							run := run{fleet: fl, disagg: dm, tp: tp, policy: policy, precise: mode == "precise", recordAt: rec, label: len(records) > 1,
+								fleetLabel: len(fleets) > 1 || fl.Disaggregated()}
+							s, err := runOne(ctx, cfg, run, reqs, progress)
+							if err != nil {
+								return fmt.Errorf("fleet %s %s, policy %s, %s mode, %s, record at %s: %w", fl, dm, policy, mode, tp, rec, err)
+							}
+							sums = append(sums, s)
+						}
 					}
-					run := run{tp: tp, policy: policy, precise: mode == "precise", recordAt: rec, label: len(records) > 1}
-					s, err := runOne(ctx, cfg, run, reqs, progress)
-					if err != nil {
-						return fmt.Errorf("policy %s, %s mode, %s, record at %s: %w", policy, mode, tp, rec, err)
-					}
-					sums = append(sums, s)
 				}
 			}
 		}
@@ -259,15 +282,17 @@ type simFleet struct {
 	wg         sync.WaitGroup
 }
 
-// startSimFleet starts n simulated workers on 127.0.0.1 ephemeral ports; with events, each
-// also publishes its KV events (and serves replay) on its own ZMQ ports, named in its spec.
-func startSimFleet(ctx context.Context, n int, base sim.Config, events bool) (*simFleet, error) {
+// startSimFleet starts fl's simulated workers on 127.0.0.1 ephemeral ports, each with its
+// role; with events, each also publishes its KV events (and serves replay) on its own ZMQ
+// ports, named in its spec.
+func startSimFleet(ctx context.Context, fl Fleet, base sim.Config, events bool) (*simFleet, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	f := &simFleet{cancel: cancel}
-	for i := range n {
+	for _, w := range fl.roles() {
 		c := base
-		c.ID = fmt.Sprintf("w%d", i)
-		spec := routing.WorkerSpec{ID: c.ID, CapacityBlocks: c.CapacityBlocks}
+		c.ID = w.id
+		c.Role = map[routing.Role]string{routing.RolePrefill: sim.RolePrefill, routing.RoleDecode: sim.RoleDecode, routing.RoleBoth: sim.RoleBoth}[w.role]
+		spec := routing.WorkerSpec{ID: c.ID, CapacityBlocks: c.CapacityBlocks, Role: w.role}
 		if events {
 			pub, err := kvevents.NewPublisher(kvevents.PublisherConfig{
 				Endpoint: "tcp://127.0.0.1:0", Bind: true, ReplayEndpoint: "tcp://127.0.0.1:0", Logger: c.Logger,
@@ -352,9 +377,14 @@ func (cfg Config) replayConfig(targets []string, reqs []trace.Request, label str
 
 // run is one column of a comparison.
 type run struct {
-	tp      Topology
-	policy  string
-	precise bool
+	// fleet is the workers, disagg the routers' disaggregation mode ("": the fleet has no
+	// prefill workers); fleetLabel marks the column with them.
+	fleet      Fleet
+	disagg     string
+	fleetLabel bool
+	tp         Topology
+	policy     string
+	precise    bool
 	// recordAt is where the routers record decisions (Config.RecordAt); label marks the
 	// column with it.
 	recordAt string
@@ -374,7 +404,7 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	sc.Speedup = cfg.Speedup
 	sc.MaxModelLen = 262144
 	sc.Logger = quiet
-	fleet, err := startSimFleet(ctx, cfg.Workers, sc, precise)
+	fleet, err := startSimFleet(ctx, r.fleet, sc, precise)
 	if err != nil {
 		return nil, err
 	}
@@ -388,7 +418,8 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
 		Workers: fleet.specs,
 		Router: routing.Config{Policy: policy, RecordAtCommit: r.recordAt == "commit",
-			NoRefreshAtEnd: r.recordAt == "dispatch-only"},
+			NoRefreshAtEnd: r.recordAt == "dispatch-only",
+			Disagg:         routing.DisaggConfig{Mode: r.disagg, MinUncachedTokens: cfg.MinUncachedTokens}},
 		// The decision index forgets on the workers' scale: a worker remembers no more than
 		// its cache holds (and, with a TTL, a decision stays for the trace's reuse gap).
 		ApproxTTL: scaledTTL(cfg.ApproxTTL, cfg.Speedup), ApproxMaxBlocks: cfg.CapacityBlocks,
@@ -417,6 +448,12 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	}
 	if r.label {
 		rc.Label += " @" + r.recordAt
+	}
+	if r.fleetLabel {
+		rc.Label += " " + r.fleet.String()
+		if r.disagg != "" {
+			rc.Label += "/" + r.disagg
+		}
 	}
 	sent := func() (bytes, dropped, gaps uint64, lag hints.LagHistogram, n int) {
 		for _, r := range reps {

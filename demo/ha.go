@@ -84,7 +84,7 @@ func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
 	sc.Speedup = cfg.Speedup
 	sc.MaxModelLen = 262144
 	sc.Logger = cfg.Logger
-	fleet, err := startSimFleet(ctx, cfg.Workers, sc, false)
+	fleet, err := startSimFleet(ctx, Fleet{Aggregated: cfg.Workers}, sc, false)
 	if err != nil {
 		return err
 	}

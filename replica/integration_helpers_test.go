@@ -99,10 +99,27 @@ func simConfig(decodeWall time.Duration) sim.Config {
 // startWorkers starts n simulated workers on 127.0.0.1:0, stopped at cleanup.
 func startWorkers(t *testing.T, n int, base sim.Config) testFleet {
 	t.Helper()
+	roles := make([]workerRole, n)
+	for i := range roles {
+		roles[i] = workerRole{id: fmt.Sprintf("w%d", i)}
+	}
+	return startRoleWorkers(t, roles, base)
+}
+
+// workerRole names a worker and its part in disaggregated serving.
+type workerRole struct {
+	id   string
+	role routing.Role
+}
+
+// startRoleWorkers starts a simulated worker per role on 127.0.0.1:0, stopped at cleanup.
+func startRoleWorkers(t *testing.T, roles []workerRole, base sim.Config) testFleet {
+	t.Helper()
 	var fleet testFleet
-	for i := range n {
+	for _, wr := range roles {
 		c := base
-		c.ID = fmt.Sprintf("w%d", i)
+		c.ID = wr.id
+		c.Role = map[routing.Role]string{routing.RoleBoth: sim.RoleBoth, routing.RolePrefill: sim.RolePrefill, routing.RoleDecode: sim.RoleDecode}[wr.role]
 		sw, err := sim.New(c)
 		if err != nil {
 			t.Fatalf("sim.New: %v", err)
@@ -114,7 +131,7 @@ func startWorkers(t *testing.T, n int, base sim.Config) testFleet {
 		ctx, cancel := context.WithCancel(context.Background())
 		w := &testWorker{
 			Worker: sw,
-			spec:   routing.WorkerSpec{ID: c.ID, URL: "http://" + ln.Addr().String(), CapacityBlocks: sw.Config().CapacityBlocks},
+			spec:   routing.WorkerSpec{ID: c.ID, URL: "http://" + ln.Addr().String(), CapacityBlocks: sw.Config().CapacityBlocks, Role: wr.role},
 			cancel: cancel,
 			done:   make(chan struct{}),
 		}

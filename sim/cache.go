@@ -302,3 +302,44 @@ func (c *cache) usage() float64 {
 	defer c.mu.Unlock()
 	return float64(c.pinned) / float64(c.capacity)
 }
+
+// fork pins the first n blocks s holds again, in a sequence of their own that outlives s:
+// a prefill leg's prompt blocks wait in it for a decode worker to pull them. It returns nil
+// when s holds nothing any more (released, or from before a clear).
+func (c *cache) fork(s *sequence, n int) *sequence {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if s.done || s.gen != c.gen {
+		return nil
+	}
+	f := &sequence{gen: c.gen, blocks: slices.Clone(s.blocks[:min(n, len(s.blocks))])}
+	for _, b := range f.blocks {
+		c.pin(b)
+	}
+	return f
+}
+
+// live reports whether s still holds its blocks: not released and not from before a clear.
+func (c *cache) live(s *sequence) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return !s.done && s.gen == c.gen
+}
+
+// cachedBlocks counts the full blocks of tokens, from the first, that are cached, without
+// pinning them or counting a lookup.
+func (c *cache) cachedBlocks(tokens []uint32) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var parent uint64
+	n := 0
+	for ; (n+1)*c.blockSize <= len(tokens); n++ {
+		chunk := tokens[n*c.blockSize : (n+1)*c.blockSize]
+		b := c.blocks[BlockHash(parent, chunk)]
+		if b == nil || !slices.Equal(b.ref.Tokens, chunk) {
+			break
+		}
+		parent = b.ref.Hash
+	}
+	return n
+}

@@ -21,6 +21,19 @@ const (
 	DefaultMaxRunning      = 256
 	DefaultMaxBodyBytes    = 32 << 20
 	DefaultShutdownTimeout = 5 * time.Second
+	// DefaultKVTransferTimeout is vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT.
+	DefaultKVTransferTimeout = 480 * time.Second
+	DefaultTransferPerBlock  = 20 * time.Microsecond
+)
+
+// The roles of a worker in prefill/decode disaggregation (Config.Role).
+const (
+	// RoleBoth serves every request: plain ones, prefill legs and decode legs.
+	RoleBoth = "both"
+	// RolePrefill refuses decode legs (kv_transfer_params with do_remote_prefill true).
+	RolePrefill = "prefill"
+	// RoleDecode refuses prefill legs (kv_transfer_params with do_remote_decode true).
+	RoleDecode = "decode"
 )
 
 // Request limits, as the OpenAI API and vLLM apply them.
@@ -64,6 +77,22 @@ type Config struct {
 	MaxBodyBytes int64
 	// ShutdownTimeout bounds the graceful part of Serve's shutdown.
 	ShutdownTimeout time.Duration
+	// Role is the worker's part in prefill/decode disaggregation: RoleBoth (the default,
+	// also for ""), RolePrefill or RoleDecode. Requests without kv_transfer_params are
+	// served whatever the role.
+	Role string
+	// KVTransferTimeout is how long a prefill leg's prompt blocks stay pinned for a decode
+	// worker to pull them (wall clock, not divided by Speedup, as vLLM's
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT); then they go to the LRU and the transfer is gone.
+	KVTransferTimeout time.Duration
+	// TransferPerBlock is the simulated time a decode leg takes per prompt block it pulls
+	// and did not hold already.
+	TransferPerBlock time.Duration
+	// ChunkedPrefillTokens, when positive, runs the engine in steps that prefill at most
+	// this many prompt tokens each, and a decode step that shares its step with a prefill
+	// chunk takes that chunk's prefill time longer (see the package's latency model). 0
+	// keeps the separate FIFO prefill stage and the fixed decode rate.
+	ChunkedPrefillTokens int
 	// Logger receives the worker's logs; nil uses slog.Default().
 	Logger *slog.Logger
 	// OnEvent, when set, is called in order for every change to the prefix cache. It runs
@@ -109,6 +138,15 @@ func (c Config) withDefaults() Config {
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout
 	}
+	if c.Role == "" {
+		c.Role = RoleBoth
+	}
+	if c.KVTransferTimeout == 0 {
+		c.KVTransferTimeout = DefaultKVTransferTimeout
+	}
+	if c.TransferPerBlock == 0 {
+		c.TransferPerBlock = DefaultTransferPerBlock
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -139,7 +177,8 @@ func (c Config) Validate() error {
 	}{
 		{"overhead", c.Overhead}, {"prefill per token", c.PrefillPerToken},
 		{"decode per token", c.DecodePerToken}, {"stall", c.Stall},
-		{"shutdown timeout", c.ShutdownTimeout},
+		{"shutdown timeout", c.ShutdownTimeout}, {"kv transfer timeout", c.KVTransferTimeout},
+		{"kv transfer per block", c.TransferPerBlock},
 	} {
 		if d.v < 0 {
 			bad("%s %v: must not be negative", d.name, d.v)
@@ -147,6 +186,14 @@ func (c Config) Validate() error {
 	}
 	if math.IsNaN(c.Speedup) || math.IsInf(c.Speedup, 0) || c.Speedup <= 0 {
 		bad("speedup %v: must be a positive number", c.Speedup)
+	}
+	switch c.Role {
+	case RoleBoth, RolePrefill, RoleDecode:
+	default:
+		bad("role %q: must be %s, %s or %s", c.Role, RoleBoth, RolePrefill, RoleDecode)
+	}
+	if c.ChunkedPrefillTokens < 0 {
+		bad("chunked prefill tokens %d: must not be negative", c.ChunkedPrefillTokens)
 	}
 	if c.MaxBodyBytes < 1 {
 		bad("max body bytes %d: must be positive", c.MaxBodyBytes)

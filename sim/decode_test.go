@@ -118,6 +118,11 @@ func TestConfigValidate(t *testing.T) {
 		{"negative speedup", Config{Speedup: -2}, "speedup"},
 		{"error rate above one", Config{ErrorRate: 1.5}, "error rate"},
 		{"negative stall", Config{Stall: -time.Millisecond}, "stall"},
+		{"every role", Config{Role: RolePrefill}, ""},
+		{"unknown role", Config{Role: "encode"}, "role"},
+		{"negative chunked prefill", Config{ChunkedPrefillTokens: -1}, "chunked prefill tokens"},
+		{"negative transfer timeout", Config{KVTransferTimeout: -time.Second}, "kv transfer timeout"},
+		{"negative transfer per block", Config{TransferPerBlock: -time.Microsecond}, "kv transfer per block"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

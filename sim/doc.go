@@ -35,6 +35,9 @@
 // released leaf first, so a prefix's tail is evicted before its head. A request that needs
 // more blocks than are free caches what fits and never waits for space.
 //
+// A prefill leg's prompt blocks are also pinned by its KV transfer until a decode worker
+// pulls them or KVTransferTimeout passes (see below).
+//
 // # Latency model
 //
 // A request first waits for one of MaxRunning running slots (counted as waiting), then spends
@@ -42,6 +45,83 @@
 // uncached prompt tokens x PrefillPerToken. Its first token is sent when prefill ends and one
 // more token every DecodePerToken after that. Every simulated duration is divided by Speedup.
 // A client that goes away aborts its request at once, freeing its slot and its pins.
+//
+// With ChunkedPrefillTokens = C > 0 (chunked prefill, as vLLM schedules it), the prefill
+// stage and the decode clock are replaced by one engine that runs in steps. A step takes up
+// to C uncached prompt tokens from the requests still prefilling, oldest first (the head's
+// next chunk, then the next request's if budget is left), and one output token from every
+// request that is decoding. It lasts
+//
+//	(DecodePerToken if any request decodes in it) + (prompt tokens prefilled in it) x PrefillPerToken
+//
+// so a decode step that shares its step with a prefill chunk is slowed by that chunk's
+// prefill time, and with no prefill in progress a decode step is DecodePerToken. A
+// request's cache lookup happens when its first chunk is scheduled; its first token comes
+// at the end of the step that computes its last chunk, and it decodes from the next step
+// on. A lone prefill takes as long as in the FIFO stage. The model is deterministic given
+// the order in which requests reach the engine; steps follow a clock, so timer lateness
+// does not add up. C = 0 keeps the FIFO model exactly.
+//
+// Stats.InterTokens and InterTokenSeconds (metrics sim_inter_tokens_total and
+// sim_inter_token_seconds_total) count every output token after a request's first and sum
+// their simulated inter-token latencies: DecodePerToken each without chunked prefill, the
+// step's length with it.
+//
+// A decode leg (below) spends TransferPerBlock for each pulled block it did not hold
+// already, after Overhead and before its prefill.
+//
+// # Prefill/decode disaggregation
+//
+// Workers speak the protocol of vLLM's NixlConnector, as a router's P/D proxy drives it.
+// Config.Role is both (the default), prefill or decode; every role serves requests without
+// kv_transfer_params (or with both flags false) as usual.
+//
+// A prefill leg is a request with kv_transfer_params {"do_remote_decode": true, ...} (the
+// other keys, null, are ignored). A decode-role worker answers it 400 (param
+// kv_transfer_params.do_remote_decode, code wrong_role); a streamed one is answered 400
+// (param stream), because the params come in the whole answer. It is served as any
+// request (lookup, prefill of the uncached tokens, blocks stored, KV events, max_tokens
+// tokens generated), and its answer is the usual completion JSON with a top-level
+//
+//	"kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
+//	  "remote_block_ids": [0, 1, 2], "remote_engine_id": "w0-5f0c...", "remote_host": "127.0.0.1",
+//	  "remote_port": 8001, "tp_size": 1}
+//
+// remote_block_ids name the prompt's full blocks held in this worker's cache, in order
+// (fewer when the cache had no room, [] for a prompt shorter than a block); the ids are
+// the worker's own, given out once in its life, so they name one transfer. remote_engine_id
+// is [Worker.EngineID]: Config.ID and a random suffix. remote_host and remote_port are the
+// local address the request came in on. Those blocks stay pinned until they are pulled, or
+// until KVTransferTimeout (wall clock, default 480 s as vLLM's
+// VLLM_NIXL_ABORT_REQUEST_TIMEOUT) passes, or the prefix cache is reset; then they go to
+// the LRU and the transfer is gone.
+//
+// A decode leg is a request with those params, do_remote_prefill true. A prefill-role
+// worker answers it 400 (param kv_transfer_params.do_remote_prefill, code wrong_role). The
+// params must hold remote_engine_id (a non-empty string), remote_host (a loopback IP
+// address, IPv6 with or without brackets, or a host name), remote_port (an integer in
+// [1, 65535]), remote_block_ids (an array of distinct non-negative integers) and, if
+// given, tp_size 1; a field missing or of the wrong type is answered 400 with param
+// kv_transfer_params.<field>, named in the message too. After Overhead the worker looks up
+// its own cached prefix of the prompt (that hit, and only it, is the usage's
+// prompt_tokens_details.cached_tokens), then pulls every block in remote_block_ids with
+// POST http://remote_host:remote_port/sim/kv/pull (a timeout of 30 s; the client leaving
+// cancels it). The pulled blocks must be the leading full blocks of the prompt as this
+// worker tokenizes it (same token ids, same chained hashes, same block size). A pull that
+// fails (unknown, expired or already pulled transfer, another engine, the prefill worker
+// unreachable) is answered 400 with code kv_transfer_failed, and pulled blocks of another
+// prompt 400 with code kv_transfer_mismatch, both with param kv_transfer_params: like
+// vLLM, which fails a request whose KV load failed rather than serving it from nothing.
+// Otherwise the transfer takes TransferPerBlock x the pulled blocks not already cached
+// here, then stores them in the cache as if computed here (with the same BlockStored
+// events), and the request prefills only the rest (at least the last token, as a lookup
+// leaves it) and decodes, streamed or not, as usual. Its answer carries X-KV-Transfer-Ms,
+// the simulated transfer time in decimal milliseconds ("0" when nothing was pulled). An
+// empty remote_block_ids pulls nothing.
+//
+// Metrics: sim_kv_transfers_total{outcome="ok"|"failed"}, sim_kv_transfer_blocks_total and
+// sim_kv_transfer_seconds_total (simulated) on the decode side; sim_kv_transfers_held and
+// sim_kv_transfers_released_total{reason="pulled"|"expired"|"cleared"} on the prefill side.
 //
 // # HTTP API
 //
@@ -52,7 +132,18 @@
 //	POST /reset_prefix_cache    clears the cache, as vLLM's endpoint does
 //	GET|POST /sim/faults        {"error_rate", "stall_rate", "stall": "2s", "refuse", "refuse_for": "1s"};
 //	                            a POST changes only the fields it gives
-//	GET  /sim/stats             the worker's Stats and CacheStats
+//	GET  /sim/stats             {"id", "role", "engine_id", "stats": Stats, "cache": CacheStats}
+//	POST /sim/kv/pull           {"engine_id": "w0-5f0c...", "block_ids": [0, 1]} ->
+//	                            {"engine_id", "block_size": 16, "blocks": [{"id": 0,
+//	                            "hash": <BlockHash, uint64>, "parent": <uint64, 0 for the
+//	                            first>, "tokens": [...]}, ...]}, in the order asked
+//
+// A pull hands out one held transfer once: block_ids must be a non-empty set of blocks of
+// one transfer (any subset of its remote_block_ids), and the pull releases the whole
+// transfer. Bad JSON, a missing or mistyped field, repeated ids or ids of two transfers
+// are answered 400; an engine_id that is not this worker's 404 (code unknown_engine); ids
+// of no held transfer (unknown, expired, already pulled, or dropped by a cache reset) 404
+// (code unknown_kv_transfer). Errors use the OpenAI error shape.
 //
 // Every response carries X-Worker-ID. A single Worker ignores the X-Data-Parallel-Rank and
 // X-Session-ID request headers (a DataParallel front reads the rank; see below). A model name
@@ -76,8 +167,9 @@
 //     (capacity too) in the single worker's shape and lists each rank's own under "ranks";
 //     GET and POST /sim/faults read and change every rank (a POST sets all ranks or none)
 //     and answer with rank 0's faults plus every rank's under "ranks"; POST
-//     /reset_prefix_cache clears every rank; everything else (/v1/models, /health,
-//     /tokenize, /metrics) is rank 0's.
+//     /reset_prefix_cache clears every rank; POST /sim/kv/pull goes to the rank whose
+//     engine id it names (each rank is an engine, with an engine id of its own), 404 for
+//     none; everything else (/v1/models, /health, /tokenize, /metrics) is rank 0's.
 //
 // A response served by one rank carries X-Data-Parallel-Rank with that rank; answers about
 // every rank, and 400s for a bad rank, carry none. The front refuses new connections only

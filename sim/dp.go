@@ -1,9 +1,11 @@
 package sim
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -36,7 +38,7 @@ type DataParallel struct {
 }
 
 // NewDataParallel returns a front over ranks, rank r being ranks[r]. The ranks must be
-// distinct and share an ID and a model (one worker serving one model); at most
+// distinct and share an ID, a model and a role (one worker serving one model); at most
 // kvevents.MaxDPRank+1 of them.
 func NewDataParallel(ranks ...*Worker) (*DataParallel, error) {
 	if len(ranks) == 0 || len(ranks) > kvevents.MaxDPRank+1 {
@@ -54,6 +56,9 @@ func NewDataParallel(ranks ...*Worker) (*DataParallel, error) {
 		if w.cfg.ID != ranks[0].cfg.ID || w.cfg.Model != ranks[0].cfg.Model {
 			return nil, fmt.Errorf("sim: data parallel: rank %d is %s serving %s, rank 0 is %s serving %s",
 				r, w.cfg.ID, w.cfg.Model, ranks[0].cfg.ID, ranks[0].cfg.Model)
+		}
+		if w.cfg.Role != ranks[0].cfg.Role {
+			return nil, fmt.Errorf("sim: data parallel: rank %d has role %s, rank 0 %s", r, w.cfg.Role, ranks[0].cfg.Role)
 		}
 	}
 	d := &DataParallel{
@@ -106,6 +111,7 @@ func (d *DataParallel) routes() http.Handler {
 	anyRank.HandleFunc("GET /sim/stats", d.whole(d.handleStats))
 	anyRank.HandleFunc("GET /sim/faults", d.whole(d.handleGetFaults))
 	anyRank.HandleFunc("POST /sim/faults", d.whole(d.handleSetFaults))
+	anyRank.HandleFunc("POST "+KVPullPath, d.handlePull)
 	anyRank.HandleFunc("POST /reset_prefix_cache", d.whole(func(rw http.ResponseWriter, _ *http.Request) {
 		for _, w := range d.ranks {
 			w.ClearCache()
@@ -214,11 +220,35 @@ func (d *DataParallel) whole(h http.HandlerFunc) http.HandlerFunc {
 	}
 }
 
+// handlePull hands a KV pull without a rank to the rank whose engine id it names (each
+// rank is an engine of its own, as in vLLM); an engine id of no rank is answered 404.
+func (d *DataParallel) handlePull(rw http.ResponseWriter, r *http.Request) {
+	body, aerr := d.ranks[0].readBody(rw, r)
+	var req *pullRequest
+	if aerr == nil {
+		req, aerr = decodePullRequest(body)
+	}
+	if aerr == nil {
+		for i, w := range d.ranks {
+			if w.engineID == req.EngineID {
+				r.Body, r.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))
+				d.dispatch(rw, r, i)
+				return
+			}
+		}
+		aerr = &apiError{status: http.StatusNotFound, typ: "invalid_request_error", param: "engine_id", code: "unknown_engine",
+			message: fmt.Sprintf("engine_id %q is none of this worker's %d data-parallel ranks' engines", req.EngineID, len(d.ranks))}
+	}
+	rw.Header().Set("X-Worker-ID", d.ranks[0].cfg.ID)
+	writeError(rw, aerr)
+}
+
 // rankStats is one rank's part of /sim/stats.
 type rankStats struct {
-	Rank  int        `json:"dp_rank"`
-	Stats Stats      `json:"stats"`
-	Cache CacheStats `json:"cache"`
+	Rank     int        `json:"dp_rank"`
+	EngineID string     `json:"engine_id"`
+	Stats    Stats      `json:"stats"`
+	Cache    CacheStats `json:"cache"`
 }
 
 // handleStats answers the single worker's shape with every count summed over the ranks
@@ -228,17 +258,18 @@ func (d *DataParallel) handleStats(rw http.ResponseWriter, _ *http.Request) {
 	var cache CacheStats
 	per := make([]rankStats, len(d.ranks))
 	for i, w := range d.ranks {
-		per[i] = rankStats{Rank: i, Stats: w.Stats(), Cache: w.Cache()}
+		per[i] = rankStats{Rank: i, EngineID: w.engineID, Stats: w.Stats(), Cache: w.Cache()}
 		sum = sum.plus(per[i].Stats)
 		cache = cache.plus(per[i].Cache)
 	}
 	writeJSON(rw, http.StatusOK, struct {
 		ID     string      `json:"id"`
+		Role   string      `json:"role"`
 		DPSize int         `json:"dp_size"`
 		Stats  Stats       `json:"stats"`
 		Cache  CacheStats  `json:"cache"`
 		Ranks  []rankStats `json:"ranks"`
-	}{d.ranks[0].cfg.ID, len(d.ranks), sum, cache, per})
+	}{d.ranks[0].cfg.ID, d.ranks[0].cfg.Role, len(d.ranks), sum, cache, per})
 }
 
 func (s Stats) plus(o Stats) Stats {
@@ -250,6 +281,12 @@ func (s Stats) plus(o Stats) Stats {
 	s.PromptTokens += o.PromptTokens
 	s.CachedTokens += o.CachedTokens
 	s.GeneratedTokens += o.GeneratedTokens
+	s.InterTokens += o.InterTokens
+	s.InterTokenSeconds += o.InterTokenSeconds
+	s.KVTransfers += o.KVTransfers
+	s.KVTransferBlocks += o.KVTransferBlocks
+	s.KVTransferSeconds += o.KVTransferSeconds
+	s.KVTransfersHeld += o.KVTransfersHeld
 	return s
 }
 

@@ -381,6 +381,7 @@ func TestNewDataParallelRejectsRanksThatAreNotOneWorker(t *testing.T) {
 		{"one worker twice", []*Worker{a, a}},
 		{"another id", []*Worker{a, mk(Config{ID: "b"})}},
 		{"another model", []*Worker{a, mk(Config{ID: "a", Model: "other"})}},
+		{"another role", []*Worker{a, mk(Config{ID: "a", Role: RolePrefill})}},
 	} {
 		if _, err := NewDataParallel(tc.ranks...); err == nil {
 			t.Errorf("%s: accepted", tc.name)

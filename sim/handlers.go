@@ -32,11 +32,14 @@ func (w *Worker) routes() http.Handler {
 	mux.HandleFunc("POST /sim/faults", w.handleSetFaults)
 	mux.HandleFunc("GET /sim/stats", func(rw http.ResponseWriter, _ *http.Request) {
 		writeJSON(rw, http.StatusOK, struct {
-			ID    string     `json:"id"`
-			Stats Stats      `json:"stats"`
-			Cache CacheStats `json:"cache"`
-		}{w.cfg.ID, w.Stats(), w.Cache()})
+			ID       string     `json:"id"`
+			Role     string     `json:"role"`
+			EngineID string     `json:"engine_id"`
+			Stats    Stats      `json:"stats"`
+			Cache    CacheStats `json:"cache"`
+		}{w.cfg.ID, w.cfg.Role, w.engineID, w.Stats(), w.Cache()})
 	})
+	mux.HandleFunc("POST "+KVPullPath, w.handlePull)
 	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		if w.refusing() {
 			w.dropConnection(rw)
@@ -149,6 +152,9 @@ func (w *Worker) handleGenerate(chat bool) http.HandlerFunc {
 		if aerr == nil {
 			aerr = w.checkModel(req.model)
 		}
+		if aerr == nil {
+			aerr = w.checkRole(req.kv)
+		}
 		if aerr != nil {
 			w.metrics.outcome("rejected")
 			writeError(rw, aerr)
@@ -183,7 +189,12 @@ func (w *Worker) handleGenerate(chat bool) http.HandlerFunc {
 		if req.stream {
 			emit = g.emitStream
 		}
-		cached, err := w.run(ctx, req, out, emit)
+		err := w.run(ctx, req, out, emit, &g.res)
+		if aerr := (*apiError)(nil); errors.As(err, &aerr) {
+			w.metrics.outcome("kv_transfer_failed")
+			writeError(rw, aerr)
+			return
+		}
 		if err != nil {
 			w.aborted.Add(1)
 			w.metrics.outcome("aborted")
@@ -197,12 +208,21 @@ func (w *Worker) handleGenerate(chat bool) http.HandlerFunc {
 		w.metrics.finished.WithLabelValues("length").Inc()
 		w.metrics.e2e.Observe(time.Since(start).Seconds())
 		if req.stream {
-			if err := g.finishStream(cached); err != nil {
+			if err := g.finishStream(); err != nil {
 				w.log.Debug("sim stream end not delivered", "id", g.id, "err", err)
 			}
 			return
 		}
-		g.writeWhole(cached)
+		if req.kv != nil && req.kv.remoteDecode {
+			// A prefill leg: its prompt blocks wait for the decode worker, which finds them
+			// by these params. Held before the answer goes out, so a pull cannot come first.
+			host, port := advertisedAddr(r)
+			g.kvOut = &kvTransferOut{
+				DoRemotePrefill: true, RemoteBlockIDs: w.holdTransfer(g.res.held), RemoteEngineID: w.engineID,
+				RemoteHost: host, RemotePort: port, TPSize: 1,
+			}
+		}
+		g.writeWhole()
 	}
 }
 
@@ -216,6 +236,16 @@ type generation struct {
 	id      string
 	created int64
 	model   string
+	res     runResult
+	// kvOut is a prefill leg's kv_transfer_params for its answer.
+	kvOut *kvTransferOut
+}
+
+// setTransferHeader reports a decode leg's simulated transfer time.
+func (g *generation) setTransferHeader() {
+	if g.res.remotePrefill {
+		g.rw.Header().Set(KVTransferHeader, transferMs(g.res.transfer))
+	}
 }
 
 func (g *generation) object() string {
@@ -249,7 +279,7 @@ func (g *generation) collect(i int) error {
 	return nil
 }
 
-func (g *generation) writeWhole(cached int) {
+func (g *generation) writeWhole() {
 	text := strings.Join(g.out.pieces, "")
 	ch := choice{Index: 0, FinishReason: g.finishReason(len(g.out.pieces) - 1)}
 	if g.req.chat {
@@ -258,7 +288,9 @@ func (g *generation) writeWhole(cached int) {
 		ch.Text = &text
 	}
 	resp := g.envelope([]choice{ch})
-	resp.Usage = newUsage(len(g.req.prompt), len(g.out.pieces), cached)
+	resp.Usage = newUsage(len(g.req.prompt), len(g.out.pieces), g.res.cached)
+	resp.KVTransferParams = g.kvOut
+	g.setTransferHeader()
 	writeJSON(g.rw, http.StatusOK, resp)
 }
 
@@ -290,6 +322,7 @@ func (g *generation) emitStream(i int) error {
 		h := g.rw.Header()
 		h.Set("Content-Type", "text/event-stream")
 		h.Set("Cache-Control", "no-cache")
+		g.setTransferHeader()
 		g.rw.WriteHeader(http.StatusOK)
 		if g.req.chat {
 			if err := g.writeChunk(g.envelope([]choice{{Delta: &chatMessageOut{Role: "assistant"}}})); err != nil {
@@ -307,10 +340,10 @@ func (g *generation) emitStream(i int) error {
 	return g.writeChunk(g.envelope([]choice{ch}))
 }
 
-func (g *generation) finishStream(cached int) error {
+func (g *generation) finishStream() error {
 	if g.req.includeUsage {
 		resp := g.envelope([]choice{})
-		resp.Usage = newUsage(len(g.req.prompt), len(g.out.pieces), cached)
+		resp.Usage = newUsage(len(g.req.prompt), len(g.out.pieces), g.res.cached)
 		if err := g.writeChunk(resp); err != nil {
 			return err
 		}

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -12,6 +13,10 @@ type metrics struct {
 	finished *prometheus.CounterVec
 	ttft     prometheus.Histogram
 	e2e      prometheus.Histogram
+	// kvTransfers counts decode legs' transfers by outcome (ok, failed); kvReleased the
+	// prefill legs' held transfers by how they ended (pulled, expired, cleared).
+	kvTransfers *prometheus.CounterVec
+	kvReleased  *prometheus.CounterVec
 }
 
 func newMetrics(w *Worker) (*metrics, error) {
@@ -28,7 +33,7 @@ func newMetrics(w *Worker) (*metrics, error) {
 	}
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "sim_requests_total", Help: "Generation requests by outcome (ok, aborted, rejected, fault_error, fault_stall).",
+			Name: "sim_requests_total", Help: "Generation requests by outcome (ok, aborted, rejected, kv_transfer_failed, fault_error, fault_stall).",
 			ConstLabels: labels,
 		}, []string{"outcome"}),
 		finished: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -42,9 +47,27 @@ func newMetrics(w *Worker) (*metrics, error) {
 			Name: "vllm:e2e_request_latency_seconds", Help: "End-to-end request latency (wall clock).",
 			ConstLabels: labels, Buckets: latencyBuckets,
 		}),
+		kvTransfers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "sim_kv_transfers_total", Help: "Decode legs' KV transfers (pulls from a prefill worker) by outcome (ok, failed).",
+			ConstLabels: labels,
+		}, []string{"outcome"}),
+		kvReleased: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "sim_kv_transfers_released_total", Help: "Prefill legs' held KV transfers released, by reason (pulled, expired, cleared).",
+			ConstLabels: labels,
+		}, []string{"reason"}),
 	}
 	collectors := []prometheus.Collector{
-		m.requests, m.finished, m.ttft, m.e2e,
+		m.requests, m.finished, m.ttft, m.e2e, m.kvTransfers, m.kvReleased,
+		counter("sim_kv_transfer_blocks_total", "KV blocks decode legs transferred (those not cached here already).",
+			func() float64 { return float64(w.kvTransferBlocks.Load()) }),
+		counter("sim_kv_transfer_seconds_total", "Simulated KV transfer time of decode legs (not divided by speedup).",
+			func() float64 { return time.Duration(w.kvTransferNanos.Load()).Seconds() }),
+		gauge("sim_kv_transfers_held", "Prefill legs whose prompt blocks wait, pinned, for a decode worker's pull.",
+			func() float64 { return float64(w.heldTransfers()) }),
+		counter("sim_inter_tokens_total", "Output tokens after each request's first.",
+			func() float64 { return float64(w.interTokens.Load()) }),
+		counter("sim_inter_token_seconds_total", "Simulated inter-token latency of those tokens, summed (not divided by speedup).",
+			func() float64 { return time.Duration(w.interTokenNanos.Load()).Seconds() }),
 		gauge("vllm:num_requests_running", "Requests holding an engine slot.",
 			func() float64 { running, _ := w.running.counts(); return float64(running) }),
 		gauge("vllm:num_requests_waiting", "Requests waiting for an engine slot.",

@@ -57,6 +57,8 @@ type genRequest struct {
 	maxTokens    int
 	stream       bool
 	includeUsage bool
+	// kv is the request's kv_transfer_params; nil without them.
+	kv *kvParams
 }
 
 type streamOptions struct {
@@ -79,6 +81,7 @@ type wireRequest struct {
 	N                   *int64          `json:"n"`
 	AddSpecialTokens    *bool           `json:"add_special_tokens"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
+	KVTransferParams    json.RawMessage `json:"kv_transfer_params"`
 }
 
 func decodeWire(body []byte) (*wireRequest, *apiError) {
@@ -133,6 +136,12 @@ func decodeRequest(body []byte, chat bool, maxModelLen int) (*genRequest, *apiEr
 			return nil, badRequest("stream_options", "stream_options can only be given when stream is true")
 		}
 		req.includeUsage = w.StreamOptions.IncludeUsage
+	}
+	if req.kv, aerr = parseKVTransferParams(w.KVTransferParams); aerr != nil {
+		return nil, aerr
+	}
+	if req.kv != nil && req.kv.remoteDecode && req.stream {
+		return nil, badRequest("stream", "a prefill leg (kv_transfer_params.do_remote_decode true) cannot be streamed: its kv_transfer_params come in the whole answer")
 	}
 	if total := len(req.prompt) + req.maxTokens; total > maxModelLen {
 		return nil, badRequest("", "This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the prompt, %d in the completion).",
@@ -336,6 +345,8 @@ type response struct {
 	Model   string   `json:"model"`
 	Choices []choice `json:"choices"`
 	Usage   *usage   `json:"usage,omitempty"`
+	// KVTransferParams is a prefill leg's answer to the decode leg (see kvTransferOut).
+	KVTransferParams *kvTransferOut `json:"kv_transfer_params,omitempty"`
 }
 
 type modelCard struct {

@@ -26,6 +26,15 @@ type Worker struct {
 	reg     *prometheus.Registry
 	metrics *metrics
 	handler http.Handler
+	// engine is the stepped scheduler of chunked prefill; nil when it is off.
+	engine *engine
+
+	// engineID names this worker in kv_transfer_params (remote_engine_id): the worker's ID
+	// and a random suffix, so that a restarted worker answers no pull meant for its
+	// previous life.
+	engineID   string
+	transfers  kvTransfers
+	pullClient *http.Client
 
 	faultMu     sync.Mutex
 	faults      Faults
@@ -39,6 +48,12 @@ type Worker struct {
 	promptTokens atomic.Uint64
 	cachedTokens atomic.Uint64
 	genTokens    atomic.Uint64
+
+	interTokens      atomic.Uint64
+	interTokenNanos  atomic.Int64 // simulated
+	kvTransfers      atomic.Uint64
+	kvTransferBlocks atomic.Uint64
+	kvTransferNanos  atomic.Int64 // simulated
 }
 
 // Stats are a worker's request counters and queue depths.
@@ -58,6 +73,19 @@ type Stats struct {
 	CachedTokens uint64 `json:"cached_tokens"`
 	// GeneratedTokens totals the output tokens sent.
 	GeneratedTokens uint64 `json:"generated_tokens"`
+	// InterTokens counts the output tokens after each request's first, and
+	// InterTokenSeconds totals their simulated inter-token latencies (their decode steps,
+	// not divided by Speedup): InterTokenSeconds / InterTokens is the mean simulated ITL.
+	InterTokens       uint64  `json:"inter_tokens"`
+	InterTokenSeconds float64 `json:"inter_token_seconds"`
+	// KVTransfers counts the decode legs whose KV transfer succeeded, KVTransferBlocks the
+	// blocks they transferred (those not cached here already) and KVTransferSeconds their
+	// simulated transfer time.
+	KVTransfers       uint64  `json:"kv_transfers"`
+	KVTransferBlocks  uint64  `json:"kv_transfer_blocks"`
+	KVTransferSeconds float64 `json:"kv_transfer_seconds"`
+	// KVTransfersHeld is how many prefill legs' blocks wait, pinned, for a decode worker.
+	KVTransfersHeld int `json:"kv_transfers_held"`
 }
 
 // New returns a worker for cfg, with zero fields defaulted.
@@ -75,6 +103,18 @@ func New(cfg Config) (*Worker, error) {
 		reg:     prometheus.NewRegistry(),
 		faults:  Faults{ErrorRate: cfg.ErrorRate, StallRate: cfg.StallRate, Stall: cfg.Stall},
 		rng:     rand.New(rand.NewPCG(uint64(cfg.Seed), 0x9e3779b97f4a7c15)),
+
+		engineID:  fmt.Sprintf("%s-%016x", cfg.ID, rand.Uint64()),
+		transfers: kvTransfers{byBlock: make(map[int64]*heldTransfer)},
+		pullClient: &http.Client{Timeout: kvPullTimeout, Transport: &http.Transport{
+			Proxy:               nil, // the fleet is on loopback
+			DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+			MaxIdleConnsPerHost: 64,
+			IdleConnTimeout:     30 * time.Second,
+		}},
+	}
+	if cfg.ChunkedPrefillTokens > 0 {
+		w.engine = &engine{w: w}
 	}
 	m, err := newMetrics(w)
 	if err != nil {
@@ -91,10 +131,16 @@ func (w *Worker) Config() Config { return w.cfg }
 // Handler returns the worker's HTTP API.
 func (w *Worker) Handler() http.Handler { return w.handler }
 
+// EngineID is the worker's remote_engine_id in the kv_transfer_params of its prefill
+// answers; a pull names it. It is stable for the worker's life.
+func (w *Worker) EngineID() string { return w.engineID }
+
 // Serve serves the worker on ln until ctx ends, then shuts down: in-flight requests get up
 // to ShutdownTimeout to finish before their connections are closed. It closes ln.
 func (w *Worker) Serve(ctx context.Context, ln net.Listener) error {
-	return serveHTTP(ctx, ln, w.handler, w.refusing, w.cfg.ShutdownTimeout, w.log, "model", w.cfg.Model)
+	defer w.pullClient.CloseIdleConnections()
+	return serveHTTP(ctx, ln, w.handler, w.refusing, w.cfg.ShutdownTimeout, w.log, "model", w.cfg.Model,
+		"role", w.cfg.Role, "engine_id", w.engineID)
 }
 
 // serveHTTP serves h on ln until ctx ends, resetting new connections while refusing says
@@ -204,11 +250,22 @@ func (w *Worker) Stats() Stats {
 		PromptTokens:    w.promptTokens.Load(),
 		CachedTokens:    w.cachedTokens.Load(),
 		GeneratedTokens: w.genTokens.Load(),
+
+		InterTokens:       w.interTokens.Load(),
+		InterTokenSeconds: time.Duration(w.interTokenNanos.Load()).Seconds(),
+		KVTransfers:       w.kvTransfers.Load(),
+		KVTransferBlocks:  w.kvTransferBlocks.Load(),
+		KVTransferSeconds: time.Duration(w.kvTransferNanos.Load()).Seconds(),
+		KVTransfersHeld:   w.heldTransfers(),
 	}
 }
 
-// ClearCache drops every cached block and emits a Cleared event.
-func (w *Worker) ClearCache() { w.cache.clear() }
+// ClearCache drops every cached block and emits a Cleared event. Prefill legs' blocks
+// waiting for a pull go too: their pulls fail.
+func (w *Worker) ClearCache() {
+	w.dropTransfers()
+	w.cache.clear()
+}
 
 // scale turns a simulated duration of n units of d into wall time.
 func (w *Worker) scale(d time.Duration, n int) time.Duration {
@@ -253,31 +310,97 @@ func newOutput(prompt []uint32, n int, chat bool) output {
 	return out
 }
 
-// run takes req through the engine, calling emit for each output token in order. It
-// returns the cached prompt tokens; an error means ctx ended or emit failed.
-func (w *Worker) run(ctx context.Context, req *genRequest, out output, emit func(i int) error) (int, error) {
+// runResult is what a request's run tells its answer besides the tokens.
+type runResult struct {
+	// cached is the prompt tokens found cached here at the lookup (for a decode leg,
+	// before its transfer).
+	cached int
+	// remotePrefill: the request was a decode leg; transfer is its simulated transfer time.
+	remotePrefill bool
+	transfer      time.Duration
+	// held is a prefill leg's prompt blocks, pinned for a decode worker to pull.
+	held *sequence
+}
+
+// run takes req through the engine, calling emit for each output token in order. An error
+// means ctx ended, emit failed, or (an *apiError) a decode leg's transfer failed.
+func (w *Worker) run(ctx context.Context, req *genRequest, out output, emit func(i int) error, res *runResult) error {
 	if err := w.running.acquire(ctx); err != nil {
-		return 0, err
+		return err
 	}
 	defer w.running.release()
 	if err := sleepUntil(ctx, time.Now().Add(w.scale(w.cfg.Overhead, 1))); err != nil {
-		return 0, err
+		return err
 	}
-	if err := w.prefill.acquire(ctx); err != nil {
-		return 0, err
+	var seq *sequence
+	defer func() {
+		if seq != nil {
+			w.cache.release(seq)
+		}
+	}()
+	if req.kv != nil && req.kv.remotePrefill {
+		// The local hit is looked up before the transfer, which then fills in the rest.
+		seq, res.cached = w.lookup(req.prompt)
+		if err := w.pullKV(ctx, req, seq, res); err != nil {
+			return err
+		}
 	}
-	seq := w.cache.acquire(req.prompt)
-	defer w.cache.release(seq)
-	cached := len(seq.blocks) * w.cfg.BlockSize
-	w.promptTokens.Add(uint64(len(req.prompt)))
+	var err error
+	if w.engine != nil {
+		seq, err = w.engine.generate(ctx, req, out, seq, emit, res)
+	} else {
+		seq, err = w.generate(ctx, req, out, seq, emit, res)
+	}
+	if err != nil {
+		return err
+	}
+	full := make([]uint32, 0, len(req.prompt)+len(out.tokens))
+	w.cache.store(seq, append(append(full, req.prompt...), out.tokens...))
+	if req.kv != nil && req.kv.remoteDecode {
+		res.held = w.cache.fork(seq, len(req.prompt)/w.cfg.BlockSize)
+	}
+	return nil
+}
+
+// lookup pins the longest cached prefix of prompt and returns it with its length in tokens.
+func (w *Worker) lookup(prompt []uint32) (*sequence, int) {
+	seq := w.cache.acquire(prompt)
+	return seq, len(seq.blocks) * w.cfg.BlockSize
+}
+
+// prefillStarts counts a prompt that reached prefill, and the part of it that was cached.
+func (w *Worker) prefillStarts(prompt []uint32, cached int) {
+	w.promptTokens.Add(uint64(len(prompt)))
 	w.cachedTokens.Add(uint64(cached))
-	err := sleepUntil(ctx, time.Now().Add(w.scale(w.cfg.PrefillPerToken, len(req.prompt)-cached)))
+}
+
+// prefillTokens is how many prompt tokens are left to compute with seq held: at least the
+// last block's worth past the longest prefix a lookup would take, as vLLM computes the last
+// prompt token even when everything is cached.
+func (w *Worker) prefillTokens(prompt []uint32, seq *sequence) int {
+	limit := (len(prompt) - 1) / w.cfg.BlockSize
+	return len(prompt) - min(len(seq.blocks), limit)*w.cfg.BlockSize
+}
+
+// generate is the engine without chunked prefill: a FIFO prefill stage serving one request
+// at a time, then one token every DecodePerToken. seq is the request's hold on the cache
+// when it has one already (a decode leg), else the lookup happens as its prefill starts;
+// the hold is returned, for the caller to release, even with an error.
+func (w *Worker) generate(ctx context.Context, req *genRequest, out output, seq *sequence, emit func(i int) error, res *runResult) (*sequence, error) {
+	if err := w.prefill.acquire(ctx); err != nil {
+		return seq, err
+	}
+	if seq == nil {
+		seq, res.cached = w.lookup(req.prompt)
+	}
+	w.prefillStarts(req.prompt, res.cached)
+	err := sleepUntil(ctx, time.Now().Add(w.scale(w.cfg.PrefillPerToken, w.prefillTokens(req.prompt, seq))))
 	if err == nil {
 		w.cache.store(seq, req.prompt)
 	}
 	w.prefill.release()
 	if err != nil {
-		return cached, err
+		return seq, err
 	}
 
 	// Tokens follow a fixed schedule from the first one, so timer lateness does not add up.
@@ -285,15 +408,15 @@ func (w *Worker) run(ctx context.Context, req *genRequest, out output, emit func
 	for i := range out.tokens {
 		if i > 0 {
 			if err := sleepUntil(ctx, start.Add(w.scale(w.cfg.DecodePerToken, i))); err != nil {
-				return cached, err
+				return seq, err
 			}
+			w.interTokens.Add(1)
+			w.interTokenNanos.Add(int64(w.cfg.DecodePerToken))
 		}
 		if err := emit(i); err != nil {
-			return cached, err
+			return seq, err
 		}
 		w.genTokens.Add(1)
 	}
-	full := make([]uint32, 0, len(req.prompt)+len(out.tokens))
-	w.cache.store(seq, append(append(full, req.prompt...), out.tokens...))
-	return cached, nil
+	return seq, nil
 }

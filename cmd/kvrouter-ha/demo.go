@@ -25,7 +25,12 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	policies := fs.String("policies", "kv,round-robin", "comma-separated policies to compare ("+strings.Join(routing.Policies(), ", ")+")")
 	topologies := fs.String("replicas", "1", "router topologies to compare: N replicas behind a round-robin client, N-nogossip for N replicas that share nothing but bindings (e.g. 1,3,3-nogossip)")
 	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
-	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers")
+	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers (aggregated; see --fleet)")
+	fleets := fs.String("fleet", "", "compare: worker fleets to compare at the same number of simulated GPUs, as counts of p (prefill), d (decode) and agg (aggregated) workers, e.g. 8agg,4p4d (default: --workers aggregated)")
+	disagg := fs.String("disagg", routing.DisaggConditional, "compare: the routers' disaggregation modes to run on fleets with prefill workers: "+strings.Join(routing.DisaggModes(), ", "))
+	fs.IntVar(&cfg.MinUncachedTokens, "disagg-min-uncached-tokens", 1024, "compare: conditional disaggregation's threshold, as serve's flag of that name")
+	fs.IntVar(&cfg.Sim.ChunkedPrefillTokens, "chunked-prefill-tokens", 0, "simulated workers prefill in chunks of this many tokens in the steps that decode, slowing those decodes, as vLLM's chunked prefill does (0: a separate prefill stage that never slows decoding)")
+	fs.DurationVar(&cfg.Sim.TransferPerBlock, "kv-transfer-per-block", 20*time.Microsecond, "simulated decode workers' KV transfer time per block pulled from a prefill worker")
 	fs.IntVar(&cfg.CapacityBlocks, "capacity-blocks", 32768, "each worker's KV cache in 16-token blocks (too small to hold the whole trace)")
 	fs.DurationVar(&cfg.ApproxTTL, "approx-ttl", 0, "the routers' approximate-index TTL in trace time (0: none: the per-worker cap, --capacity-blocks as the workers' own cache, stands in for their eviction alone, as their LRU does)")
 	fs.IntVar(&cfg.GossipBudget, "gossip-max-bytes-per-second", replica.DefaultGossipBudget, "compare: each replica's outbound gossip budget (as serve's flag of that name)")
@@ -52,6 +57,19 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 			cfg.Policies = splitList(*policies)
 			cfg.Modes = splitList(*modes)
 			cfg.RecordAt = splitList(*recordAt)
+			cfg.DisaggModes = splitList(*disagg)
+			for _, m := range cfg.DisaggModes {
+				if !slices.Contains(routing.DisaggModes(), m) {
+					return fmt.Errorf("--disagg: %q is not one of %s", m, strings.Join(routing.DisaggModes(), ", "))
+				}
+			}
+			for _, f := range splitList(*fleets) {
+				fl, err := demo.ParseFleet(f)
+				if err != nil {
+					return err
+				}
+				cfg.Fleets = append(cfg.Fleets, fl)
+			}
 			for _, r := range cfg.RecordAt {
 				if !slices.Contains(demo.RecordPoints(), r) {
 					return fmt.Errorf("--record-at: %q is not one of %s", r, strings.Join(demo.RecordPoints(), ", "))

@@ -31,6 +31,10 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 	fs.Float64Var(&cfg.StallRate, "stall-rate", 0, "share of requests that hang before the first byte")
 	fs.DurationVar(&cfg.Stall, "stall", 0, "how long a stalled request hangs (0: until the client leaves)")
 	fs.Int64Var(&cfg.Seed, "seed", 1, "seed of the fault draws")
+	fs.StringVar(&cfg.Role, "role", sim.RoleBoth, "prefill/decode disaggregation role: both, prefill (refuses decode legs: kv_transfer_params with do_remote_prefill) or decode (refuses prefill legs: do_remote_decode); requests without kv_transfer_params are served by every role")
+	fs.DurationVar(&cfg.KVTransferTimeout, "kv-transfer-timeout", sim.DefaultKVTransferTimeout, "how long a prefill leg's prompt blocks stay pinned for a decode worker to pull them (wall clock, as vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+	fs.DurationVar(&cfg.TransferPerBlock, "kv-transfer-per-block", sim.DefaultTransferPerBlock, "simulated KV transfer time per block a decode leg pulls and did not hold already")
+	fs.IntVar(&cfg.ChunkedPrefillTokens, "chunked-prefill-tokens", 0, "chunked prefill: the engine runs in steps of at most this many prompt tokens, and a decode step sharing a step with a prefill chunk takes that chunk's prefill time longer (0: off, a separate FIFO prefill stage)")
 	var pub kvevents.PublisherConfig
 	fs.StringVar(&pub.Endpoint, "kv-events-endpoint", "", "publish KV events in vLLM's ZMQ format: tcp://*:5557 binds, tcp://host:port connects to a router (empty: off)")
 	fs.StringVar(&pub.Topic, "kv-events-topic", "", "topic frame of every KV event message (e.g. kv@127.0.0.1:8001@sim-model)")
@@ -94,7 +98,7 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 			if err != nil {
 				return fmt.Errorf("listen: %w", err)
 			}
-			log.Info("sim-worker serving", "id", cfg.ID, "addr", ln.Addr().String(), "dp_size", *dpSize)
+			log.Info("sim-worker serving", "id", cfg.ID, "addr", ln.Addr().String(), "dp_size", *dpSize, "role", cfg.Role)
 			return serve(ctx, ln)
 		},
 	}

@@ -224,6 +224,10 @@ type result struct {
 	latency      time.Duration
 	promptTokens int64
 	cachedTokens int64
+	// outputTokens is the usage's completion_tokens; streamed says the first token was seen
+	// apart from the last, so (latency - ttft) / (outputTokens - 1) is its inter-token latency.
+	outputTokens int64
+	streamed     bool
 	overlap      int64
 	hasOverlap   bool
 	session      string
@@ -336,6 +340,7 @@ dispatch:
 	sum.Label = cfg.Label
 	sum.Planned = len(reqs)
 	sum.DurationSeconds = elapsed.Seconds()
+	sum.OutputTokensPerSecond = ratio(float64(sum.OutputTokens), sum.DurationSeconds)
 	sum.Interrupted = ctx.Err() != nil
 	if bar != nil {
 		if !sum.Interrupted {
@@ -423,6 +428,7 @@ func (r *runner) do(parent context.Context, req trace.Request, endpoint, fallbac
 	var cause string
 	if r.cfg.Stream {
 		u, cause, err = readStream(resp.Body, begin, &res)
+		res.streamed = true
 	} else {
 		u, cause, err = readJSON(resp.Body)
 		// Without a stream the first token is only seen with the last.
@@ -438,7 +444,7 @@ func (r *runner) do(parent context.Context, req trace.Request, endpoint, fallbac
 		return res
 	}
 	res.ok = true
-	res.promptTokens = u.PromptTokens
+	res.promptTokens, res.outputTokens = u.PromptTokens, u.CompletionTokens
 	if u.PromptTokensDetails != nil {
 		res.cachedTokens = u.PromptTokensDetails.CachedTokens
 	}
@@ -533,6 +539,7 @@ func maxTokens(outputLength, limit int) int {
 // not report cached tokens (vLLM without --enable-prompt-tokens-details).
 type usage struct {
 	PromptTokens        int64 `json:"prompt_tokens"`
+	CompletionTokens    int64 `json:"completion_tokens"`
 	PromptTokensDetails *struct {
 		CachedTokens int64 `json:"cached_tokens"`
 	} `json:"prompt_tokens_details"`

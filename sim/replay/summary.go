@@ -44,6 +44,16 @@ type Summary struct {
 	TTFTP99Ms    float64 `json:"ttft_p99_ms"`
 	LatencyP50Ms float64 `json:"latency_p50_ms"`
 	LatencyP99Ms float64 `json:"latency_p99_ms"`
+	// ITLSamples counts streamed OK requests with two output tokens or more; ITLP50Ms and
+	// ITLP90Ms are percentiles over them of each one's mean inter-token latency, (latency -
+	// TTFT) / (output tokens - 1), as vLLM's benchmark reports its TPOT.
+	ITLSamples int     `json:"itl_samples"`
+	ITLP50Ms   float64 `json:"itl_p50_ms"`
+	ITLP90Ms   float64 `json:"itl_p90_ms"`
+	// OutputTokens sums the usage's completion_tokens over OK requests, and
+	// OutputTokensPerSecond divides it by the run's duration.
+	OutputTokens          int64   `json:"output_tokens"`
+	OutputTokensPerSecond float64 `json:"output_tokens_per_s"`
 
 	// Workers holds per-worker figures over OK requests, keyed by the
 	// worker the response named ("unknown" when a router named none).
@@ -117,7 +127,7 @@ func summarize(results []result, routerBlockSize int) *Summary {
 		Workers:         make(map[string]WorkerStats),
 		RouterBlockSize: routerBlockSize,
 	}
-	var ttft, latency []time.Duration
+	var ttft, latency, itl []time.Duration
 	var absErr, signedErr float64
 	// sessionWorker is each session's first worker, "" once it has moved.
 	sessionWorker := map[string]string{}
@@ -145,6 +155,10 @@ func summarize(results []result, routerBlockSize int) *Summary {
 			ttft = append(ttft, r.ttft)
 		}
 		latency = append(latency, r.latency)
+		s.OutputTokens += r.outputTokens
+		if r.streamed && r.hasTTFT && r.outputTokens >= 2 {
+			itl = append(itl, (r.latency-r.ttft)/time.Duration(r.outputTokens-1))
+		}
 		w := s.Workers[r.worker]
 		w.Requests++
 		w.PromptTokens += r.promptTokens
@@ -166,6 +180,10 @@ func summarize(results []result, routerBlockSize int) *Summary {
 	s.TTFTP99Ms = percentileMs(ttft, 0.99)
 	s.LatencyP50Ms = percentileMs(latency, 0.50)
 	s.LatencyP99Ms = percentileMs(latency, 0.99)
+	s.ITLSamples = len(itl)
+	slices.Sort(itl)
+	s.ITLP50Ms = percentileMs(itl, 0.50)
+	s.ITLP90Ms = percentileMs(itl, 0.90)
 
 	reqs := make([]float64, 0, len(s.Workers))
 	prompts := make([]float64, 0, len(s.Workers))
@@ -251,6 +269,10 @@ func (s *Summary) WriteText(w io.Writer) {
 	fmt.Fprintf(tw, "  hit rate\t%.1f%%\n", 100*s.HitRate)
 	fmt.Fprintf(tw, "  TTFT ms\tp50 %.1f  p90 %.1f  p99 %.1f  (%d samples)\n", s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, s.TTFTSamples)
 	fmt.Fprintf(tw, "  latency ms\tp50 %.1f  p99 %.1f\n", s.LatencyP50Ms, s.LatencyP99Ms)
+	if s.ITLSamples > 0 {
+		fmt.Fprintf(tw, "  inter-token ms\tp50 %.2f  p90 %.2f  (%d samples)\n", s.ITLP50Ms, s.ITLP90Ms, s.ITLSamples)
+	}
+	fmt.Fprintf(tw, "  output tokens\t%d, %.0f/s\n", s.OutputTokens, s.OutputTokensPerSecond)
 	fmt.Fprintf(tw, "  imbalance\trequests %.2f, prompt tokens %.2f (%d workers)\n",
 		s.RequestImbalance, s.PromptTokenImbalance, len(s.Workers))
 	if s.OverlapSamples > 0 {
@@ -295,6 +317,11 @@ func Table(w io.Writer, sums []*Summary) {
 	row("TTFT p90 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.TTFTP90Ms) })
 	row("TTFT p99 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.TTFTP99Ms) })
 	row("latency p99 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.LatencyP99Ms) })
+	if slices.ContainsFunc(sums, func(s *Summary) bool { return s.ITLSamples > 0 }) {
+		row("inter-token p50 ms", func(s *Summary) string { return fmt.Sprintf("%.2f", s.ITLP50Ms) })
+		row("inter-token p90 ms", func(s *Summary) string { return fmt.Sprintf("%.2f", s.ITLP90Ms) })
+	}
+	row("output tok/s", func(s *Summary) string { return fmt.Sprintf("%.0f", s.OutputTokensPerSecond) })
 	row("errors", func(s *Summary) string { return fmt.Sprintf("%d", s.Failed) })
 	row("imbalance req", func(s *Summary) string { return fmt.Sprintf("%.2f", s.RequestImbalance) })
 	row("imbalance tokens", func(s *Summary) string { return fmt.Sprintf("%.2f", s.PromptTokenImbalance) })

@@ -130,3 +130,24 @@ func TestSummarizeCountsSessionsThatMoved(t *testing.T) {
 		t.Errorf("sessions %d moved %d, want 3 and 1", s.Sessions, s.SessionsMoved)
 	}
 }
+
+// TestSummarizeInterTokenLatencyAndThroughput: a streamed request's inter-token latency is
+// the time after its first token over the tokens after it; a non-streamed one, or one of a
+// single token, has none; every OK request's output counts toward throughput.
+func TestSummarizeInterTokenLatencyAndThroughput(t *testing.T) {
+	ms := time.Millisecond
+	results := []result{
+		{ok: true, streamed: true, hasTTFT: true, ttft: 10 * ms, latency: 110 * ms, outputTokens: 11}, // 10 ms
+		{ok: true, streamed: true, hasTTFT: true, ttft: 10 * ms, latency: 210 * ms, outputTokens: 11}, // 20 ms
+		{ok: true, streamed: true, hasTTFT: true, ttft: 10 * ms, latency: 10 * ms, outputTokens: 1},   // none
+		{ok: true, hasTTFT: true, ttft: 500 * ms, latency: 500 * ms, outputTokens: 50},                // not streamed
+		{ok: false, streamed: true, outputTokens: 100},
+	}
+	s := summarize(results, 16)
+	if s.ITLSamples != 2 || s.ITLP50Ms != 10 || s.ITLP90Ms != 20 {
+		t.Fatalf("inter-token: %d samples, p50 %v, p90 %v; want 2, 10, 20", s.ITLSamples, s.ITLP50Ms, s.ITLP90Ms)
+	}
+	if s.OutputTokens != 73 {
+		t.Fatalf("output tokens %d, want 73", s.OutputTokens)
+	}
+}
