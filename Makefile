@@ -23,7 +23,10 @@ FUZZ_TARGETS := \
 	./cluster/hints:FuzzLoadDecode \
 	./cluster/hints:FuzzDecisionDecode \
 	./cluster/gossip:FuzzParseFrame \
-	./cluster/gossip:FuzzDecodeMeta
+	./cluster/gossip:FuzzDecodeMeta \
+	./transport/openai:FuzzTransferParams \
+	./sim:FuzzParseKVTransferParams \
+	./sim:FuzzDecodePullRequest
 
 .PHONY: all build test unit fuzz demo bench lint clean jepsen jepsen-ci
 

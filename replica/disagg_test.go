@@ -1,10 +1,17 @@
 package replica
 
 import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 )
 
@@ -75,5 +82,67 @@ func TestPrefillWorkersDownServesAggregated(t *testing.T) {
 	waitRouterIdle(t, rep)
 	if n := c.scrapeMetrics()[`kvrouter_disagg_requests_total{outcome="prefill_failed"}`]; n != 1 {
 		t.Fatalf("prefill_failed outcomes: %v, want 1", n)
+	}
+}
+
+// TestDecodeWorkerFailingGetsAFreshPrefill: a decode worker that fails before its first byte
+// is replaced, and the request is prefilled again for its new decode worker (the KV that
+// was to go to the failed one is not reused).
+func TestDecodeWorkerFailingGetsAFreshPrefill(t *testing.T) {
+	fleet := pdFleet(t)
+	rep := startTestReplica(t, fleet, func(cfg *Config) { cfg.Router.Disagg.Mode = routing.DisaggAlways })
+	c := newRouterClient(t, rep)
+	// The first request shows which decode worker the router picks; that one then fails.
+	prompt := promptTokens(4, 512)
+	a := c.post("/v1/completions", completionBody(prompt, 4, false), nil).mustOK(t)
+	bad := fleet.byID(t, a.worker())
+	if err := bad.SetFaults(sim.Faults{ErrorRate: 1}); err != nil {
+		t.Fatal(err)
+	}
+	waitRouterIdle(t, rep)
+	legs := func() uint64 { return fleet.byID(t, "p0").Stats().Served + fleet.byID(t, "p1").Stats().Served }
+	before := legs()
+	b := c.post("/v1/completions", completionBody(prompt, 4, false), nil).mustOK(t)
+	if b.worker() == bad.spec.ID || !strings.HasPrefix(b.worker(), "d") {
+		t.Fatalf("served on %s after %s failed", b.worker(), bad.spec.ID)
+	}
+	if got := legs() - before; got != 2 {
+		t.Fatalf("%d prefill legs for a request whose first decode worker failed, want 2 (a fresh one for the second)", got)
+	}
+	if st := fleet.byID(t, b.worker()).Stats(); st.KVTransfers == 0 {
+		t.Fatalf("the second decode worker pulled nothing: %+v", st)
+	}
+	waitRouterIdle(t, rep)
+}
+
+// TestClientLeavingDuringThePrefillLegFreesItsLoad: a client that goes away while its
+// prefill leg computes leaves no load in the router, and nothing reaches a decode worker.
+func TestClientLeavingDuringThePrefillLegFreesItsLoad(t *testing.T) {
+	slow := simConfig(0)
+	slow.PrefillPerToken = 2 * time.Millisecond * itSpeedup // 2 ms of wall time per token
+	fleet := startRoleWorkers(t, []workerRole{{"p0", routing.RolePrefill}, {"d0", routing.RoleDecode}}, slow)
+	rep := startTestReplica(t, fleet, func(cfg *Config) { cfg.Router.Disagg.Mode = routing.DisaggAlways })
+	c := newRouterClient(t, rep)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.do(ctx, http.MethodPost, "/v1/completions", bytes.NewReader(completionBody(promptTokens(5, 4096), 4, true)), nil)
+		done <- err
+	}()
+	eventually(t, "the prefill leg to be computing", func() (bool, string) {
+		st := fleet.byID(t, "p0").Stats()
+		return st.Running > 0 && workerLoad(rep, "p0").PrefillTokens > 0, fmt.Sprintf("p0 %+v, load %+v", st, workerLoad(rep, "p0"))
+	})
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("client: %v, want canceled", err)
+	}
+	waitRouterIdle(t, rep)
+	eventually(t, "the prefill worker to drop the leg", func() (bool, string) {
+		st := fleet.byID(t, "p0").Stats()
+		return st.Running == 0 && st.Aborted == 1, fmt.Sprintf("%+v", st)
+	})
+	if st := fleet.byID(t, "d0").Stats(); st.Served != 0 || st.Running+st.Waiting != 0 || st.KVTransfers != 0 {
+		t.Fatalf("the decode worker saw the cancelled request: %+v", st)
 	}
 }
