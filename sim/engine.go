@@ -149,16 +149,24 @@ func (e *engine) loop() {
 		chunks, decoders, d := e.plan()
 		e.mu.Unlock()
 
-		span := w.scale(d, 1)
-		clock = clock.Add(span)
+		clock = stepClock(clock, time.Now(), w.scale(d, 1))
 		if wait := time.Until(clock); wait > 0 {
 			time.Sleep(wait)
-		} else if -wait > span {
-			clock = time.Now()
 		}
 
 		e.step(chunks, decoders, d)
 	}
+}
+
+// stepClock is when the next step, span long, is due after the one due at clock, seen at
+// now: a span later, unless that is more than a span past already, and then now (the
+// lateness is forgotten, not caught up with steps back to back).
+func stepClock(clock, now time.Time, span time.Duration) time.Time {
+	next := clock.Add(span)
+	if now.Sub(next) > span {
+		return now
+	}
+	return next
 }
 
 // step applies a planned step once its time d has passed: each decoder gets a token, the

@@ -179,3 +179,27 @@ func TestChunkedPrefillServesLikeTheFIFOEngine(t *testing.T) {
 		return idle && st.Running == 0 && cs.Pinned == 0 && st.Aborted == 1
 	})
 }
+
+// TestStepClockForgetsLatenessBeyondAStep: a step due on time, or a little late, keeps the
+// engine's clock (timer lateness does not add up); one more than a step late restarts it
+// from now, so the steps after it do not run back to back and send their tokens in a burst.
+func TestStepClockForgetsLatenessBeyondAStep(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	span := 10 * time.Millisecond
+	cases := []struct {
+		name string
+		now  time.Time
+		want time.Time
+	}{
+		{"early", t0, t0.Add(span)},
+		{"on time", t0.Add(span), t0.Add(span)},
+		{"late by less than a step", t0.Add(span + 9*time.Millisecond), t0.Add(span)},
+		{"late by a step", t0.Add(2 * span), t0.Add(span)},
+		{"late by more than a step", t0.Add(5 * span), t0.Add(5 * span)},
+	}
+	for _, tc := range cases {
+		if got := stepClock(t0, tc.now, span); !got.Equal(tc.want) {
+			t.Errorf("%s: next step at %v, want %v", tc.name, got.Sub(t0), tc.want.Sub(t0))
+		}
+	}
+}
