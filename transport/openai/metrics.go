@@ -28,6 +28,8 @@ type metrics struct {
 	prefillLeg       prometheus.Histogram
 	decodeFirstToken prometheus.Histogram
 	transfer         prometheus.Histogram
+	// reservations counts the decision service's reservations by what happened to them.
+	reservations *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -91,6 +93,10 @@ func newMetrics() *metrics {
 			Help:    "KV transfer time of a disaggregated request, as its decode worker reports it (X-KV-Transfer-Ms), when it does.",
 			Buckets: []float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1},
 		}),
+		reservations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_reservations_total",
+			Help: "Decision-service reservations (POST /v1/reserve) by event: reserved, released, expired (not released within the TTL).",
+		}, []string{"event"}),
 		kvHit: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_predicted_kv_hit_ratio",
 			Help:    "Predicted share of the prompt's blocks already cached on the chosen worker.",
@@ -101,7 +107,7 @@ func newMetrics() *metrics {
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
 	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,
-		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, c} {
+		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, c} {
 		if err := reg.Register(col); err != nil {
 			return fmt.Errorf("register metrics: %w", err)
 		}

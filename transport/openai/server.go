@@ -83,10 +83,14 @@ type Config struct {
 	// MarkUnhealthy, when set, is told of a worker that answered garbage instead of the
 	// registry being flipped directly (the cluster's health view decides; nil: the registry).
 	MarkUnhealthy func(worker, reason string)
+	// ReservationTTL ends a reservation (POST /v1/reserve) that is not released (10m), and
+	// MaxReservations bounds those open at once (65,536; more get 429).
+	ReservationTTL  time.Duration
+	MaxReservations int
 }
 
 func (c *Config) setDefaults() error {
-	if c.MaxBodyBytes < 0 || c.ConnectTimeout < 0 || c.FirstByteTimeout < 0 || c.IdleTimeout < 0 {
+	if c.MaxBodyBytes < 0 || c.ConnectTimeout < 0 || c.FirstByteTimeout < 0 || c.IdleTimeout < 0 || c.ReservationTTL < 0 || c.MaxReservations < 0 {
 		return errors.New("openai: negative limit or timeout in config")
 	}
 	if c.MaxBodyBytes == 0 {
@@ -100,6 +104,12 @@ func (c *Config) setDefaults() error {
 	}
 	if c.IdleTimeout == 0 {
 		c.IdleTimeout = 2 * time.Minute
+	}
+	if c.ReservationTTL == 0 {
+		c.ReservationTTL = 10 * time.Minute
+	}
+	if c.MaxReservations == 0 {
+		c.MaxReservations = 1 << 16
 	}
 	if c.ReplicaID == "" {
 		if host, err := os.Hostname(); err == nil {
@@ -133,6 +143,7 @@ type Server struct {
 	loras       atomic.Pointer[loraSet]
 	models      *modelCache
 	handler     http.Handler
+	res         reservations
 }
 
 // loraSet is a snapshot of the adapter names configured workers serve.
@@ -174,6 +185,8 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 	}))
 	mux.Handle("/v1/models", s.endpoint("models", http.MethodGet, s.serveModels))
 	mux.Handle("/v1/route", s.endpoint("route", http.MethodPost, s.serveRoute))
+	mux.Handle("/v1/reserve", s.endpoint("reserve", http.MethodPost, s.serveReserve))
+	mux.Handle("/v1/reservations/{id}", s.endpoint("release", http.MethodDelete, s.serveRelease))
 	mux.Handle("/healthz", s.endpoint("healthz", http.MethodGet, s.serveHealthz))
 	mux.Handle("/readyz", s.endpoint("readyz", http.MethodGet, s.serveReadyz))
 	mux.Handle("/", s.endpoint("other", "", func(w *recorder, r *http.Request) {
@@ -196,8 +209,9 @@ func (s *Server) SetReady(fn func() error) {
 	s.ready.Store(&fn)
 }
 
-// Close drops the idle connections to workers.
+// Close ends the open reservations and drops the idle connections to workers.
 func (s *Server) Close() {
+	s.closeReservations()
 	s.upstream.close()
 	s.transport.CloseIdleConnections()
 }
@@ -557,21 +571,31 @@ type prefillRoute struct {
 	OverlapBlocks int    `json:"overlap_blocks"`
 }
 
-// serveRoute answers the routing decision for a chat or completion body, dispatching nothing.
-func (s *Server) serveRoute(w *recorder, r *http.Request) {
+// decisionRequest reads the chat or completion body of a decision-service call (route,
+// reserve) into a routing request; nil means the answer (an error) is written already.
+func (s *Server) decisionRequest(w *recorder, r *http.Request, queryOnly bool) *routing.Request {
 	body, apiErr := s.readBody(w, r)
 	if apiErr != nil || body == nil {
 		s.fail(w, r, apiErr)
-		return
+		return nil
 	}
 	p, err := Parse(DetectKind(body), body)
 	if err != nil {
 		s.fail(w, r, routeError(err))
-		return
+		return nil
 	}
-	req, apiErr := s.routingRequest(r, p, true)
+	req, apiErr := s.routingRequest(r, p, queryOnly)
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
+		return nil
+	}
+	return req
+}
+
+// serveRoute answers the routing decision for a chat or completion body, dispatching nothing.
+func (s *Server) serveRoute(w *recorder, r *http.Request) {
+	req := s.decisionRequest(w, r, true)
+	if req == nil {
 		return
 	}
 	att, err := s.router.Route(r.Context(), req)

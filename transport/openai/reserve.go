@@ -1,0 +1,150 @@
+package openai
+
+import (
+	"errors"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// The decision service's reserving side, for whatever carries the bytes instead of the
+// router (a load balancer's script, a gateway): POST /v1/reserve routes a request as the
+// proxy would (the session bound, the load counted, the decision recorded in the index and
+// gossiped) without dispatching it, and DELETE /v1/reservations/{id} ends it when the
+// request is over. A reservation that is not released ends by itself after its TTL. It
+// lives on the replica that made it: the release must reach the same replica (the answer
+// names it). Its load counts as prefill until its release, since nothing tells the replica
+// when the first token came.
+
+// reservation is one reserved decision waiting for its release.
+type reservation struct {
+	att   *routing.Attempt
+	timer *time.Timer
+}
+
+// reservations are a front's open reservations by id.
+type reservations struct {
+	mu   sync.Mutex
+	open map[string]*reservation
+}
+
+// reserveAnswer is POST /v1/reserve's answer: the routing answer, the reservation's id, and
+// how long it lasts unreleased.
+type reserveAnswer struct {
+	routeAnswer
+	Reservation      string  `json:"reservation"`
+	Replica          string  `json:"replica"`
+	ExpiresInSeconds float64 `json:"expires_in_s"`
+}
+
+// serveReserve routes the request in the body, reserving the decision until its release.
+func (s *Server) serveReserve(w *recorder, r *http.Request) {
+	req := s.decisionRequest(w, r, false)
+	if req == nil {
+		return
+	}
+	s.res.mu.Lock()
+	full := len(s.res.open) >= s.cfg.MaxReservations
+	s.res.mu.Unlock()
+	if full {
+		s.fail(w, r, &Error{Status: http.StatusTooManyRequests, Message: strconv.Itoa(s.cfg.MaxReservations) + " reservations are open; release some",
+			Type: TypeUnavailable, Code: "too_many_reservations", RetryAfter: "1", Cause: "reservations_full"})
+		return
+	}
+	att, err := s.router.Route(r.Context(), req)
+	if err != nil {
+		s.fail(w, r, routeError(err))
+		return
+	}
+	// The session binds now, to the worker the caller will send the request to; a binding a
+	// concurrent request made first wins, and the reservation names its worker instead.
+	b, err := att.Commit(r.Context())
+	if err != nil && !errors.Is(err, routing.ErrBoundElsewhere) {
+		att.Finish()
+		s.fail(w, r, commitError(err))
+		return
+	}
+	d := att.Decision()
+	id := newRequestID()
+	res := &reservation{att: att}
+	s.res.mu.Lock()
+	if s.res.open == nil {
+		s.res.open = map[string]*reservation{}
+	}
+	s.res.open[id] = res
+	res.timer = time.AfterFunc(s.cfg.ReservationTTL, func() {
+		if s.endReservation(id, 0, false) {
+			s.metrics.reservations.WithLabelValues("expired").Inc()
+		}
+	})
+	s.res.mu.Unlock()
+	s.metrics.reservations.WithLabelValues("reserved").Inc()
+	ans := reserveAnswer{
+		routeAnswer: routeAnswer{Worker: d.Target.Worker.ID, DPRank: d.Target.Worker.DPRank, OverlapBlocks: d.Overlap,
+			PromptBlocks: d.PromptBlocks, Session: req.Session, BindingRevision: b.Revision, Bound: d.Bound,
+			Disaggregation: routing.OutcomeNever},
+		Reservation: id, Replica: s.cfg.ReplicaID, ExpiresInSeconds: s.cfg.ReservationTTL.Seconds(),
+	}
+	if d.Target.Spec != nil {
+		ans.URL = d.Target.Spec.URL
+	}
+	writeJSON(w, http.StatusOK, ans)
+}
+
+// serveRelease ends a reservation: ?completed=true (the worker finished the request whole)
+// with &output_tokens=N records the prompt and its answer's blocks again, as the proxy does
+// at the end of an answer; without it the load is freed and nothing more recorded.
+func (s *Server) serveRelease(w *recorder, r *http.Request) {
+	q := r.URL.Query()
+	completed := q.Get("completed") == "true"
+	out := 0
+	if v := q.Get("output_tokens"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			s.fail(w, r, &Error{Status: http.StatusBadRequest, Message: "output_tokens must be a non-negative integer",
+				Type: TypeInvalidRequest, Param: "output_tokens", Code: "invalid_value"})
+			return
+		}
+		out = n
+	}
+	if !s.endReservation(r.PathValue("id"), out, completed) {
+		s.fail(w, r, &Error{Status: http.StatusNotFound, Message: "no open reservation " + strconv.Quote(r.PathValue("id")) +
+			" on this replica (released, expired, or made on another replica)", Type: TypeNotFound, Code: "unknown_reservation"})
+		return
+	}
+	s.metrics.reservations.WithLabelValues("released").Inc()
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// endReservation ends the open reservation id, reporting whether there was one.
+func (s *Server) endReservation(id string, outputTokens int, completed bool) bool {
+	s.res.mu.Lock()
+	res := s.res.open[id]
+	delete(s.res.open, id)
+	s.res.mu.Unlock()
+	if res == nil {
+		return false
+	}
+	res.timer.Stop()
+	if completed {
+		res.att.Complete(outputTokens)
+	}
+	res.att.Finish()
+	return true
+}
+
+// closeReservations ends every open reservation (the front is closing).
+func (s *Server) closeReservations() {
+	s.res.mu.Lock()
+	ids := make([]string, 0, len(s.res.open))
+	for id := range s.res.open {
+		ids = append(ids, id)
+	}
+	s.res.mu.Unlock()
+	for _, id := range ids {
+		s.endReservation(id, 0, false)
+	}
+}
