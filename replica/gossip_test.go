@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -306,6 +307,11 @@ func maxOverMean(per map[string]int, workers int) float64 {
 	return float64(top) / (float64(total) / float64(workers))
 }
 
+// TestBurstOverThreeReplicasSpreadsLikeOne: a burst of distinct prompts over three replicas
+// spreads over the workers about as evenly as through one. Each replica balances its own
+// requests on its own load; what this guards is that the load the others report, up to an
+// interval stale, does not herd them onto one worker. (With load reports off it passes too:
+// it does not show what sharing the load adds.)
 func TestBurstOverThreeReplicasSpreadsLikeOne(t *testing.T) {
 	const workers, burst = 8, 48
 	fleet := startWorkers(t, workers, simConfig(30*time.Second))
@@ -315,13 +321,40 @@ func TestBurstOverThreeReplicasSpreadsLikeOne(t *testing.T) {
 	waitRouterIdle(t, one)
 
 	gc := startGossipCluster(t, fleet, 3, nil)
-	three := burstSpread(t, []*routerClient{gc.client(0), gc.client(1), gc.client(2)}, burst, 2000)
-
-	s, g := maxOverMean(single, workers), maxOverMean(three, workers)
-	t.Logf("max/mean requests per worker: one replica %.2f %v; three replicas with gossip %.2f %v", s, single, g, three)
+	// How evenly three replicas spread a burst depends on how late their load reports come,
+	// which a loaded machine (CI runs packages side by side) stretches: the median of three
+	// bursts is the figure, each burst started with every replica's view of the load at zero.
+	var spreads []float64
+	for k := range 3 {
+		three := burstSpread(t, []*routerClient{gc.client(0), gc.client(1), gc.client(2)}, burst, 2000+1000*uint64(k))
+		spreads = append(spreads, maxOverMean(three, workers))
+		t.Logf("burst %d over three replicas with gossip: max/mean %.2f %v", k, spreads[k], three)
+		waitSharedLoadGone(t, gc, fleet)
+	}
+	slices.Sort(spreads)
+	s, g := maxOverMean(single, workers), spreads[1]
+	t.Logf("max/mean requests per worker: one replica %.2f %v; three replicas with gossip, median of three bursts, %.2f", s, single, g)
 	// One worker may get at most two requests more than through a single replica (the mean
 	// is six): load reports lag by up to one interval.
 	if g > s+2.0/(burst/workers) {
-		t.Errorf("three replicas herd: max/mean %.2f against %.2f through one", g, s)
+		t.Errorf("three replicas herd: max/mean %.2f (median of %v) against %.2f through one", g, spreads, s)
+	}
+}
+
+// waitSharedLoadGone waits until no replica of gc counts load on any worker of fleet, its
+// own or reported by the others.
+func waitSharedLoadGone(t *testing.T, gc *gossipCluster, fleet testFleet) {
+	t.Helper()
+	for i := range 3 {
+		rep := gc.rep(i)
+		waitRouterIdle(t, rep)
+		eventually(t, "the peers' reported load to fall to zero", func() (bool, string) {
+			for _, w := range fleet {
+				if l := rep.share.remote.Remote(indexer.Worker{ID: w.spec.ID}); l != (routing.Load{}) {
+					return false, fmt.Sprintf("replica %d sees %+v on %s from its peers", i, l, w.spec.ID)
+				}
+			}
+			return true, ""
+		})
 	}
 }
