@@ -75,6 +75,7 @@ func HAProxyConfig(listen string, replicas []Replica) string {
 
 defaults
     mode http
+    option http-no-delay
     timeout connect 1s
     timeout client 60s
     timeout server 60s
