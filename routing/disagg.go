@@ -87,40 +87,45 @@ func prefillRequest(req *Request) *Request {
 // FirstTokens, Completes and Finishes it like any attempt, and Retries it on a failure before
 // its answer. A nil leg means aggregated, with the reason in the plan.
 func (a *Attempt) PlanPrefill(ctx context.Context) (*Attempt, PrefillPlan, error) {
-	r := a.router
-	cfg := r.cfg.Disagg
-	plan := a.gatePrefill()
-	if plan.Outcome != "" {
-		return nil, plan, nil
-	}
-	p := &Attempt{router: r, req: prefillRequest(a.req)}
-	if cfg.Mode == DisaggConditional {
-		// Conditional never queues for a prefill worker: a busy prefill fleet is a reason
-		// to prefill where the request decodes.
-		d, err := r.selectFree(ctx, p.req)
-		switch {
-		case errors.Is(err, ErrBusy) || errors.Is(err, ErrNoWorker):
-			plan.Outcome = OutcomePrefillBusy
-			return nil, plan, nil
-		case err != nil:
-			return nil, plan, err
-		}
-		if r.prefillQueueFull(d) {
-			plan.Outcome = OutcomePrefillBusy
-			return nil, plan, nil
-		}
-		p.decision = d
-		p.startDispatch()
-	} else if err := p.selectAndStart(ctx); err != nil {
-		if errors.Is(err, ErrNoWorker) {
-			plan.Outcome = OutcomeNoPrefill
-			return nil, plan, nil
-		}
+	d, plan, err := a.choosePrefill(ctx, false)
+	if err != nil || plan.Outcome != "" {
 		return nil, plan, err
 	}
+	p := &Attempt{router: a.router, req: prefillRequest(a.req), decision: d}
+	p.startDispatch()
 	a.ticket.FirstToken()
 	plan.Outcome = OutcomeDisaggregated
 	return p, plan, nil
+}
+
+// choosePrefill chooses the prefill worker of the attempt's request, or says in the plan's
+// Outcome why it is served aggregated (Outcome empty: d is the prefill worker). Conditional
+// mode never queues for a prefill worker (a busy prefill fleet is a reason to prefill where
+// the request decodes), and neither does a query; always waits like any selection.
+func (a *Attempt) choosePrefill(ctx context.Context, query bool) (d Decision, plan PrefillPlan, err error) {
+	r := a.router
+	plan = a.gatePrefill()
+	if plan.Outcome != "" {
+		return Decision{}, plan, nil
+	}
+	conditional := r.cfg.Disagg.Mode == DisaggConditional
+	req := prefillRequest(a.req)
+	req.NoWait = conditional || query
+	d, err = r.selectWorker(ctx, req, nil, nil)
+	switch {
+	case errors.Is(err, ErrNoWorker) && !req.NoWait:
+		plan.Outcome = OutcomeNoPrefill
+	case errors.Is(err, ErrBusy) || errors.Is(err, ErrNoWorker):
+		plan.Outcome = OutcomePrefillBusy
+	case err != nil:
+		return Decision{}, plan, err
+	case conditional && r.prefillQueueFull(d):
+		plan.Outcome = OutcomePrefillBusy
+	}
+	if plan.Outcome != "" {
+		return Decision{}, plan, nil
+	}
+	return d, plan, nil
 }
 
 // gatePrefill is the plan's part that needs no prefill worker chosen: its Outcome is set
@@ -152,33 +157,11 @@ func (r *Router) prefillQueueFull(d Decision) bool {
 // QueryPrefill is PlanPrefill for a query-only decision (POST /v1/route): it answers the
 // prefill worker a disaggregated request would go to, and changes nothing.
 func (a *Attempt) QueryPrefill(ctx context.Context) (Decision, PrefillPlan, error) {
-	r := a.router
-	plan := a.gatePrefill()
-	if plan.Outcome != "" {
-		return Decision{}, plan, nil
+	d, plan, err := a.choosePrefill(ctx, true)
+	if err == nil && plan.Outcome == "" {
+		plan.Outcome = OutcomeDisaggregated
 	}
-	d, err := r.selectFree(ctx, prefillRequest(a.req))
-	switch {
-	case errors.Is(err, ErrBusy) || errors.Is(err, ErrNoWorker):
-		plan.Outcome = OutcomePrefillBusy
-		return Decision{}, plan, nil
-	case err != nil:
-		return Decision{}, plan, err
-	}
-	if r.cfg.Disagg.Mode == DisaggConditional && r.prefillQueueFull(d) {
-		plan.Outcome = OutcomePrefillBusy
-		return Decision{}, plan, nil
-	}
-	plan.Outcome = OutcomeDisaggregated
-	return d, plan, nil
-}
-
-// selectFree selects for req without waiting in the queue: ErrBusy when every candidate
-// is busy.
-func (r *Router) selectFree(ctx context.Context, req *Request) (Decision, error) {
-	q := *req
-	q.NoWait = true
-	return r.selectWorker(ctx, &q, nil, nil)
+	return d, plan, err
 }
 
 // hasPrefillWorker reports whether a prefill-role worker is routable.

@@ -171,17 +171,10 @@ func (c *cache) acquire(tokens []uint32) *sequence {
 	if len(tokens) > 0 {
 		limit = (len(tokens) - 1) / c.blockSize
 	}
-	var parent uint64
-	for i := range limit {
-		chunk := tokens[i*c.blockSize : (i+1)*c.blockSize]
-		b := c.blocks[BlockHash(parent, chunk)]
-		if b == nil || !slices.Equal(b.ref.Tokens, chunk) {
-			break
-		}
+	c.walkPrefix(tokens, limit, func(b *block) {
 		c.pin(b)
 		s.blocks = append(s.blocks, b)
-		parent = b.ref.Hash
-	}
+	})
 	c.stats.Queries += uint64(len(tokens))
 	c.stats.Hits += uint64(len(s.blocks) * c.blockSize)
 	return s
@@ -331,15 +324,22 @@ func (c *cache) live(s *sequence) bool {
 func (c *cache) cachedBlocks(tokens []uint32) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var parent uint64
 	n := 0
-	for ; (n+1)*c.blockSize <= len(tokens); n++ {
-		chunk := tokens[n*c.blockSize : (n+1)*c.blockSize]
+	c.walkPrefix(tokens, len(tokens)/c.blockSize, func(*block) { n++ })
+	return n
+}
+
+// walkPrefix calls found for each of the first (at most limit) full blocks of tokens that
+// are cached, in order, stopping at the first that is not. It runs with c.mu held.
+func (c *cache) walkPrefix(tokens []uint32, limit int, found func(*block)) {
+	var parent uint64
+	for i := range limit {
+		chunk := tokens[i*c.blockSize : (i+1)*c.blockSize]
 		b := c.blocks[BlockHash(parent, chunk)]
 		if b == nil || !slices.Equal(b.ref.Tokens, chunk) {
-			break
+			return
 		}
+		found(b)
 		parent = b.ref.Hash
 	}
-	return n
 }

@@ -2,10 +2,8 @@ package sim
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
-	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -103,13 +101,7 @@ func TestChunkedPrefillSlowsConcurrentDecodes(t *testing.T) {
 			w, srv := newTestWorker(t, Config{Speedup: 4, ChunkedPrefillTokens: tt.chunk, MaxModelLen: 16384})
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			body, _ := json.Marshal(map[string]any{"prompt": seqTokens(10, 20), "max_tokens": 4096, "stream": true})
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions", bytes.NewReader(body))
-			resp, err := srv.Client().Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
+			resp := openStream(t, ctx, srv, seqTokens(10, 20), 4096)
 			// The decode is under way once its first token has come.
 			if line, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: ") {
 				t.Fatalf("first stream line %q: %v", line, err)
@@ -157,13 +149,7 @@ func TestChunkedPrefillServesLikeTheFIFOEngine(t *testing.T) {
 	w, srv := newTestWorker(t, Config{Speedup: 1, ChunkedPrefillTokens: 16, DecodePerToken: time.Second,
 		Overhead: time.Microsecond, PrefillPerToken: time.Microsecond})
 	ctx, cancel := context.WithCancel(context.Background())
-	body, _ := json.Marshal(map[string]any{"prompt": seqTokens(7, 40), "max_tokens": 1000, "stream": true})
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions", bytes.NewReader(body))
-	resp, err := srv.Client().Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
+	resp := openStream(t, ctx, srv, seqTokens(7, 40), 1000)
 	if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
 		t.Fatal(err)
 	}

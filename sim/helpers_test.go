@@ -159,3 +159,17 @@ func commonPrefix(a, b []uint32) int {
 }
 
 func newLoopbackServer(h http.Handler) *httptest.Server { return httptest.NewServer(h) }
+
+// openStream starts a streamed completion of prompt (max tokens long) on srv and returns
+// its response once the headers are in; ending ctx ends it.
+func openStream(t *testing.T, ctx context.Context, srv *httptest.Server, prompt []uint32, max int) *http.Response {
+	t.Helper()
+	body, _ := json.Marshal(map[string]any{"prompt": prompt, "max_tokens": max, "stream": true})
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions", bytes.NewReader(body))
+	resp, err := srv.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	return resp
+}

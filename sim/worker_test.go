@@ -1,7 +1,6 @@
 package sim
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -212,13 +211,7 @@ func TestClientDisconnectFreesSlotAndPins(t *testing.T) {
 		PrefillPerToken: time.Microsecond, MaxRunning: 1})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	body, _ := json.Marshal(map[string]any{"prompt": seqTokens(7, 40), "max_tokens": 1000, "stream": true})
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/completions", bytes.NewReader(body))
-	resp, err := srv.Client().Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
+	resp := openStream(t, ctx, srv, seqTokens(7, 40), 1000)
 	buf := make([]byte, 1)
 	if _, err := io.ReadFull(resp.Body, buf); err != nil { // the first token has been sent
 		t.Fatal(err)

@@ -2,7 +2,6 @@ package openai
 
 import (
 	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -98,13 +97,6 @@ func transferParams(answer []byte) (json.RawMessage, error) {
 	return a.Params, nil
 }
 
-// newRequestID is a random request id for both legs of a request the client named none for.
-func newRequestID() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
-	return hex.EncodeToString(b[:])
-}
-
 // disaggregate decides, for the current decision, whether the request is disaggregated and
 // if so runs its prefill leg; ok means go on with the decode dispatch (aggregated, or with
 // the decode leg's body in c.body). A prefill leg that fails on every prefill worker it may
@@ -126,7 +118,7 @@ func (s *Server) disaggregate(c *call) (res outcome, fail failure, ok bool) {
 		return 0, failure{}, true
 	}
 	if c.r.Header.Get(headerRequestID) == "" {
-		c.r.Header.Set(headerRequestID, newRequestID())
+		c.r.Header.Set(headerRequestID, rand.Text())
 	}
 	s.metrics.prefillSelection.Observe(leg.Decision().Took.Seconds())
 	params, apiErr, gone := s.prefillLeg(c, leg)
@@ -169,45 +161,26 @@ func (s *Server) prefillLeg(c *call, leg *routing.Attempt) (params json.RawMessa
 	start := time.Now()
 	for {
 		d := leg.Decision()
-		firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
-		out := outbound{method: http.MethodPost, target: c.r.URL.EscapedPath(), body: body, header: func(b []byte) []byte {
-			return appendForwardHeaders(b, c.r, d.Target)
-		}}
-		var fail failure
-		resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, out, firstBy)
-		if err != nil {
-			fail = failure{cause: "prefill_connect", err: fmt.Errorf("prefill worker %s: %w", d.Target.Worker, err)}
-		} else {
-			rd := newUpstreamReader(ub, firstBy, s.cfg.IdleTimeout)
-			answer, rerr := s.readAll(&rd, resp.ContentLength, leg.FirstToken)
-			resp.Body.Close()
-			switch {
-			case rerr != nil:
-				fail = failure{cause: "prefill_read", err: fmt.Errorf("prefill worker %s: %w", d.Target.Worker, rerr)}
-			case resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests:
-				fail = failure{cause: "prefill_status", err: fmt.Errorf("prefill worker %s answered %s", d.Target.Worker, resp.Status)}
-			case resp.StatusCode < 200 || resp.StatusCode >= 300:
-				// The prefill worker refused the request itself: the decode worker serves it
-				// aggregated, and its answer (the same refusal, most likely) is the client's.
-				s.log.Info("prefill worker refused the request; serving it aggregated", "worker", d.Target.Worker.String(), "status", resp.Status)
-				return nil, nil, false
-			default:
-				p, perr := transferParams(answer)
-				if perr != nil {
-					s.metrics.errors.WithLabelValues("prefill_params").Inc()
-					s.badResponse(d, "prefill_params", perr)
-					return nil, &Error{Status: http.StatusBadGateway, Message: fmt.Sprintf("prefill worker %s: %v", d.Target.Worker, perr),
-						Type: TypeServer, Code: "bad_kv_transfer_params", Cause: "prefill_params"}, false
-				}
-				if _, err := leg.Commit(ctx); err != nil {
-					return nil, nil, ctx.Err() != nil
-				}
-				leg.Complete(1)
-				s.metrics.prefillLeg.Observe(time.Since(start).Seconds())
-				return p, nil, false
+		answer, fail, refused := s.sendPrefill(c, leg, body)
+		switch {
+		case refused:
+			// The prefill worker refused the request itself: the decode worker serves it
+			// aggregated, and its answer (the same refusal, most likely) is the client's.
+			return nil, nil, false
+		case fail.err == nil:
+			p, perr := transferParams(answer)
+			if perr != nil {
+				s.badResponse(d, "prefill_params", perr)
+				return nil, &Error{Status: http.StatusBadGateway, Message: fmt.Sprintf("prefill worker %s: %v", d.Target.Worker, perr),
+					Type: TypeServer, Code: "bad_kv_transfer_params", Cause: "prefill_params"}, false
 			}
-		}
-		if ctx.Err() != nil {
+			if _, err := leg.Commit(ctx); err != nil {
+				return nil, nil, ctx.Err() != nil
+			}
+			leg.Complete(1)
+			s.metrics.prefillLeg.Observe(time.Since(start).Seconds())
+			return p, nil, false
+		case ctx.Err() != nil:
 			return nil, nil, true
 		}
 		s.metrics.errors.WithLabelValues(fail.cause).Inc()
@@ -220,6 +193,31 @@ func (s *Server) prefillLeg(c *call, leg *routing.Attempt) (params json.RawMessa
 			return nil, nil, false
 		}
 	}
+}
+
+// sendPrefill sends the prefill leg once, to the leg's current worker, and reads its whole
+// answer: a failure worth another prefill worker (unreachable, 5xx, 429, a broken read), or
+// refused (any other non-2xx).
+func (s *Server) sendPrefill(c *call, leg *routing.Attempt, body []byte) (answer []byte, fail failure, refused bool) {
+	d := leg.Decision()
+	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
+	resp, ub, err := s.upstream.roundTrip(c.r.Context(), d.Target.Spec.URL, upstreamRequest(c.r, body, d.Target), firstBy)
+	if err != nil {
+		return nil, failure{cause: "prefill_connect", err: fmt.Errorf("prefill worker %s: %w", d.Target.Worker, err)}, false
+	}
+	defer resp.Body.Close()
+	rd := newUpstreamReader(ub, firstBy, s.cfg.IdleTimeout)
+	answer, err = s.readAll(&rd, resp.ContentLength, leg.FirstToken)
+	switch {
+	case err != nil:
+		return nil, failure{cause: "prefill_read", err: fmt.Errorf("prefill worker %s: %w", d.Target.Worker, err)}, false
+	case resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests:
+		return nil, failure{cause: "prefill_status", err: fmt.Errorf("prefill worker %s answered %s", d.Target.Worker, resp.Status)}, false
+	case resp.StatusCode < 200 || resp.StatusCode >= 300:
+		s.log.Info("prefill worker refused the request; serving it aggregated", "worker", d.Target.Worker.String(), "status", resp.Status)
+		return nil, failure{}, true
+	}
+	return answer, failure{}, false
 }
 
 // observeDecodeLeg records a disaggregated answer's split: from the decode dispatch to its

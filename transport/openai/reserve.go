@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"crypto/rand"
 	"errors"
 	"net/http"
 	"strconv"
@@ -29,6 +30,9 @@ type reservation struct {
 type reservations struct {
 	mu   sync.Mutex
 	open map[string]*reservation
+	// taken counts the open reservations and those being made, so that concurrent calls
+	// cannot open more than the bound between its check and their insertion.
+	taken int
 }
 
 // reserveAnswer is POST /v1/reserve's answer: the routing answer, the reservation's id, and
@@ -47,13 +51,24 @@ func (s *Server) serveReserve(w *recorder, r *http.Request) {
 		return
 	}
 	s.res.mu.Lock()
-	full := len(s.res.open) >= s.cfg.MaxReservations
+	full := s.res.taken >= s.cfg.MaxReservations
+	if !full {
+		s.res.taken++
+	}
 	s.res.mu.Unlock()
 	if full {
 		s.fail(w, r, &Error{Status: http.StatusTooManyRequests, Message: strconv.Itoa(s.cfg.MaxReservations) + " reservations are open; release some",
 			Type: TypeUnavailable, Code: "too_many_reservations", RetryAfter: "1", Cause: "reservations_full"})
 		return
 	}
+	made := false
+	defer func() {
+		if !made {
+			s.res.mu.Lock()
+			s.res.taken--
+			s.res.mu.Unlock()
+		}
+	}()
 	att, err := s.router.Route(r.Context(), req)
 	if err != nil {
 		s.fail(w, r, routeError(err))
@@ -68,13 +83,14 @@ func (s *Server) serveReserve(w *recorder, r *http.Request) {
 		return
 	}
 	d := att.Decision()
-	id := newRequestID()
+	id := rand.Text()
 	res := &reservation{att: att}
 	s.res.mu.Lock()
 	if s.res.open == nil {
 		s.res.open = map[string]*reservation{}
 	}
 	s.res.open[id] = res
+	made = true
 	res.timer = time.AfterFunc(s.cfg.ReservationTTL, func() {
 		if s.endReservation(id, 0, false) {
 			s.metrics.reservations.WithLabelValues("expired").Inc()
@@ -82,15 +98,9 @@ func (s *Server) serveReserve(w *recorder, r *http.Request) {
 	})
 	s.res.mu.Unlock()
 	s.metrics.reservations.WithLabelValues("reserved").Inc()
-	ans := reserveAnswer{
-		routeAnswer: routeAnswer{Worker: d.Target.Worker.ID, DPRank: d.Target.Worker.DPRank, OverlapBlocks: d.Overlap,
-			PromptBlocks: d.PromptBlocks, Session: req.Session, BindingRevision: b.Revision, Bound: d.Bound,
-			Disaggregation: routing.OutcomeNever},
-		Reservation: id, Replica: s.cfg.ReplicaID, ExpiresInSeconds: s.cfg.ReservationTTL.Seconds(),
-	}
-	if d.Target.Spec != nil {
-		ans.URL = d.Target.Spec.URL
-	}
+	d.Binding = b
+	ans := reserveAnswer{routeAnswer: routeAnswerOf(d, req.Session, routing.PrefillPlan{Outcome: routing.OutcomeNever}, routing.Decision{}),
+		Reservation: id, Replica: s.cfg.ReplicaID, ExpiresInSeconds: s.cfg.ReservationTTL.Seconds()}
 	writeJSON(w, http.StatusOK, ans)
 }
 
@@ -123,11 +133,13 @@ func (s *Server) serveRelease(w *recorder, r *http.Request) {
 func (s *Server) endReservation(id string, outputTokens int, completed bool) bool {
 	s.res.mu.Lock()
 	res := s.res.open[id]
-	delete(s.res.open, id)
-	s.res.mu.Unlock()
 	if res == nil {
+		s.res.mu.Unlock()
 		return false
 	}
+	delete(s.res.open, id)
+	s.res.taken--
+	s.res.mu.Unlock()
 	res.timer.Stop()
 	if completed {
 		res.att.Complete(outputTokens)

@@ -610,13 +610,19 @@ func (s *Server) serveRoute(w *recorder, r *http.Request) {
 		s.fail(w, r, routeError(err))
 		return
 	}
+	writeJSON(w, http.StatusOK, routeAnswerOf(d, req.Session, plan, pd))
+}
+
+// routeAnswerOf is the decision-service answer for decision d of session, with plan's
+// outcome and, for a disaggregated one, its prefill decision pd.
+func routeAnswerOf(d routing.Decision, session string, plan routing.PrefillPlan, pd routing.Decision) routeAnswer {
 	ans := routeAnswer{
 		Disaggregation:  plan.Outcome,
 		Worker:          d.Target.Worker.ID,
 		DPRank:          d.Target.Worker.DPRank,
 		OverlapBlocks:   d.Overlap,
 		PromptBlocks:    d.PromptBlocks,
-		Session:         req.Session,
+		Session:         session,
 		BindingRevision: d.Binding.Revision,
 		Bound:           d.Bound,
 	}
@@ -629,7 +635,7 @@ func (s *Server) serveRoute(w *recorder, r *http.Request) {
 			ans.Prefill.URL = pd.Target.Spec.URL
 		}
 	}
-	writeJSON(w, http.StatusOK, ans)
+	return ans
 }
 
 func (s *Server) serveHealthz(w *recorder, _ *http.Request) {
