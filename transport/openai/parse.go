@@ -83,6 +83,14 @@ func Parse(k Kind, body []byte) (*Request, error) {
 	}
 	req := &Request{Kind: k, Body: body}
 
+	// kv_transfer_params tell a worker to pull a prompt's KV from another worker, or to hold
+	// it for one; they are the router's to set between the legs of a disaggregated request.
+	// From a client they would make a decode worker pull from any address the client names
+	// and pin KV on a prefill worker, so they are refused, not forwarded.
+	if _, ok := present(f.kvTransfer); ok {
+		return nil, invalid("kv_transfer_params", "kv_transfer_params is set by the router between prefill and decode workers; a client may not send it")
+	}
+
 	model, ok := present(f.model)
 	if !ok {
 		return nil, invalid("model", "missing required field: model")
@@ -142,7 +150,7 @@ func DetectKind(body []byte) Kind {
 
 // topFields are the raw values of the top-level fields routing reads (nil: absent).
 type topFields struct {
-	model, stream, messages, prompt []byte
+	model, stream, messages, prompt, kvTransfer []byte
 }
 
 // What scanTop found.
@@ -173,6 +181,8 @@ func scanTop(body []byte, f *topFields) int {
 			f.messages = val
 		case "prompt":
 			f.prompt = val
+		case "kv_transfer_params":
+			f.kvTransfer = val
 		}
 	})
 	if !ok || skipSpace(body, i+end) != len(body) {

@@ -103,6 +103,8 @@ func TestParseErrorsNameTheirField(t *testing.T) {
 		{"prompt token batch", KindCompletion, `{"model":"m","prompt":[[1],[2]]}`, "prompt", "exactly one token array"},
 		{"prompt empty inner", KindCompletion, `{"model":"m","prompt":[[]]}`, "prompt", "must not be an empty array"},
 		{"prompt nested too deep", KindCompletion, `{"model":"m","prompt":[[[1]]]}`, "prompt", "array of token ids"},
+		{"client kv_transfer_params", KindChat, `{"model":"m","messages":[{"role":"user","content":"x"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.1","remote_port":5600}}`, "kv_transfer_params", "a client may not send it"},
+		{"client kv_transfer_params on a completion", KindCompletion, `{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_decode":true}}`, "kv_transfer_params", "a client may not send it"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -198,6 +198,9 @@ func TestBadRequestsGet400InOpenAIShape(t *testing.T) {
 		{"/v1/chat/completions", `{"model":"m","messages":[]}`, "messages"},
 		{"/v1/completions", `{"prompt":"x"}`, "model"},
 		{"/v1/completions", `{"model":"m","prompt":{}}`, "prompt"},
+		// A client naming where a decode worker pulls KV from (an SSRF through the worker).
+		{"/v1/completions", `{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"169.254.169.254","remote_port":80,"remote_engine_id":"e","remote_block_ids":[1]}}`, "kv_transfer_params"},
+		{"/v1/route", `{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_decode":true}}`, "kv_transfer_params"},
 	}
 	for _, tt := range tests {
 		resp, body := rg.post(tt.path, tt.body, nil)
