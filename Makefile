@@ -26,7 +26,8 @@ FUZZ_TARGETS := \
 	./cluster/gossip:FuzzDecodeMeta \
 	./transport/openai:FuzzTransferParams \
 	./sim:FuzzParseKVTransferParams \
-	./sim:FuzzDecodePullRequest
+	./sim:FuzzDecodePullRequest \
+	./transport/extproc:FuzzProcessStream
 
 .PHONY: all build test unit fuzz demo bench lint clean jepsen jepsen-ci
 

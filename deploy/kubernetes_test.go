@@ -174,7 +174,7 @@ func TestKubernetesMatchesTheBinary(t *testing.T) {
 
 	// Ports: every listener has its container port, and nothing else is declared.
 	listenPorts := map[string]int{}
-	for _, f := range []string{"listen", "admin-listen", "raft-listen", "peer-listen", "gossip-listen"} {
+	for _, f := range []string{"listen", "admin-listen", "raft-listen", "peer-listen", "gossip-listen", "ext-proc-listen"} {
 		listenPorts[f] = b.port(t, s, f)
 	}
 	declared := map[string]bool{}
@@ -265,8 +265,9 @@ func TestKubernetesMatchesTheBinary(t *testing.T) {
 		t.Errorf("Service %s: ports %v, want peer, Raft and gossip %v", headlessName, keys(exposedByHeadless), keys(wantHeadless))
 	}
 
-	// The client Service: the client port of every ready replica, never the admin port.
-	clients := 0
+	// The client Service: the client port of every ready replica, never the admin port; and
+	// the picker's Service: the ext_proc port, over HTTP/2 cleartext.
+	clients, pickers := 0, map[string]int{}
 	for key, o := range k.objs {
 		if !strings.HasPrefix(key, "Service/") {
 			continue
@@ -277,16 +278,27 @@ func TestKubernetesMatchesTheBinary(t *testing.T) {
 		if key == "Service/"+headlessName {
 			continue
 		}
-		clients++
-		for _, p := range ylist(o, "spec", "ports") {
-			if num, _ := k.containerPort(t, ystr(p, "targetPort")); num != listenPorts["listen"] {
-				t.Errorf("%s: targets port %d; only the client port %d may be exposed", key, num, listenPorts["listen"])
+		ports := ylist(o, "spec", "ports")
+		if len(ports) != 1 {
+			t.Errorf("%s: %d ports, want one (the client port, or the picker's)", key, len(ports))
+			continue
+		}
+		switch num, _ := k.containerPort(t, ystr(ports[0], "targetPort")); num {
+		case listenPorts["listen"]:
+			clients++
+		case listenPorts["ext-proc-listen"]:
+			if ystr(ports[0], "appProtocol") != "kubernetes.io/h2c" {
+				t.Errorf("%s: appProtocol %q, want kubernetes.io/h2c (gRPC without TLS)", key, ystr(ports[0], "appProtocol"))
 			}
+			pickers[ystr(o, "metadata", "name")] = yint(t, key, ports[0], "port")
+		default:
+			t.Errorf("%s: targets port %d; only the client port %d and the picker's %d may be exposed", key, num, listenPorts["listen"], listenPorts["ext-proc-listen"])
 		}
 	}
-	if clients != 1 {
-		t.Errorf("want one client Service, found %d", clients)
+	if clients != 1 || len(pickers) != 1 {
+		t.Errorf("want one client Service and one picker Service, found %d and %d", clients, len(pickers))
 	}
+	checkInferencePool(t, k, pickers)
 
 	// A PodDisruptionBudget that keeps a Raft quorum but still lets a node drain.
 	pdbs := 0
@@ -338,3 +350,57 @@ func TestKubernetesMatchesTheBinary(t *testing.T) {
 
 // kubeProbes are the StatefulSet's probes and the paths they must use.
 var kubeProbes = map[string]string{"readinessProbe": "/readyz", "livenessProbe": "/healthz", "startupProbe": "/healthz"}
+
+// checkInferencePool checks the InferencePool against the picker's Service and the workers
+// file: its picker is the Service at its port, failing closed, and its target ports are the
+// ports the workers' URLs name.
+func checkInferencePool(t *testing.T, k kube, pickers map[string]int) {
+	t.Helper()
+	var pool map[string]any
+	for key, o := range k.objs {
+		if strings.HasPrefix(key, "InferencePool/") {
+			if pool != nil {
+				t.Fatal("more than one InferencePool")
+			}
+			pool = o
+		}
+	}
+	if pool == nil {
+		t.Fatal("no InferencePool in kubernetes/")
+	}
+	if got := ystr(pool, "apiVersion"); got != "inference.networking.k8s.io/v1" {
+		t.Errorf("InferencePool: apiVersion %q, want inference.networking.k8s.io/v1", got)
+	}
+	ref := ymap(pool, "spec", "endpointPickerRef")
+	port, ok := pickers[ystr(ref, "name")]
+	if !ok {
+		t.Errorf("InferencePool: endpointPickerRef %q is not the picker's Service (%v)", ystr(ref, "name"), pickers)
+	} else if got := yint(t, "InferencePool", ref, "port", "number"); got != port {
+		t.Errorf("InferencePool: endpointPickerRef port %d, the Service's %d", got, port)
+	}
+	if fm := ystr(ref, "failureMode"); fm != "FailClose" && fm != "FailOpen" {
+		t.Errorf("InferencePool: failureMode %q", fm)
+	}
+	targets := map[string]bool{}
+	for _, tp := range ylist(pool, "spec", "targetPorts") {
+		targets[strconv.Itoa(yint(t, "InferencePool targetPorts", tp, "number"))] = true
+	}
+	if len(targets) == 0 || len(targets) > 8 {
+		t.Errorf("InferencePool: %d target ports, want 1 to 8", len(targets))
+	}
+	if len(ymap(pool, "spec", "selector", "matchLabels")) == 0 {
+		t.Error("InferencePool: no selector")
+	}
+	cm := k.objs["ConfigMap/kvrouter-ha-workers"]
+	var specs []struct {
+		URL string `json:"url"`
+	}
+	if err := json.Unmarshal([]byte(ystr(cm, "data", "workers.json")), &specs); err != nil || len(specs) == 0 {
+		t.Fatalf("ConfigMap kvrouter-ha-workers: workers.json: %v", err)
+	}
+	for _, w := range specs {
+		if port := w.URL[strings.LastIndex(w.URL, ":")+1:]; !targets[port] {
+			t.Errorf("worker %s: port %s is not among the InferencePool's target ports %v", w.URL, port, keys(targets))
+		}
+	}
+}

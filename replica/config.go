@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 )
 
@@ -17,6 +18,10 @@ type Config struct {
 	ID string
 	// Listen and AdminListen are the client (OpenAI) and admin listen addresses.
 	Listen, AdminListen string
+	// ExtProcListen, when set, serves the gateway endpoint picker (Envoy ext_proc, with the
+	// gRPC health services) there; ExtProc tunes it.
+	ExtProcListen string
+	ExtProc       extproc.Config
 	// Workers are the workers from flags; more come from the cluster's registry.
 	Workers []routing.WorkerSpec
 	Router  routing.Config

@@ -72,6 +72,13 @@ func (r *Replica) stop(skip <-chan struct{}) error {
 	r.log.Info("shutdown: client port closed, waiting for in-flight requests", "shutdown_timeout", timeout)
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	err := r.http.Shutdown(ctx)
+	if r.picker != nil {
+		// The gateway's streams finish within the same bound; the picker reported
+		// NOT_SERVING since the drain began (its readiness is the replica's).
+		if perr := r.picker.Shutdown(ctx); perr != nil && err == nil {
+			err = perr
+		}
+	}
 	cancel()
 	if err != nil {
 		// Past the bound the streams still open are cut: their clients see the body end

@@ -156,7 +156,7 @@ func startRoleWorkers(t *testing.T, roles []workerRole, base sim.Config) testFle
 // startTestReplica starts a replica over fleet on loopback; tune adjusts the config first.
 // Health probes run once at start and then hourly, so a test decides when the router learns
 // of a failure.
-func startTestReplica(t *testing.T, fleet testFleet, tune func(*Config)) *Replica {
+func startTestReplica(t testing.TB, fleet testFleet, tune func(*Config)) *Replica {
 	t.Helper()
 	cfg := Config{
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ID: "it-replica",
@@ -185,7 +185,7 @@ func startTestReplica(t *testing.T, fleet testFleet, tune func(*Config)) *Replic
 
 // testClusterConfig is a lone replica's Raft node on loopback with a throwaway data directory
 // and LAN-fast timeouts.
-func testClusterConfig(t *testing.T) ClusterConfig {
+func testClusterConfig(t testing.TB) ClusterConfig {
 	return ClusterConfig{
 		DataDir: t.TempDir(), RaftListen: "127.0.0.1:0", PeerListen: "127.0.0.1:0", BootstrapExpect: 1,
 		Heartbeat: 100 * time.Millisecond, Election: 100 * time.Millisecond, LeaderLease: 50 * time.Millisecond,
@@ -195,7 +195,7 @@ func testClusterConfig(t *testing.T) ClusterConfig {
 
 // eventually polls cond until it reports true, failing the test with cond's last word when
 // pollTimeout passes.
-func eventually(t *testing.T, what string, cond func() (bool, string)) {
+func eventually(t testing.TB, what string, cond func() (bool, string)) {
 	t.Helper()
 	deadline := time.Now().Add(pollTimeout)
 	for {
@@ -223,7 +223,7 @@ func routerIdle(rep *Replica) (bool, string) {
 // waitRouterIdle waits until every request's load has been released. The router releases a
 // request's load after the last byte went to the client, so a client can have its answer a
 // moment before the load is gone; tests whose next choice depends on load wait for it.
-func waitRouterIdle(t *testing.T, rep *Replica) {
+func waitRouterIdle(t testing.TB, rep *Replica) {
 	t.Helper()
 	eventually(t, "the router's load to return to zero", func() (bool, string) { return routerIdle(rep) })
 }

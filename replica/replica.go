@@ -27,6 +27,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/version"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
@@ -45,8 +46,8 @@ type Replica struct {
 	subs     []*kvevents.Subscriber
 	promReg  *prometheus.Registry
 
-	// The ports, bound first.
-	ln, aln, pln, rln net.Listener
+	// The ports, bound first (eln, the picker's, only when configured).
+	ln, aln, pln, rln, eln net.Listener
 
 	pool      *peer.Pool
 	node      *cluster.Node
@@ -56,6 +57,7 @@ type Replica struct {
 	lifecycle *workers.Lifecycle
 	router    *routing.Router
 	server    *openai.Server
+	picker    *extproc.Picker // nil without ExtProcListen
 	http      *http.Server
 	admin     *http.Server
 
@@ -141,6 +143,14 @@ func (r *Replica) listen(context.Context) error {
 		r.onClose(func() { _ = ln.Close() })
 	}
 	r.ln = r.cfg.TLS.clientListener(r.ln)
+	if r.cfg.ExtProcListen != "" {
+		ln, err := net.Listen("tcp", r.cfg.ExtProcListen)
+		if err != nil {
+			return fmt.Errorf("ext_proc listener: %w", err)
+		}
+		r.eln = ln
+		r.onClose(func() { _ = ln.Close() })
+	}
 	return nil
 }
 
@@ -259,6 +269,13 @@ func (r *Replica) openRouting(context.Context) error {
 		return err
 	}
 	r.server.SetReady(r.Ready)
+	if r.eln != nil {
+		ecfg := cfg.ExtProc
+		ecfg.Logger, ecfg.Registerer = r.log, r.promReg
+		if r.picker, err = extproc.New(ecfg, r.server); err != nil {
+			return err
+		}
+	}
 	// The server's own complaints (a scanner's failed TLS handshake, a malformed request
 	// line) go to the structured log at debug: a client cannot flood the error log.
 	r.http = &http.Server{Handler: r.closeWhileDraining(r.server.Handler()), ReadHeaderTimeout: 10 * time.Second,
@@ -327,6 +344,14 @@ func (r *Replica) startServing(ctx context.Context) error {
 		})
 		r.onClose(func() { _ = s.srv.Close() })
 	}
+	if r.picker != nil {
+		r.goRun(func() {
+			if err := r.picker.Serve(r.eln); err != nil {
+				r.log.Error("ext_proc listener stopped", "err", err)
+			}
+		})
+		r.onClose(r.picker.Close)
+	}
 	return nil
 }
 
@@ -374,6 +399,14 @@ func (r *Replica) ClusterStability() cluster.Stability {
 
 // Addr is the client listener's address.
 func (r *Replica) Addr() string { return r.ln.Addr().String() }
+
+// ExtProcAddr is the endpoint picker's address, "" without one.
+func (r *Replica) ExtProcAddr() string {
+	if r.eln == nil {
+		return ""
+	}
+	return r.eln.Addr().String()
+}
 
 // AdminAddr is the admin listener's address.
 func (r *Replica) AdminAddr() string { return r.aln.Addr().String() }

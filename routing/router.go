@@ -38,6 +38,9 @@ type Request struct {
 	// NoWait fails the selection with ErrBusy instead of queueing when every candidate is
 	// busy.
 	NoWait bool
+	// Subset, when set, admits only the targets it accepts (a gateway's subset hint): a
+	// session bound outside it is rebound inside it, and none accepted is ErrNoWorker.
+	Subset func(Target) bool
 }
 
 // Decision is the outcome of a selection.
@@ -335,7 +338,7 @@ func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.W
 	}
 	if pref != nil {
 		for i, t := range routable {
-			if t.Worker == *pref {
+			if t.Worker == *pref && (req.Subset == nil || req.Subset(t)) {
 				return Decision{Target: t, Overlap: overlaps[i], PromptBlocks: promptBlocks, Took: time.Since(start)}, nil
 			}
 		}
@@ -419,6 +422,9 @@ func eligible(req *Request, t *Target, m *targetMeta, exclude []indexer.Worker) 
 		}
 	}
 	if req.DPRank >= 0 && int(t.Worker.DPRank) != req.DPRank {
+		return false
+	}
+	if req.Subset != nil && !req.Subset(*t) {
 		return false
 	}
 	if req.LoRA != "" {

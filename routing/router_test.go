@@ -710,3 +710,37 @@ func TestAMovedRequestPredictsTheBoundWorkersOverlap(t *testing.T) {
 		t.Fatalf("after the move: %s with %d blocks predicted, want w3 with 2", d.Target.Worker, d.Overlap)
 	}
 }
+
+func TestSubsetNarrowsCandidatesAndRebindsOutsideIt(t *testing.T) {
+	rg := newRig(t, 4, Config{})
+	ctx := context.Background()
+	only := func(ids ...string) func(Target) bool {
+		return func(t Target) bool { return slices.Contains(ids, t.Worker.ID) }
+	}
+	for i := range 20 {
+		a := route(t, rg.router, Request{PromptTokens: 16, Hashes: hashes(uint64(i)<<20, 1), Subset: only("w1", "w2")})
+		if id := a.Decision().Target.Worker.ID; id != "w1" && id != "w2" {
+			t.Fatalf("request %d went to %s, outside the subset", i, id)
+		}
+		a.Finish()
+	}
+	// A session bound outside the subset moves inside it, and stays bound there.
+	a := route(t, rg.router, Request{Session: "s", PromptTokens: 16, Subset: only("w0")})
+	old, err := a.Commit(ctx)
+	if err != nil || old.Worker.ID != "w0" {
+		t.Fatalf("bind = %+v, %v", old, err)
+	}
+	a.Finish()
+	a = route(t, rg.router, Request{Session: "s", PromptTokens: 16, Subset: only("w3")})
+	if d := a.Decision(); d.Target.Worker.ID != "w3" || d.Bound {
+		t.Fatalf("decision %+v, want w3 unbound", d)
+	}
+	fresh, err := a.Commit(ctx)
+	if err != nil || fresh.Worker.ID != "w3" || fresh.Revision <= old.Revision {
+		t.Fatalf("rebind = %+v, %v (old %+v)", fresh, err, old)
+	}
+	a.Finish()
+	if _, err := rg.router.Route(ctx, &Request{PromptTokens: 16, Subset: only("nobody")}); !errors.Is(err, ErrNoWorker) {
+		t.Fatalf("empty subset: %v, want ErrNoWorker", err)
+	}
+}

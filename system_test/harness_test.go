@@ -105,11 +105,23 @@ func startCluster(t *testing.T, n int, fl *fleet, extra ...string) *cluster {
 // startClusterOf starts n replicas of bin in front of workers (id=url specs).
 func startClusterOf(t testing.TB, bin string, n int, workers []string, extra ...string) *cluster {
 	t.Helper()
+	return startClusterTuned(t, bin, n, workers, nil, extra...)
+}
+
+// startClusterTuned is startClusterOf with tune adjusting each replica's description first
+// (nil: none).
+func startClusterTuned(t testing.TB, bin string, n int, workers []string, tune func(*proc.Replica), extra ...string) *cluster {
+	t.Helper()
 	c := &cluster{t: t}
 	base := t.TempDir()
 	members, err := proc.LoopbackReplicas(n, base)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if tune != nil {
+		for i := range members {
+			tune(&members[i])
+		}
 	}
 	flags := append([]string{"--log-level", "info", "--health-interval", "200ms"}, extra...)
 	for _, m := range members {

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -112,6 +113,12 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8080", "client (OpenAI) listen address")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", "127.0.0.1:9090", "admin listen address (/metrics)")
 	fs.StringVar(&cfg.ID, "replica-id", host, "this replica's name, sent as X-Kvrouter-Replica")
+	fs.StringVar(&cfg.ExtProcListen, "ext-proc-listen", "", "serve the Gateway API endpoint picker (Envoy ext_proc over gRPC, with the gRPC health services) on this address (empty: off)")
+	fs.Func("ext-proc-target-ports", "endpoint picker: the InferencePool's targetPorts, comma-separated: rank r of a worker is its URL's host at the r-th port (empty: every rank at its URL's port, the rank in X-Data-Parallel-Rank)", func(v string) error {
+		ports, err := parsePorts(v)
+		cfg.ExtProc.TargetPorts = ports
+		return err
+	})
 	fs.Var(workerFlag{&cfg.Workers}, "worker", "a worker as id=url (repeatable, or comma-separated)")
 	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events, role, dp_size, capacity_blocks, loras")
 	fs.StringVar(&cfg.Router.Policy, "policy", "kv", "selection policy: "+strings.Join(routing.Policies(), ", "))
@@ -267,4 +274,21 @@ func secondSignal() (skip <-chan struct{}, stop func()) {
 		signal.Stop(sigs)
 		close(done)
 	}
+}
+
+// parsePorts reads a comma-separated list of TCP ports.
+func parsePorts(v string) ([]int, error) {
+	var out []int
+	for f := range strings.SplitSeq(v, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		n, err := strconv.Atoi(f)
+		if err != nil || n <= 0 || n > 65535 {
+			return nil, fmt.Errorf("%q is not a TCP port", f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }

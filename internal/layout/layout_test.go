@@ -22,10 +22,12 @@ var allowed = map[string][]string{
 	"cluster":            {"cluster/gossip", "fsm", "indexer", "routing", "transport/peer"},
 	"transport/kvevents": {"indexer"},
 	"transport/openai":   {"indexer", "routing"},
-	"transport/peer":     {"transport/peer/peerpb"},
-	"workers":            {"fsm", "routing"},
-	"admin":              {"cluster", "fsm", "routing", "transport/peer", "workers"},
-	"sim":                {"indexer", "transport/kvevents"},
+	// The endpoint picker holds decisions through the OpenAI front: one code for both paths.
+	"transport/extproc": {"indexer", "routing", "transport/openai"},
+	"transport/peer":    {"transport/peer/peerpb"},
+	"workers":           {"fsm", "routing"},
+	"admin":             {"cluster", "fsm", "routing", "transport/peer", "workers"},
+	"sim":               {"indexer", "transport/kvevents"},
 	// The fault harness and the process harness know the router only by its wire.
 	"jepsen":        {"internal/loopback", "internal/proc"},
 	"internal/proc": {"internal/loopback"},

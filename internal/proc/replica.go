@@ -24,6 +24,8 @@ type Replica struct {
 	Raft, Peer, Gossip string
 	// DataDir is its --data-dir.
 	DataDir string
+	// ExtProc, when set, is its endpoint picker's port (--ext-proc-listen).
+	ExtProc string
 }
 
 // LoopbackReplicas describes n replicas r0..r<n-1> on free loopback addresses (see
@@ -62,6 +64,9 @@ func (r Replica) ServeArgv(bin string, cluster []Replica, workers []string, extr
 	}
 	if len(workers) > 0 {
 		argv = append(argv, "--worker", strings.Join(workers, ","))
+	}
+	if r.ExtProc != "" {
+		argv = append(argv, "--ext-proc-listen", r.ExtProc)
 	}
 	return append(argv, extra...)
 }

@@ -49,13 +49,18 @@ type errorBody struct {
 	Error *Error `json:"error"`
 }
 
-// write sends e as the whole response.
-func (e *Error) write(w http.ResponseWriter) {
+// Body is e in the wire shape, {"error": {...}}, as a whole response body.
+func (e *Error) Body() []byte {
 	body, err := json.Marshal(errorBody{Error: e})
 	if err != nil {
 		// Marshalling plain strings cannot fail; keep a valid answer regardless.
 		body = []byte(`{"error":{"message":"internal error","type":"server_error"}}`)
 	}
+	return append(body, '\n')
+}
+
+// write sends e as the whole response.
+func (e *Error) write(w http.ResponseWriter) {
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("X-Content-Type-Options", "nosniff")
@@ -63,7 +68,7 @@ func (e *Error) write(w http.ResponseWriter) {
 		h.Set("Retry-After", e.RetryAfter)
 	}
 	w.WriteHeader(e.Status)
-	_, _ = w.Write(append(body, '\n'))
+	_, _ = w.Write(e.Body())
 }
 
 // routeError maps a routing error to the answer a client gets. A nil result means the

@@ -2,13 +2,10 @@ package openai
 
 import (
 	"crypto/rand"
-	"errors"
 	"net/http"
 	"strconv"
 	"sync"
 	"time"
-
-	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
 // The decision service's reserving side, for whatever carries the bytes instead of the
@@ -22,7 +19,7 @@ import (
 
 // reservation is one reserved decision waiting for its release.
 type reservation struct {
-	att   *routing.Attempt
+	held  *Held
 	timer *time.Timer
 }
 
@@ -46,8 +43,9 @@ type reserveAnswer struct {
 
 // serveReserve routes the request in the body, reserving the decision until its release.
 func (s *Server) serveReserve(w *recorder, r *http.Request) {
-	req := s.decisionRequest(w, r, false)
-	if req == nil {
+	body, apiErr := s.readBody(w, r)
+	if apiErr != nil || body == nil {
+		s.fail(w, r, apiErr)
 		return
 	}
 	s.res.mu.Lock()
@@ -61,36 +59,21 @@ func (s *Server) serveReserve(w *recorder, r *http.Request) {
 			Type: TypeUnavailable, Code: "too_many_reservations", RetryAfter: "1", Cause: "reservations_full"})
 		return
 	}
-	made := false
-	defer func() {
-		if !made {
-			s.res.mu.Lock()
-			s.res.taken--
-			s.res.mu.Unlock()
-		}
-	}()
-	att, err := s.router.Route(r.Context(), req)
-	if err != nil {
-		s.fail(w, r, routeError(err))
+	held, apiErr := s.hold(r.Context(), r.Header, body, HoldOptions{})
+	if held == nil {
+		s.res.mu.Lock()
+		s.res.taken--
+		s.res.mu.Unlock()
+		s.fail(w, r, apiErr)
 		return
 	}
-	// The session binds now, to the worker the caller will send the request to; a binding a
-	// concurrent request made first wins, and the reservation names its worker instead.
-	b, err := att.Commit(r.Context())
-	if err != nil && !errors.Is(err, routing.ErrBoundElsewhere) {
-		att.Finish()
-		s.fail(w, r, commitError(err))
-		return
-	}
-	d := att.Decision()
 	id := rand.Text()
-	res := &reservation{att: att}
+	res := &reservation{held: held}
 	s.res.mu.Lock()
 	if s.res.open == nil {
 		s.res.open = map[string]*reservation{}
 	}
 	s.res.open[id] = res
-	made = true
 	res.timer = time.AfterFunc(s.cfg.ReservationTTL, func() {
 		if s.endReservation(id, 0, false) {
 			s.metrics.reservations.WithLabelValues("expired").Inc()
@@ -98,8 +81,7 @@ func (s *Server) serveReserve(w *recorder, r *http.Request) {
 	})
 	s.res.mu.Unlock()
 	s.metrics.reservations.WithLabelValues("reserved").Inc()
-	d.Binding = b
-	ans := reserveAnswer{routeAnswer: routeAnswerOf(d, req.Session, routing.PrefillPlan{Outcome: routing.OutcomeNever}, routing.Decision{}),
+	ans := reserveAnswer{routeAnswer: routeAnswerOf(held.Decision, held.Session, held.Plan, held.Prefill),
 		Reservation: id, Replica: s.cfg.ReplicaID, ExpiresInSeconds: s.cfg.ReservationTTL.Seconds()}
 	writeJSON(w, http.StatusOK, ans)
 }
@@ -141,10 +123,7 @@ func (s *Server) endReservation(id string, outputTokens int, completed bool) boo
 	s.res.taken--
 	s.res.mu.Unlock()
 	res.timer.Stop()
-	if completed {
-		res.att.Complete(outputTokens)
-	}
-	res.att.Finish()
+	res.held.End(completed, outputTokens)
 	return true
 }
 

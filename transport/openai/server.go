@@ -5,6 +5,7 @@
 package openai
 
 import (
+	"context"
 	"crypto/tls"
 	"encoding/json"
 	"errors"
@@ -294,11 +295,7 @@ func (s *Server) fail(w *recorder, r *http.Request, apiErr *Error) {
 		s.log.Debug("client went away", "path", r.URL.Path)
 		return
 	}
-	cause := apiErr.Cause
-	if cause == "" {
-		cause = "parse"
-	}
-	s.metrics.errors.WithLabelValues(cause).Inc()
+	s.countError(apiErr)
 	if apiErr.Status >= 500 {
 		s.log.Warn("request failed", "path", r.URL.Path, "status", apiErr.Status, "error", apiErr.Message)
 	} else {
@@ -311,12 +308,8 @@ func (s *Server) fail(w *recorder, r *http.Request, apiErr *Error) {
 
 // readBody reads the request body within MaxBodyBytes.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *Error) {
-	tooLarge := func() *Error {
-		return &Error{Status: http.StatusRequestEntityTooLarge, Type: TypeInvalidRequest, Code: "body_too_large",
-			Message: fmt.Sprintf("request body exceeds %d bytes", s.cfg.MaxBodyBytes), Cause: "body_too_large"}
-	}
 	if r.ContentLength > s.cfg.MaxBodyBytes {
-		return nil, tooLarge()
+		return nil, s.bodyTooLarge()
 	}
 	var body []byte
 	var err error
@@ -332,7 +325,7 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *Erro
 	if err != nil {
 		var maxErr *http.MaxBytesError
 		if errors.As(err, &maxErr) {
-			return nil, tooLarge()
+			return nil, s.bodyTooLarge()
 		}
 		if r.Context().Err() != nil {
 			return nil, nil
@@ -370,16 +363,16 @@ func readToEOF(src io.Reader, buf []byte) ([]byte, error) {
 }
 
 // routingRequest turns a parsed request and its headers into routing's input.
-func (s *Server) routingRequest(r *http.Request, p *Request, queryOnly bool) (*routing.Request, *Error) {
-	session, apiErr := sessionKey(r.Header)
+func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, queryOnly bool) (*routing.Request, *Error) {
+	session, apiErr := sessionKey(h)
 	if apiErr != nil {
 		return nil, apiErr
 	}
-	target, apiErr := s.explicitTarget(r.Header)
+	target, apiErr := s.explicitTarget(h)
 	if apiErr != nil {
 		return nil, apiErr
 	}
-	rank, apiErr := dpRank(r.Header)
+	rank, apiErr := dpRank(h)
 	if apiErr != nil {
 		return nil, apiErr
 	}
@@ -400,7 +393,7 @@ func (s *Server) routingRequest(r *http.Request, p *Request, queryOnly bool) (*r
 	case p.HasTokens:
 		req.Hashes = s.router.HashTokens(p.Tokens, lora, nil)
 	case s.cfg.Tokenizer != nil:
-		tokens, err := s.cfg.Tokenizer.Tokenize(r.Context(), p)
+		tokens, err := s.cfg.Tokenizer.Tokenize(ctx, p)
 		if err == nil {
 			req.PromptTokens = len(tokens)
 			req.Hashes = s.router.HashTokens(tokens, lora, nil)
@@ -525,7 +518,7 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		s.fail(w, r, routeError(err))
 		return
 	}
-	req, apiErr := s.routingRequest(r, p, false)
+	req, apiErr := s.routingRequest(r.Context(), r.Header, p, false)
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
 		return
@@ -584,7 +577,7 @@ func (s *Server) decisionRequest(w *recorder, r *http.Request, queryOnly bool) *
 		s.fail(w, r, routeError(err))
 		return nil
 	}
-	req, apiErr := s.routingRequest(r, p, queryOnly)
+	req, apiErr := s.routingRequest(r.Context(), r.Header, p, queryOnly)
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
 		return nil
@@ -643,18 +636,29 @@ func (s *Server) serveHealthz(w *recorder, _ *http.Request) {
 }
 
 func (s *Server) serveReadyz(w *recorder, _ *http.Request) {
-	if fn := s.ready.Load(); fn != nil {
-		if err := (*fn)(); err != nil {
-			writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "not ready", "reason": err.Error()})
-			return
-		}
-	}
-	if len(s.workers.Routable()) == 0 {
-		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "not ready", "reason": "no routable worker"})
+	if err := s.Readiness(); err != nil {
+		writeJSON(w, http.StatusServiceUnavailable, map[string]string{"status": "not ready", "reason": err.Error()})
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"status": "ready"})
 }
+
+// Readiness is /readyz's verdict: nil when the replica serves (SetReady's check passes) and
+// some worker is routable.
+func (s *Server) Readiness() error {
+	if fn := s.ready.Load(); fn != nil {
+		if err := (*fn)(); err != nil {
+			return err
+		}
+	}
+	if len(s.workers.Routable()) == 0 {
+		return errNoRoutableWorker
+	}
+	return nil
+}
+
+// errNoRoutableWorker: every worker is unhealthy or drained.
+var errNoRoutableWorker = errors.New("no routable worker")
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	body, err := json.Marshal(v)
