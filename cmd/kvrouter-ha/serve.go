@@ -142,6 +142,15 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.Proxy.FirstByteTimeout, "first-byte-timeout", 5*time.Minute, "time for a worker to start answering")
 	fs.DurationVar(&cfg.Proxy.IdleTimeout, "idle-timeout", 2*time.Minute, "longest gap between streamed chunks")
 	fs.DurationVar(&cfg.Proxy.ReservationTTL, "reservation-ttl", 10*time.Minute, "decision service: a reservation (POST /v1/reserve) not released within this ends by itself")
+	fs.Func("session-headers", "headers a session key is read from, comma-separated, the first present winning (default X-Session-ID,X-Dynamo-Session-ID)", func(v string) error {
+		cfg.Proxy.SessionHeaders = nil
+		for h := range strings.SplitSeq(v, ",") {
+			if h = strings.TrimSpace(h); h != "" {
+				cfg.Proxy.SessionHeaders = append(cfg.Proxy.SessionHeaders, h)
+			}
+		}
+		return nil
+	})
 	fs.IntVar(&cfg.Proxy.MaxReservations, "max-reservations", 1<<16, "decision service: reservations open at once; more are refused with 429")
 	fs.DurationVar(&cfg.Health.Interval, "health-interval", time.Second, "worker health probe interval")
 	fs.DurationVar(&cfg.Health.Timeout, "health-timeout", time.Second, "one health probe's timeout (a busy worker answers slowly; too short a timeout drains a loaded fleet)")

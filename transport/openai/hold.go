@@ -184,9 +184,10 @@ func (s *Server) bodyTooLarge() *Error {
 		Message: "request body exceeds " + strconv.FormatInt(s.cfg.MaxBodyBytes, 10) + " bytes", Cause: "body_too_large"}
 }
 
-// Tally reads what an answer's bytes say of the tokens generated, as the proxy does: the
-// usage's completion_tokens when the answer has one (the usage comes last), else one per
-// stream event. Feed it the answer's chunks in order.
+// Tally reads what an answer's bytes say of the tokens generated: the usage's
+// completion_tokens when the answer has one (the usage chunk comes last), else about one per
+// stream event (engines send a token or a few per chunk), the closing [DONE] aside. Feed it
+// the answer's chunks in order.
 type Tally struct {
 	generated    int
 	sawGenerated bool
@@ -206,5 +207,5 @@ func (t *Tally) Generated() int {
 	if t.sawGenerated {
 		return t.generated
 	}
-	return t.events
+	return max(t.events-1, 0) // the last is [DONE]
 }

@@ -30,6 +30,8 @@ type metrics struct {
 	transfer         prometheus.Histogram
 	// reservations counts the decision service's reservations by what happened to them.
 	reservations *prometheus.CounterVec
+	// tokenizeFallbacks counts prompts routed on text chunks because /tokenize failed.
+	tokenizeFallbacks *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -97,6 +99,10 @@ func newMetrics() *metrics {
 			Name: "kvrouter_reservations_total",
 			Help: "Decision-service reservations (POST /v1/reserve) by event: reserved, released, expired (not released within the TTL).",
 		}, []string{"event"}),
+		tokenizeFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_tokenize_fallbacks_total",
+			Help: "Prompts routed on text chunks (approximate keys) because the worker's /tokenize failed, by reason: timeout or error.",
+		}, []string{"reason"}),
 		kvHit: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_predicted_kv_hit_ratio",
 			Help:    "Predicted share of the prompt's blocks already cached on the chosen worker.",
@@ -107,7 +113,7 @@ func newMetrics() *metrics {
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
 	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,
-		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, c} {
+		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, m.tokenizeFallbacks, c} {
 		if err := reg.Register(col); err != nil {
 			return fmt.Errorf("register metrics: %w", err)
 		}

@@ -26,8 +26,8 @@ const (
 	// copyBuffer is the read size for relaying a body: streamed events are small, and a
 	// non-streamed answer is read whole without it.
 	copyBuffer = 16 << 10
-	// drainOnRetry is how much of a failed answer is read before dropping the connection.
-	drainOnRetry = 4 << 10
+	// keepFailedAnswer is how much of a worker's error answer is kept for the client.
+	keepFailedAnswer = 64 << 10
 )
 
 // Causes that end an upstream read.
@@ -73,6 +73,16 @@ const (
 type failure struct {
 	cause string // metrics label
 	err   error
+	// answer is the worker's own error answer (a 5xx or 429), kept for the client in case
+	// no other worker can do better.
+	answer *failedAnswer
+}
+
+// failedAnswer is a worker's error answer: its status, headers and the start of its body.
+type failedAnswer struct {
+	worker routing.Decision
+	resp   *http.Response
+	body   []byte
 }
 
 // call is one client request on its way through the proxy.
@@ -141,22 +151,46 @@ func (s *Server) proxy(c *call) bool {
 		s.log.Info("dispatch failed before the first byte; retrying",
 			"worker", c.att.Decision().Target.Worker.String(), "cause", fail.cause, "error", fail.err)
 		if err := c.att.Retry(ctx, fail.err); err != nil {
-			s.fail(c.w, c.r, retryError(err, last))
+			s.giveUp(c, err, last)
 			return false
 		}
 		s.metrics.retries.Inc()
 	}
-	s.fail(c.w, c.r, retryError(routing.ErrRetriesExhausted, last))
+	s.giveUp(c, routing.ErrRetriesExhausted, last)
 	return false
 }
 
-// retryError is the answer when no retry is left, naming the last upstream failure.
+// giveUp answers a request no retry is left for (err says why, last is the last dispatch's
+// failure): with the last worker's own error answer when it gave one (its status and body,
+// so that the client sees the engine's reason), else with a 502 naming the last failure when
+// every worker tried failed, else with err's answer.
+func (s *Server) giveUp(c *call, err error, last failure) {
+	if c.r.Context().Err() != nil {
+		s.fail(c.w, c.r, nil)
+		return
+	}
+	if a := last.answer; a != nil {
+		s.log.Info("no worker left to retry on; the client gets the last worker's answer",
+			"worker", a.worker.Target.Worker.String(), "status", a.resp.StatusCode)
+		s.writeHeaders(c, a.resp, a.worker, routing.Binding{}, len(a.body))
+		_, _ = c.w.Write(a.body)
+		return
+	}
+	s.fail(c.w, c.r, retryError(err, last))
+}
+
+// retryError is the answer when no retry is left, naming the last upstream failure: a 502
+// when workers were tried and failed (none left, or the retry bound reached).
 func retryError(err error, last failure) *Error {
 	apiErr := routeError(err)
-	if apiErr == nil {
-		return nil
+	if apiErr == nil || last.err == nil {
+		return apiErr
 	}
-	if last.err != nil && errors.Is(err, routing.ErrRetriesExhausted) {
+	if errors.Is(err, routing.ErrNoWorker) {
+		return &Error{Status: http.StatusBadGateway, Message: "no worker left to try; last upstream error: " + last.err.Error(),
+			Type: TypeServer, Code: "upstream_failed", Cause: "retries_exhausted"}
+	}
+	if errors.Is(err, routing.ErrRetriesExhausted) {
 		apiErr.Message = fmt.Sprintf("%s; last upstream error: %v", apiErr.Message, last.err)
 	}
 	return apiErr
@@ -197,9 +231,10 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	rd := newUpstreamReader(ub, firstBy, s.cfg.IdleTimeout)
 
 	if resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests {
-		_, _ = io.CopyN(io.Discard, resp.Body, drainOnRetry)
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, keepFailedAnswer))
 		return retry, failure{cause: "upstream_status",
-			err: fmt.Errorf("worker %s answered %s", d.Target.Worker, resp.Status)}
+			err:    fmt.Errorf("worker %s answered %s", d.Target.Worker, resp.Status),
+			answer: &failedAnswer{worker: d, resp: resp, body: body}}
 	}
 
 	if resp.StatusCode < 200 || resp.StatusCode >= 300 {
@@ -467,9 +502,7 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 	buf := *bp
 	started := hdr == nil
 	cached, sawUsage := 0, false
-	// The generated tokens: the usage's count when the stream has one (the usage chunk comes
-	// last), else about one per event (engines send a token or a few per chunk).
-	generated, sawGenerated, events := 0, false, 0
+	var tally Tally
 	// Each pass reads at least one byte or ends; the idle timeout bounds how long a pass waits.
 	for {
 		n, err := rd.read(buf)
@@ -477,10 +510,7 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 			if v, ok := usageCount(buf[:n], cachedTokensKey); ok {
 				cached, sawUsage = v, true
 			}
-			if v, ok := usageCount(buf[:n], completionTokensKey); ok {
-				generated, sawGenerated = v, true
-			}
-			events += bytes.Count(buf[:n], []byte("data:"))
+			tally.Observe(buf[:n])
 			c.firstBytes()
 			if !started {
 				hdr()
@@ -488,6 +518,7 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 			}
 			if _, werr := c.w.Write(buf[:n]); werr != nil {
 				s.log.Debug("client write failed", "error", werr)
+				c.w.clientGone()
 				s.metrics.errors.WithLabelValues("client_cancel").Inc()
 				return done, failure{}
 			}
@@ -495,6 +526,7 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 			// in one write, when the handler returns; all others at once.
 			if !errors.Is(err, io.EOF) {
 				if ferr := rc.Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
+					c.w.clientGone()
 					s.metrics.errors.WithLabelValues("client_cancel").Inc()
 					return done, failure{}
 				}
@@ -504,10 +536,7 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 		case err == nil:
 			continue
 		case errors.Is(err, io.EOF) && started:
-			c.ended, c.generated = true, generated
-			if !sawGenerated {
-				c.generated = max(events-1, 0) // the last is [DONE]
-			}
+			c.ended, c.generated = true, tally.Generated()
 			if sawUsage {
 				s.observePrediction(d, cached)
 			}

@@ -88,6 +88,9 @@ type Config struct {
 	// MaxReservations bounds those open at once (65,536; more get 429).
 	ReservationTTL  time.Duration
 	MaxReservations int
+	// SessionHeaders are the headers a session key is read from, the first present winning
+	// (default X-Session-ID, then Dynamo's X-Dynamo-Session-ID).
+	SessionHeaders []string
 }
 
 func (c *Config) setDefaults() error {
@@ -111,6 +114,14 @@ func (c *Config) setDefaults() error {
 	}
 	if c.MaxReservations == 0 {
 		c.MaxReservations = 1 << 16
+	}
+	if len(c.SessionHeaders) == 0 {
+		c.SessionHeaders = []string{headerSession, "X-Dynamo-Session-ID"}
+	}
+	for i, h := range c.SessionHeaders {
+		if h = strings.TrimSpace(h); h == "" || strings.ContainsAny(h, " \t:") {
+			return fmt.Errorf("openai: session header %q is not a header name", c.SessionHeaders[i])
+		}
 	}
 	if c.ReplicaID == "" {
 		if host, err := os.Hostname(); err == nil {
@@ -145,6 +156,8 @@ type Server struct {
 	models      *modelCache
 	handler     http.Handler
 	res         reservations
+	// tokenizeWarned is when a tokenize failure was last logged as a warning (unix ns).
+	tokenizeWarned atomic.Int64
 }
 
 // loraSet is a snapshot of the adapter names configured workers serve.
@@ -221,6 +234,8 @@ func (s *Server) Close() {
 type recorder struct {
 	http.ResponseWriter
 	status int
+	// gone: the client went away, before or during the answer (counted as 499).
+	gone bool
 }
 
 // WriteHeader implements http.ResponseWriter.
@@ -245,8 +260,10 @@ func (r *recorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
 // written reports whether the response has started.
 func (r *recorder) written() bool { return r.status != 0 && r.status != StatusClientClosed }
 
-// clientGone marks the request as abandoned by its client.
+// clientGone marks the request as abandoned by its client, before its answer started or
+// during it.
 func (r *recorder) clientGone() {
+	r.gone = true
 	if r.status == 0 {
 		r.status = StatusClientClosed
 	}
@@ -268,7 +285,11 @@ func (s *Server) endpoint(name, method string, h func(*recorder, *http.Request))
 						Type: TypeServer}).write(rec)
 				}
 			}
-			if code := rec.status; code == 0 || code == http.StatusOK {
+			code := rec.status
+			if rec.gone {
+				code = StatusClientClosed
+			}
+			if code == 0 || code == http.StatusOK {
 				ok.Inc()
 			} else {
 				s.metrics.requests.WithLabelValues(name, strconv.Itoa(code)).Inc()
@@ -364,7 +385,7 @@ func readToEOF(src io.Reader, buf []byte) ([]byte, error) {
 
 // routingRequest turns a parsed request and its headers into routing's input.
 func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, queryOnly bool) (*routing.Request, *Error) {
-	session, apiErr := sessionKey(h)
+	session, apiErr := s.sessionKey(h)
 	if apiErr != nil {
 		return nil, apiErr
 	}
@@ -399,9 +420,21 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 			req.Hashes = s.router.HashTokens(tokens, lora, nil)
 			break
 		}
-		// The request still routes, on approximate keys; the failure is counted.
+		// The request still routes, on approximate keys; the failure is counted and said,
+		// at most once per tokenizeWarnEvery so that a tokenizer down cannot flood the log.
+		reason := "error"
+		if errors.Is(err, context.DeadlineExceeded) {
+			reason = "timeout"
+		}
 		s.metrics.errors.WithLabelValues("tokenize").Inc()
-		s.log.Debug("tokenize failed; routing on text chunks", "error", err)
+		s.metrics.tokenizeFallbacks.WithLabelValues(reason).Inc()
+		if now := time.Now().UnixNano(); now-s.tokenizeWarned.Load() >= int64(tokenizeWarnEvery) {
+			s.tokenizeWarned.Store(now)
+			s.log.Warn("tokenize failed; routing on text chunks (approximate keys) until it answers again",
+				"reason", reason, "error", err)
+		} else {
+			s.log.Debug("tokenize failed; routing on text chunks", "reason", reason, "error", err)
+		}
 		req.Hashes = s.router.HashText(p.Text, lora, nil)
 	default:
 		req.Hashes = s.router.HashText(p.Text, lora, nil)
@@ -414,28 +447,32 @@ func badHeader(name, msg string) *Error {
 		Code: "invalid_header", Cause: "bad_header"}
 }
 
-// sessionKey reads X-Session-ID: at most 256 bytes of printable ASCII without spaces.
-func sessionKey(h http.Header) (string, *Error) {
-	vals := h.Values(headerSession)
-	if len(vals) == 0 {
-		return "", nil
-	}
-	if len(vals) > 1 {
-		return "", badHeader(headerSession, headerSession+" must be given once")
-	}
-	key := vals[0]
-	if key == "" {
-		return "", nil
-	}
-	if len(key) > maxSessionKey {
-		return "", badHeader(headerSession, fmt.Sprintf("%s must be at most %d bytes", headerSession, maxSessionKey))
-	}
-	for i := 0; i < len(key); i++ {
-		if c := key[i]; c < 0x21 || c > 0x7e {
-			return "", badHeader(headerSession, headerSession+" must be printable ASCII without spaces")
+// sessionKey reads the first of the session headers present (X-Session-ID, then
+// X-Dynamo-Session-ID, by default): at most 256 bytes of printable ASCII without spaces.
+func (s *Server) sessionKey(h http.Header) (string, *Error) {
+	for _, name := range s.cfg.SessionHeaders {
+		vals := h.Values(name)
+		if len(vals) == 0 {
+			continue
 		}
+		if len(vals) > 1 {
+			return "", badHeader(name, name+" must be given once")
+		}
+		key := vals[0]
+		if key == "" {
+			continue
+		}
+		if len(key) > maxSessionKey {
+			return "", badHeader(name, fmt.Sprintf("%s must be at most %d bytes", name, maxSessionKey))
+		}
+		for i := 0; i < len(key); i++ {
+			if c := key[i]; c < 0x21 || c > 0x7e {
+				return "", badHeader(name, name+" must be printable ASCII without spaces")
+			}
+		}
+		return key, nil
 	}
-	return key, nil
+	return "", nil
 }
 
 // explicitTarget reads X-Target-Worker: "id" or "id/rank" of a configured worker.
@@ -656,6 +693,9 @@ func (s *Server) Readiness() error {
 	}
 	return nil
 }
+
+// tokenizeWarnEvery spaces the warnings of a failing tokenizer.
+const tokenizeWarnEvery = 10 * time.Second
 
 // errNoRoutableWorker: every worker is unhealthy or drained.
 var errNoRoutableWorker = errors.New("no routable worker")

@@ -255,6 +255,40 @@ func TestSessionKeyRules(t *testing.T) {
 	}
 }
 
+// TestSessionHeadersPeersUse: a session key comes from the first configured header present:
+// by default X-Session-ID, then Dynamo's X-Dynamo-Session-ID (any case); a configured list
+// replaces them.
+func TestSessionHeadersPeersUse(t *testing.T) {
+	w0 := newFakeWorker(t, okJSON)
+	tests := []struct {
+		name    string
+		headers []string
+		sent    map[string]string
+		want    string
+	}{
+		{"ours", nil, map[string]string{"x-session-id": "a"}, "a"},
+		{"dynamo's", nil, map[string]string{"X-Dynamo-Session-ID": "b"}, "b"},
+		{"ours first", nil, map[string]string{"X-Session-ID": "c", "X-Dynamo-Session-ID": "d"}, "c"},
+		{"configured", []string{"X-Conversation"}, map[string]string{"X-Conversation": "e", "X-Session-ID": "f"}, "e"},
+		{"configured, absent", []string{"X-Conversation"}, map[string]string{"X-Session-ID": "g"}, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL)}, rigOptions{front: func(c *Config) { c.SessionHeaders = tt.headers }})
+			resp, body := rg.post("/v1/completions", completionBody, tt.sent)
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d: %s", resp.StatusCode, body)
+			}
+			for _, k := range []string{"a", "b", "c", "d", "e", "f", "g"} {
+				_, bound, _ := rg.affinity.Peek(context.Background(), k)
+				if bound != (k == tt.want) {
+					t.Fatalf("session %q bound %v; want only %q bound", k, bound, tt.want)
+				}
+			}
+		})
+	}
+}
+
 func TestExplicitTarget(t *testing.T) {
 	w0 := newFakeWorker(t, okJSON)
 	w1 := newFakeWorker(t, okJSON)
@@ -422,6 +456,13 @@ func TestClientCancelCancelsUpstreamAndFreesLoad(t *testing.T) {
 			})
 			if !rg.healthy("w0") {
 				t.Fatal("a client cancel marked the worker unhealthy")
+			}
+			// Gone before or during its answer, the request counts as 499, never as a 200.
+			poll.Holds(t, 10*time.Second, "the request to be counted", func() bool {
+				return rg.metric("kvrouter_requests_total", map[string]string{"endpoint": "completions", "code": "499"}) == 1
+			})
+			if got := rg.metric("kvrouter_requests_total", map[string]string{"endpoint": "completions", "code": "200"}); got != 0 {
+				t.Fatalf("requests_total{code=200} %v for a request its client abandoned", got)
 			}
 		})
 	}
@@ -833,5 +874,47 @@ func TestNewServerRejectsBadConfig(t *testing.T) {
 	}
 	if _, err := NewServer(Config{Models: []string{""}}, router, workers, tracker); err == nil {
 		t.Fatal("empty model name accepted")
+	}
+}
+
+// TestEveryWorkerFailingGivesTheClientTheLastWorkersAnswer: when every worker answers a
+// 5xx, the client gets the last one's own answer (its status and its error body, the
+// engine's reason), not a 503 "no worker" with every worker healthy; when every worker is
+// unreachable, a 502 naming the last failure. Each failure is counted under its cause.
+func TestEveryWorkerFailingGivesTheClientTheLastWorkersAnswer(t *testing.T) {
+	engineError := `{"error":{"message":"n must be 1 on this engine","type":"BadRequestError","code":500}}`
+	failing := func() *fakeWorker {
+		return newFakeWorker(t, func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusInternalServerError)
+			_, _ = io.WriteString(w, engineError)
+		})
+	}
+	w0, w1 := failing(), failing()
+	rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL), spec("w1", w1.URL)}, rigOptions{router: roundRobin})
+	resp, body := rg.post("/v1/completions", completionBody, nil)
+	if resp.StatusCode != http.StatusInternalServerError || body != engineError {
+		t.Fatalf("status %d body %q, want the worker's 500 and its body", resp.StatusCode, body)
+	}
+	if w := resp.Header.Get(HeaderWorker); w != "w0" && w != "w1" {
+		t.Fatalf("%s %q, want the worker that answered", HeaderWorker, w)
+	}
+	if w0.requests()+w1.requests() != 2 {
+		t.Fatalf("workers tried %d and %d times, want each once", w0.requests(), w1.requests())
+	}
+	if got := rg.metric("kvrouter_errors_total", map[string]string{"cause": "upstream_status"}); got != 2 {
+		t.Fatalf("upstream_status errors %v, want 2", got)
+	}
+	if got := rg.metric("kvrouter_requests_total", map[string]string{"endpoint": "completions", "code": "500"}); got != 1 {
+		t.Fatalf("requests_total{code=500} %v, want 1", got)
+	}
+
+	down := newRig(t, []routing.WorkerSpec{spec("d0", refusedURL(t)), spec("d1", refusedURL(t))}, rigOptions{router: roundRobin})
+	resp, body = down.post("/v1/completions", completionBody, nil)
+	if resp.StatusCode != http.StatusBadGateway {
+		t.Fatalf("every worker unreachable: status %d, want 502: %s", resp.StatusCode, body)
+	}
+	if e := errorOf(t, body); e.Code != "upstream_failed" || !strings.Contains(e.Message, "d0") && !strings.Contains(e.Message, "d1") {
+		t.Fatalf("error %+v, want upstream_failed naming the last worker", e)
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"log/slog"
 	"net/http"
 	"sync/atomic"
 	"testing"
@@ -63,25 +65,64 @@ func TestWorkerTokenizerAsksAWorkerAndCaches(t *testing.T) {
 	}
 }
 
-type failingTokenizer struct{ calls atomic.Int64 }
+type failingTokenizer struct {
+	calls atomic.Int64
+	err   error // nil: "tokenizer down"
+}
 
 func (f *failingTokenizer) Tokenize(context.Context, *Request) ([]uint32, error) {
 	f.calls.Add(1)
+	if f.err != nil {
+		return nil, f.err
+	}
 	return nil, errors.New("tokenizer down")
 }
 
+// warnCounter counts the warnings logged through it.
+type warnCounter struct{ n atomic.Int64 }
+
+func (w *warnCounter) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelWarn }
+func (w *warnCounter) Handle(context.Context, slog.Record) error    { w.n.Add(1); return nil }
+func (w *warnCounter) WithAttrs([]slog.Attr) slog.Handler           { return w }
+func (w *warnCounter) WithGroup(string) slog.Handler                { return w }
+
+// TestTokenizeFailureStillRoutes: a prompt whose /tokenize fails routes on text chunks; the
+// fallback is counted by reason (a timeout told from other errors) and said as a warning,
+// once for a run of failures, not once per request.
 func TestTokenizeFailureStillRoutes(t *testing.T) {
-	fw := newFakeWorker(t, okJSON)
-	ft := &failingTokenizer{}
-	rg := newRig(t, []routing.WorkerSpec{spec("w0", fw.URL)}, rigOptions{front: func(c *Config) { c.Tokenizer = ft }})
-	resp, body := rg.post("/v1/completions", `{"model":"m","prompt":"some text"}`, nil)
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("status %d: %s", resp.StatusCode, body)
-	}
-	if ft.calls.Load() != 1 {
-		t.Fatalf("tokenizer called %d times, want 1", ft.calls.Load())
-	}
-	if n := rg.metric("kvrouter_errors_total", map[string]string{"cause": "tokenize"}); n != 1 {
-		t.Fatalf("tokenize failures counted %v, want 1", n)
+	for _, tc := range []struct {
+		reason string
+		err    error
+	}{
+		{"error", nil},
+		{"timeout", fmt.Errorf("tokenize: %w", context.DeadlineExceeded)},
+	} {
+		t.Run(tc.reason, func(t *testing.T) {
+			fw := newFakeWorker(t, okJSON)
+			ft := &failingTokenizer{err: tc.err}
+			warns := &warnCounter{}
+			rg := newRig(t, []routing.WorkerSpec{spec("w0", fw.URL)}, rigOptions{front: func(c *Config) {
+				c.Tokenizer = ft
+				c.Logger = slog.New(warns)
+			}})
+			for range 3 {
+				resp, body := rg.post("/v1/completions", `{"model":"m","prompt":"some text"}`, nil)
+				if resp.StatusCode != http.StatusOK {
+					t.Fatalf("status %d: %s", resp.StatusCode, body)
+				}
+			}
+			if ft.calls.Load() != 3 {
+				t.Fatalf("tokenizer called %d times, want 3", ft.calls.Load())
+			}
+			if n := rg.metric("kvrouter_errors_total", map[string]string{"cause": "tokenize"}); n != 3 {
+				t.Fatalf("tokenize failures counted %v, want 3", n)
+			}
+			if n := rg.metric("kvrouter_tokenize_fallbacks_total", map[string]string{"reason": tc.reason}); n != 3 {
+				t.Fatalf("fallbacks{reason=%s} %v, want 3", tc.reason, n)
+			}
+			if n := warns.n.Load(); n != 1 {
+				t.Fatalf("%d warnings for three failures in a row, want 1", n)
+			}
+		})
 	}
 }
