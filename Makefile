@@ -27,7 +27,9 @@ FUZZ_TARGETS := \
 	./transport/openai:FuzzTransferParams \
 	./sim:FuzzParseKVTransferParams \
 	./sim:FuzzDecodePullRequest \
-	./transport/extproc:FuzzProcessStream
+	./transport/extproc:FuzzProcessStream \
+	./transport/openai:FuzzParseAPIs \
+	./sim:FuzzDecodeAPIs
 
 .PHONY: all build test unit fuzz demo bench lint clean jepsen jepsen-ci
 

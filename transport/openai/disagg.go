@@ -103,6 +103,10 @@ func transferParams(answer []byte) (json.RawMessage, error) {
 // try falls back to aggregated on the decode worker; bad kv_transfer_params end the request
 // with 502 and take the prefill worker out of rotation.
 func (s *Server) disaggregate(c *call) (res outcome, fail failure, ok bool) {
+	if c.p.Kind != KindChat && c.p.Kind != KindCompletion {
+		// vLLM's P/D protocol is chat's and completions'; other APIs are served aggregated.
+		return 0, failure{}, true
+	}
 	ctx := c.r.Context()
 	leg, plan, err := c.att.PlanPrefill(ctx)
 	switch {

@@ -59,6 +59,40 @@ func (e *Error) Body() []byte {
 	return append(body, '\n')
 }
 
+// writeAnthropic sends e as the whole response in Anthropic's error shape,
+// {"type": "error", "error": {"type", "message"}}, its type named as Anthropic names it.
+func (e *Error) writeAnthropic(w http.ResponseWriter) {
+	typ := "api_error"
+	switch {
+	case e.Status == http.StatusRequestEntityTooLarge:
+		typ = "request_too_large"
+	case e.Status == http.StatusNotFound:
+		typ = "not_found_error"
+	case e.Status == http.StatusTooManyRequests:
+		typ = "rate_limit_error"
+	case e.Status == http.StatusServiceUnavailable:
+		typ = "overloaded_error"
+	case e.Status >= 400 && e.Status < 500:
+		typ = "invalid_request_error"
+	}
+	msg := e.Message
+	if e.Param != "" {
+		msg += " (" + e.Param + ")"
+	}
+	body, err := json.Marshal(map[string]any{"type": "error", "error": map[string]string{"type": typ, "message": msg}})
+	if err != nil {
+		body = []byte(`{"type":"error","error":{"type":"api_error","message":"internal error"}}`)
+	}
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set("X-Content-Type-Options", "nosniff")
+	if e.RetryAfter != "" {
+		h.Set("Retry-After", e.RetryAfter)
+	}
+	w.WriteHeader(e.Status)
+	_, _ = w.Write(append(body, '\n'))
+}
+
 // write sends e as the whole response.
 func (e *Error) write(w http.ResponseWriter) {
 	h := w.Header()

@@ -54,6 +54,14 @@ func KindOfPath(path string) (Kind, bool) {
 		return KindChat, true
 	case "/v1/completions":
 		return KindCompletion, true
+	case "/v1/responses":
+		return KindResponses, true
+	case "/v1/messages":
+		return KindMessages, true
+	case "/v1/messages/count_tokens":
+		return KindCountTokens, true
+	case "/v1/embeddings":
+		return KindEmbeddings, true
 	}
 	return 0, false
 }
@@ -104,7 +112,7 @@ func (s *Server) hold(ctx context.Context, h http.Header, body []byte, opts Hold
 	if d := held.Decision; d.PromptBlocks > 0 {
 		s.metrics.kvHit.Observe(float64(d.Overlap) / float64(d.PromptBlocks))
 	}
-	if opts.Disaggregate {
+	if opts.Disaggregate && (kind == KindChat || kind == KindCompletion) {
 		leg, plan, err := att.PlanPrefill(ctx)
 		switch {
 		case err != nil && ctx.Err() != nil:
@@ -196,8 +204,11 @@ type Tally struct {
 
 // Observe reads one chunk of the answer.
 func (t *Tally) Observe(chunk []byte) {
-	if v, ok := usageCount(chunk, completionTokensKey); ok {
-		t.generated, t.sawGenerated = v, true
+	// Chat and completions say completion_tokens; Responses and Messages, output_tokens.
+	for _, key := range [...]string{completionTokensKey, outputTokensKey} {
+		if v, ok := usageCount(chunk, key); ok {
+			t.generated, t.sawGenerated = v, true
+		}
 	}
 	t.events += bytes.Count(chunk, []byte("data:"))
 }

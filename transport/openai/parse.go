@@ -16,8 +16,12 @@ type Kind int
 
 // The request kinds the router understands.
 const (
-	KindChat       Kind = iota + 1 // /v1/chat/completions
-	KindCompletion                 // /v1/completions
+	KindChat        Kind = iota + 1 // /v1/chat/completions
+	KindCompletion                  // /v1/completions
+	KindResponses                   // /v1/responses (OpenAI Responses)
+	KindMessages                    // /v1/messages (Anthropic Messages)
+	KindCountTokens                 // /v1/messages/count_tokens (Anthropic)
+	KindEmbeddings                  // /v1/embeddings
 )
 
 // String names the kind after its endpoint.
@@ -27,6 +31,14 @@ func (k Kind) String() string {
 		return "chat"
 	case KindCompletion:
 		return "completion"
+	case KindResponses:
+		return "responses"
+	case KindMessages:
+		return "messages"
+	case KindCountTokens:
+		return "count_tokens"
+	case KindEmbeddings:
+		return "embeddings"
 	default:
 		return "unknown"
 	}
@@ -89,6 +101,12 @@ func Parse(k Kind, body []byte) (*Request, error) {
 	// and pin KV on a prefill worker, so they are refused, not forwarded.
 	if _, ok := present(f.kvTransfer); ok {
 		return nil, invalid("kv_transfer_params", "kv_transfer_params is set by the router between prefill and decode workers; a client may not send it")
+	}
+	if k >= KindResponses {
+		if err := parseAPI(k, body, req); err != nil {
+			return nil, err
+		}
+		return req, nil
 	}
 
 	model, ok := present(f.model)

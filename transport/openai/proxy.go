@@ -281,12 +281,16 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	case resp.Header.Get("Content-Encoding") == "" && !validJSON(body):
 		return retry, s.badResponse(d, "upstream_garbage", errors.New("a 2xx answer that is not JSON"))
 	}
-	generated, _ := usageCount(body, completionTokensKey)
-	c.att.Complete(generated)
+	var tally Tally
+	tally.Observe(body)
+	c.att.Complete(tally.Generated())
 	c.observeTTFT(s)
 	s.observeDecodeLeg(c, resp.Header)
-	if n, ok := usageCount(body, cachedTokensKey); ok {
-		s.observePrediction(d, n)
+	for _, key := range [...]string{cachedTokensKey, cacheReadTokensKey} {
+		if n, ok := usageCount(body, key); ok {
+			s.observePrediction(d, n)
+			break
+		}
 	}
 	s.writeHeaders(c, resp, d, binding, len(body))
 	if _, err := c.w.Write(body); err != nil {
@@ -672,6 +676,10 @@ func (u *upstreamReader) cause() error { return u.timedOut }
 const (
 	cachedTokensKey     = `"cached_tokens"`
 	completionTokensKey = `"completion_tokens"`
+	// Responses and Messages name the generated tokens output_tokens, and Messages the
+	// cached prompt cache_read_input_tokens.
+	outputTokensKey    = `"output_tokens"`
+	cacheReadTokensKey = `"cache_read_input_tokens"`
 )
 
 // usageCount finds the last key: N in b (a whole answer, or one read of a stream, where the

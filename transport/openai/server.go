@@ -197,6 +197,21 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 	mux.Handle("/v1/completions", s.endpoint("completions", http.MethodPost, func(w *recorder, r *http.Request) {
 		s.serveCompletion(w, r, KindCompletion)
 	}))
+	for _, api := range []struct {
+		path, name string
+		kind       Kind
+		anthropic  bool
+	}{
+		{"/v1/responses", "responses", KindResponses, false},
+		{"/v1/embeddings", "embeddings", KindEmbeddings, false},
+		{"/v1/messages", "messages", KindMessages, true},
+		{"/v1/messages/count_tokens", "count_tokens", KindCountTokens, true},
+	} {
+		mux.Handle(api.path, s.endpoint(api.name, http.MethodPost, func(w *recorder, r *http.Request) {
+			w.anthropic = api.anthropic
+			s.serveCompletion(w, r, api.kind)
+		}))
+	}
 	mux.Handle("/v1/models", s.endpoint("models", http.MethodGet, s.serveModels))
 	mux.Handle("/v1/route", s.endpoint("route", http.MethodPost, s.serveRoute))
 	mux.Handle("/v1/reserve", s.endpoint("reserve", http.MethodPost, s.serveReserve))
@@ -236,6 +251,8 @@ type recorder struct {
 	status int
 	// gone: the client went away, before or during the answer (counted as 499).
 	gone bool
+	// anthropic: errors go out in Anthropic's shape (the Messages API).
+	anthropic bool
 }
 
 // WriteHeader implements http.ResponseWriter.
@@ -323,7 +340,11 @@ func (s *Server) fail(w *recorder, r *http.Request, apiErr *Error) {
 		s.log.Debug("request rejected", "path", r.URL.Path, "status", apiErr.Status, "error", apiErr.Message)
 	}
 	if !w.written() {
-		apiErr.write(w)
+		if w.anthropic {
+			apiErr.writeAnthropic(w)
+		} else {
+			apiErr.write(w)
+		}
 	}
 }
 

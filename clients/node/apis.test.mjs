@@ -1,0 +1,106 @@
+// The official OpenAI and Anthropic clients against kvrouter-ha in front of simulated
+// workers: Responses and Messages, streamed and not, count_tokens, embeddings, errors in each
+// API's shape, and a session kept on one worker. Run by replica's
+// TestOfficialClientsSpeakResponsesAndMessages, which starts the router and sets KVROUTER_URL
+// and KVROUTER_MODEL.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import OpenAI from 'openai';
+import Anthropic from '@anthropic-ai/sdk';
+
+const base = process.env.KVROUTER_URL;
+const model = process.env.KVROUTER_MODEL;
+assert.ok(base && model, 'KVROUTER_URL and KVROUTER_MODEL must be set');
+const openai = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0 });
+const anthropic = new Anthropic({ baseURL: base, apiKey: 'unused', maxRetries: 0 });
+
+test('responses.create', async () => {
+  const r = await openai.responses.create({ model, input: 'Tell me about prefix caches.', max_output_tokens: 8 });
+  assert.equal(r.object, 'response');
+  assert.equal(r.status, 'completed');
+  assert.ok(r.output_text.length > 0, 'output_text is empty');
+  assert.equal(r.usage.output_tokens, 8);
+});
+
+test('responses.create, streamed', async () => {
+  const stream = await openai.responses.create({
+    model, instructions: 'Be brief.', max_output_tokens: 6, stream: true,
+    input: [{ role: 'user', content: [{ type: 'input_text', text: 'hello there' }] }],
+  });
+  let text = '';
+  let completed;
+  for await (const ev of stream) {
+    if (ev.type === 'response.output_text.delta') text += ev.delta;
+    if (ev.type === 'response.completed') completed = ev.response;
+  }
+  assert.ok(completed, 'no response.completed event');
+  assert.equal(completed.output[0].content[0].text, text);
+  assert.equal(completed.usage.output_tokens, 6);
+});
+
+test('messages.create', async () => {
+  const m = await anthropic.messages.create({
+    model, max_tokens: 7, system: 'You are terse.', messages: [{ role: 'user', content: 'What is a KV cache?' }],
+  });
+  assert.equal(m.type, 'message');
+  assert.equal(m.role, 'assistant');
+  assert.ok(m.content[0].text.length > 0);
+  assert.equal(m.usage.output_tokens, 7);
+});
+
+test('messages.create, streamed', async () => {
+  const stream = await anthropic.messages.create({
+    model, max_tokens: 5, stream: true,
+    messages: [{ role: 'user', content: [{ type: 'text', text: 'Stream me a few words.' }] }],
+  });
+  let text = '';
+  const types = [];
+  for await (const ev of stream) {
+    types.push(ev.type);
+    if (ev.type === 'content_block_delta') text += ev.delta.text;
+  }
+  assert.equal(types[0], 'message_start');
+  assert.equal(types.at(-1), 'message_stop');
+  assert.equal(types.filter((t) => t === 'content_block_delta').length, 5);
+  assert.ok(text.length > 0);
+});
+
+test('messages.countTokens', async () => {
+  const c = await anthropic.messages.countTokens({ model, messages: [{ role: 'user', content: 'count these tokens' }] });
+  assert.ok(c.input_tokens > 0);
+});
+
+test('embeddings.create', async () => {
+  const e = await openai.embeddings.create({ model, input: ['first text', 'second text'] });
+  assert.equal(e.data.length, 2);
+  assert.ok(e.data[0].embedding.length > 0);
+});
+
+test('errors come in each API\'s shape', async () => {
+  await assert.rejects(openai.responses.create({ model, input: [] }), (err) => {
+    assert.ok(err instanceof OpenAI.BadRequestError, `got ${err}`);
+    assert.equal(err.error.type, 'invalid_request_error');
+    return true;
+  });
+  await assert.rejects(anthropic.messages.create({ model, max_tokens: 4, messages: [] }), (err) => {
+    assert.ok(err instanceof Anthropic.BadRequestError, `got ${err}`);
+    assert.equal(err.error.type, 'error');
+    assert.equal(err.error.error.type, 'invalid_request_error');
+    return true;
+  });
+});
+
+test('a session stays on its worker', async () => {
+  const workers = new Set();
+  for (const input of ['first turn', 'second turn, quite different', 'third']) {
+    const { response } = await openai.responses
+      .create({ model, input, max_output_tokens: 2 }, { headers: { 'X-Session-ID': 'node-session' } })
+      .withResponse();
+    workers.add(response.headers.get('x-kvrouter-worker'));
+  }
+  const { response } = await anthropic.messages
+    .create({ model, max_tokens: 2, messages: [{ role: 'user', content: 'fourth' }] }, { headers: { 'X-Dynamo-Session-ID': 'node-session' } })
+    .withResponse();
+  workers.add(response.headers.get('x-kvrouter-worker'));
+  assert.equal(workers.size, 1, `the session went to ${[...workers]}`);
+});
