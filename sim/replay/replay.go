@@ -26,8 +26,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/schollz/progressbar/v3"
-
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
 
@@ -116,8 +114,10 @@ type Config struct {
 	MaxOutputTokens int
 	// Label names the run in summaries and the progress bar.
 	Label string
-	// Progress receives a progress bar; nil means none.
-	Progress io.Writer
+	// Progress receives the run's progress: a bar on a terminal, a plain line every
+	// ProgressEvery (5s) elsewhere; nil means none.
+	Progress      io.Writer
+	ProgressEvery time.Duration
 	// RequestLog, when set, receives one JSON line per request once the run ends (RequestRecord):
 	// the raw material behind the summary, for looking into a prediction error.
 	RequestLog io.Writer
@@ -279,7 +279,7 @@ func Run(ctx context.Context, cfg Config) (*Summary, error) {
 		}
 	}
 
-	bar := newBar(cfg, len(reqs))
+	bar := newProgress(cfg, len(reqs))
 	cfg.Logger.Info("replay starting", "label", cfg.Label, "requests", len(reqs),
 		"endpoints", len(urls), "speedup", cfg.Speedup, "concurrency", cfg.Concurrency)
 
@@ -324,7 +324,7 @@ dispatch:
 			results[i] = r.do(ctx, req, urls[ep], r.fallback[ep])
 			results[i].sent = sent
 			if bar != nil {
-				_ = bar.Add(1)
+				bar.add()
 			}
 		})
 	}
@@ -343,10 +343,7 @@ dispatch:
 	sum.OutputTokensPerSecond = ratio(float64(sum.OutputTokens), sum.DurationSeconds)
 	sum.Interrupted = ctx.Err() != nil
 	if bar != nil {
-		if !sum.Interrupted {
-			_ = bar.Finish()
-		}
-		fmt.Fprintln(cfg.Progress)
+		bar.finish(!sum.Interrupted)
 	}
 	cfg.Logger.Info("replay done", "label", cfg.Label, "requests", sum.Requests, "ok", sum.OK,
 		"failed", sum.Failed, "hit_rate", sum.HitRate, "interrupted", sum.Interrupted)
@@ -364,24 +361,6 @@ func scaled(ts time.Duration, speedup float64) time.Duration {
 		return math.MaxInt64 / 2
 	}
 	return time.Duration(f)
-}
-
-func newBar(cfg Config, n int) *progressbar.ProgressBar {
-	if cfg.Progress == nil || n == 0 {
-		return nil
-	}
-	desc := cfg.Label
-	if desc == "" {
-		desc = "replay"
-	}
-	return progressbar.NewOptions(n,
-		progressbar.OptionSetWriter(cfg.Progress),
-		progressbar.OptionSetDescription(desc),
-		progressbar.OptionShowCount(),
-		progressbar.OptionShowIts(),
-		progressbar.OptionSetItsString("req"),
-		progressbar.OptionThrottle(200*time.Millisecond),
-	)
 }
 
 // do sends one request and reads its whole response.

@@ -600,3 +600,40 @@ func TestRunStartsASliceAtItsFirstRequest(t *testing.T) {
 		t.Fatalf("ok %d interrupted %v: the slice waited for the trace's origin", sum.OK, sum.Interrupted)
 	}
 }
+
+// TestProgressIsPlainLinesOffATerminal: written to a file or a pipe (a CI log, make demo >
+// log), progress is whole lines, no carriage-return frames, at most one per interval, and a
+// last line saying the run is done.
+func TestProgressIsPlainLinesOffATerminal(t *testing.T) {
+	f := newFake(t, nil)
+	var specs []spec
+	for i := range 6 {
+		specs = append(specs, spec{i, 32, 1, []uint64{uint64(i + 1)}})
+	}
+	for _, tc := range []struct {
+		every     time.Duration
+		wantLines int
+	}{
+		{time.Nanosecond, 7}, // a line per request, and the last
+		{time.Hour, 1},       // only the last
+	} {
+		cfg := config(mkTrace(specs...))
+		cfg.Target = f.URL
+		cfg.Concurrency = 1
+		cfg.Label = "plain"
+		cfg.ProgressEvery = tc.every
+		var out bytes.Buffer
+		cfg.Progress = &out
+		if _, err := replay.Run(t.Context(), cfg); err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(out.String(), "\r") {
+			t.Fatalf("progress has carriage returns: %q", out.String())
+		}
+		lines := strings.Split(strings.TrimSuffix(out.String(), "\n"), "\n")
+		if len(lines) != tc.wantLines ||
+			!strings.HasPrefix(lines[len(lines)-1], "plain: 6/6 requests (100%)") || !strings.HasSuffix(lines[len(lines)-1], ", done") {
+			t.Fatalf("every %v: %d lines, want %d ending in the done line: %q", tc.every, len(lines), tc.wantLines, out.String())
+		}
+	}
+}
