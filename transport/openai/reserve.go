@@ -36,6 +36,9 @@ type reservations struct {
 // how long it lasts unreleased.
 type reserveAnswer struct {
 	routeAnswer
+	// DPSize is the worker's number of data-parallel ranks: the rank goes to it (in
+	// X-Data-Parallel-Rank) only when it has more than one.
+	DPSize           int     `json:"dp_size"`
 	Reservation      string  `json:"reservation"`
 	Replica          string  `json:"replica"`
 	ExpiresInSeconds float64 `json:"expires_in_s"`
@@ -59,7 +62,17 @@ func (s *Server) serveReserve(w *recorder, r *http.Request) {
 			Type: TypeUnavailable, Code: "too_many_reservations", RetryAfter: "1", Cause: "reservations_full"})
 		return
 	}
-	held, apiErr := s.hold(r.Context(), r.Header, body, HoldOptions{})
+	// ?path= names the API the body is for (/v1/messages, ...), as a proxied request's own
+	// path would; without it the body says (chat or completion).
+	path := r.URL.Query().Get("path")
+	if _, ok := KindOfPath(path); path != "" && !ok {
+		s.res.mu.Lock()
+		s.res.taken--
+		s.res.mu.Unlock()
+		s.fail(w, r, invalid("path", "path "+strconv.Quote(path)+" is not an API the router routes"))
+		return
+	}
+	held, apiErr := s.hold(r.Context(), r.Header, body, HoldOptions{Path: path})
 	if held == nil {
 		s.res.mu.Lock()
 		s.res.taken--
@@ -83,6 +96,9 @@ func (s *Server) serveReserve(w *recorder, r *http.Request) {
 	s.metrics.reservations.WithLabelValues("reserved").Inc()
 	ans := reserveAnswer{routeAnswer: routeAnswerOf(held.Decision, held.Session, held.Plan, held.Prefill),
 		Reservation: id, Replica: s.cfg.ReplicaID, ExpiresInSeconds: s.cfg.ReservationTTL.Seconds()}
+	if spec := held.Decision.Target.Spec; spec != nil {
+		ans.DPSize = max(spec.DPSize, 1)
+	}
 	writeJSON(w, http.StatusOK, ans)
 }
 

@@ -122,3 +122,30 @@ func specsOf(ws ...*fakeWorker) []routing.WorkerSpec {
 	}
 	return out
 }
+
+// TestReservationTakesTheAPIPath: ?path= names the API a body is for, so that a balancer can
+// reserve Messages, Responses and Embeddings requests too; a path the router does not route is
+// 400 and holds nothing. The answer says the worker's data-parallel size.
+func TestReservationTakesTheAPIPath(t *testing.T) {
+	w0 := newFakeWorker(t, okJSON)
+	rg := newRig(t, specsOf(w0), rigOptions{})
+	messages := `{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`
+	resp, b := rg.post("/v1/reserve?path=/v1/messages", messages, nil)
+	var ans reserveAnswer
+	if resp.StatusCode != http.StatusOK || json.Unmarshal([]byte(b), &ans) != nil || ans.Worker != "w0" || ans.DPSize != 1 {
+		t.Fatalf("reserve a Messages body: %d %s", resp.StatusCode, b)
+	}
+	// Without the path, the same body is read as a chat request, which it is not.
+	if resp, b := rg.post("/v1/reserve", `{"model":"m","input":"hi"}`, nil); resp.StatusCode != http.StatusBadRequest {
+		t.Fatalf("a Responses body without its path: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := rg.post("/v1/reserve?path=/v1/nope", messages, nil); resp.StatusCode != http.StatusBadRequest || errorOf(t, b).Param != "path" {
+		t.Fatalf("unknown path: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := rg.do(t.Context(), http.MethodDelete, "/v1/reservations/"+ans.Reservation, "", nil); resp.StatusCode != http.StatusNoContent {
+		t.Fatalf("release: %d %s", resp.StatusCode, b)
+	}
+	if !rg.idle() {
+		t.Fatalf("load left: %v", rg.tracker.Snapshot())
+	}
+}
