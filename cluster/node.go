@@ -23,6 +23,9 @@ import (
 	"github.com/hashicorp/raft"
 	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
 	"go.etcd.io/bbolt"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -607,8 +610,13 @@ func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) 
 	if err != nil {
 		return nil, err
 	}
+	// Traced when the caller's context carries a span (the request's): the tracer is the
+	// span's own provider, so the node holds none.
+	tracer := trace.SpanFromContext(ctx).TracerProvider().Tracer("github.com/kvrouter-ha/kvrouter-ha/cluster")
 	if n.IsLeader() {
-		res, _, err := n.applyLocal(ctx, b)
+		lctx, span := tracer.Start(ctx, "raft apply", trace.WithAttributes(attribute.Bool("kvrouter.leader", true)))
+		res, _, err := n.applyLocal(lctx, b)
+		endSpan(span, err)
 		if err == nil || !errors.Is(err, raft.ErrNotLeader) && !errors.Is(err, raft.ErrLeadershipLost) {
 			return res, err
 		}
@@ -616,7 +624,11 @@ func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) 
 	if n.cfg.Remote == nil {
 		return n.waitLocalLeader(ctx, b)
 	}
-	out, err := n.forward(ctx, b)
+	leader, _, _ := n.Leader()
+	fctx, span := tracer.Start(ctx, "forward to the leader", trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("kvrouter.leader", leader)))
+	out, err := n.forward(fctx, b)
+	endSpan(span, err)
 	if err != nil {
 		return nil, err
 	}
@@ -863,4 +875,13 @@ func (w hclogWriter) Write(p []byte) (int, error) {
 
 func newHCLogger(log *slog.Logger) hclog.Logger {
 	return hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Info, Output: hclogWriter{log}, DisableTime: true})
+}
+
+// endSpan ends span, marking it failed with err when there is one.
+func endSpan(span trace.Span, err error) {
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
 }

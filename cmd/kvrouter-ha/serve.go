@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/telemetry"
 	"github.com/kvrouter-ha/kvrouter-ha/replica"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
@@ -197,6 +198,22 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 			cfg.Cluster.Join, cfg.Cluster.Gossip.Join = splitList(join), splitList(gossipJoin)
 			if cfg.Cluster.Gossip.Key, err = key.decode(); err != nil {
 				return err
+			}
+			// Tracing is off unless the standard OTEL_* variables turn it on.
+			tracing, err := telemetry.FromEnv(ctx, cfg.ID)
+			if err != nil {
+				return err
+			}
+			defer func() {
+				sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				defer cancel()
+				if err := tracing.Shutdown(sctx); err != nil {
+					log.Warn("tracing shutdown", "err", err)
+				}
+			}()
+			if tracing.Enabled() {
+				cfg.Proxy.Tracer = tracing.Provider
+				log.Info("tracing on: spans go to the OTLP endpoint of the OTEL_* variables")
 			}
 			rep, err := replica.Start(ctx, cfg)
 			if err != nil {

@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/json"
 	"errors"
@@ -8,6 +9,8 @@ import (
 	"net/http"
 	"strconv"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
@@ -165,7 +168,18 @@ func (s *Server) prefillLeg(c *call, leg *routing.Attempt) (params json.RawMessa
 	start := time.Now()
 	for {
 		d := leg.Decision()
-		answer, fail, refused := s.sendPrefill(c, leg, body)
+		span := trace.SpanFromContext(context.Background())
+		pr := c.r
+		if s.tr != nil {
+			var pctx context.Context
+			pctx, span = s.tr.start(ctx, "prefill", trace.SpanKindClient, decisionAttrs(d)...)
+			pr = c.r.WithContext(pctx)
+		}
+		answer, fail, refused := s.sendPrefill(pr, leg, body)
+		if fail.err != nil {
+			failSpan(span, fail.cause, fail.err)
+		}
+		span.End()
 		switch {
 		case refused:
 			// The prefill worker refused the request itself: the decode worker serves it
@@ -202,10 +216,10 @@ func (s *Server) prefillLeg(c *call, leg *routing.Attempt) (params json.RawMessa
 // sendPrefill sends the prefill leg once, to the leg's current worker, and reads its whole
 // answer: a failure worth another prefill worker (unreachable, 5xx, 429, a broken read), or
 // refused (any other non-2xx).
-func (s *Server) sendPrefill(c *call, leg *routing.Attempt, body []byte) (answer []byte, fail failure, refused bool) {
+func (s *Server) sendPrefill(r *http.Request, leg *routing.Attempt, body []byte) (answer []byte, fail failure, refused bool) {
 	d := leg.Decision()
 	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
-	resp, ub, err := s.upstream.roundTrip(c.r.Context(), d.Target.Spec.URL, upstreamRequest(c.r, body, d.Target), firstBy)
+	resp, ub, err := s.upstream.roundTrip(r.Context(), d.Target.Spec.URL, s.upstreamRequest(r, body, d.Target), firstBy)
 	if err != nil {
 		return nil, failure{cause: "prefill_connect", err: fmt.Errorf("prefill worker %s: %w", d.Target.Worker, err)}, false
 	}

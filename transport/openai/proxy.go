@@ -14,6 +14,8 @@ import (
 	"strings"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
@@ -131,9 +133,26 @@ func (s *Server) proxy(c *call) bool {
 	// deferring it frees the load on every path, panics included.
 	defer c.att.Finish()
 	ctx := c.r.Context()
+	base := c.r
 	var last failure
-	for range maxDispatches {
+	for attempt := range maxDispatches {
+		// Each attempt is a span of its own, the worker's traceparent its child.
+		span := trace.SpanFromContext(context.Background())
+		if s.tr != nil {
+			var actx context.Context
+			actx, span = s.tr.start(ctx, "dispatch", trace.SpanKindClient,
+				append(decisionAttrs(c.att.Decision()), attrAttempt.Int(attempt+1))...)
+			c.r = base.WithContext(actx)
+		}
 		res, fail := s.dispatch(c)
+		c.r = base
+		if res == retry {
+			failSpan(span, fail.cause, fail.err)
+		}
+		if c.prefill != "" {
+			span.SetAttributes(attrPrefill.String(c.prefill))
+		}
+		span.End()
 		switch res {
 		case done:
 			return false
@@ -214,7 +233,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 	s.metrics.dispatches.WithLabelValues(d.Target.Worker.String(), by).Inc()
 	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
-	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, upstreamRequest(c.r, c.body, d.Target), firstBy)
+	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, s.upstreamRequest(c.r, c.body, d.Target), firstBy)
 	if err != nil {
 		if ctx.Err() != nil {
 			s.fail(c.w, c.r, nil)
@@ -243,7 +262,18 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return s.relay(c, &rd, d, nil)
 	}
 
-	binding, err := c.att.Commit(ctx)
+	if span := trace.SpanFromContext(ctx); span.IsRecording() {
+		span.SetAttributes(attrStatus.Int(resp.StatusCode))
+	}
+	bctx, bspan := s.tr.start(ctx, "bind", trace.SpanKindInternal, attrSession.Bool(c.session != ""))
+	binding, err := c.att.Commit(bctx)
+	if bspan.IsRecording() {
+		bspan.SetAttributes(attrRevision.Int64(int64(binding.Revision)), attrWorker.String(c.att.Decision().Target.Worker.ID))
+	}
+	if err != nil {
+		failSpan(bspan, "commit", err)
+	}
+	bspan.End()
 	if errors.Is(err, routing.ErrBoundElsewhere) {
 		// Nothing has reached the client: drop this worker's answer (closing the body
 		// cancels it) and go where the session is bound.
@@ -332,22 +362,27 @@ func (s *Server) badResponse(d routing.Decision, cause string, err error) failur
 
 // upstreamRequest describes the worker's copy of the client request: the client's method,
 // path, query and end-to-end headers, with body.
-func upstreamRequest(r *http.Request, body []byte, t routing.Target) outbound {
+func (s *Server) upstreamRequest(r *http.Request, body []byte, t routing.Target) outbound {
 	target := r.URL.EscapedPath()
 	if r.URL.RawQuery != "" {
 		target += "?" + r.URL.RawQuery
 	}
 	return outbound{method: r.Method, target: target, body: body, header: func(b []byte) []byte {
-		return appendForwardHeaders(b, r, t)
+		b = appendForwardHeaders(b, r, t, s.tr != nil)
+		if s.tr != nil {
+			b = s.tr.traceHeaders(r.Context(), b)
+		}
+		return b
 	}}
 }
 
 // appendForwardHeaders appends the client's headers a worker should see, without hop-by-hop
-// headers (including those the Connection header names), plus the proxy's own.
-func appendForwardHeaders(b []byte, r *http.Request, t routing.Target) []byte {
+// headers (including those the Connection header names), plus the proxy's own; traced, the
+// client's trace context is left out (the dispatch's own goes instead).
+func appendForwardHeaders(b []byte, r *http.Request, t routing.Target, traced bool) []byte {
 	named := connectionNamed(r.Header)
 	for k, vs := range r.Header {
-		if !forwardable(k) || containsFold(named, k) {
+		if !forwardable(k) || containsFold(named, k) || traced && (k == "Traceparent" || k == "Tracestate") {
 			continue
 		}
 		for _, v := range vs {

@@ -22,6 +22,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -91,6 +93,9 @@ type Config struct {
 	// SessionHeaders are the headers a session key is read from, the first present winning
 	// (default X-Session-ID, then Dynamo's X-Dynamo-Session-ID).
 	SessionHeaders []string
+	// Tracer, when set, traces each request (see trace.go); nil: no spans, and a client's
+	// traceparent goes to the worker as it came.
+	Tracer trace.TracerProvider
 }
 
 func (c *Config) setDefaults() error {
@@ -158,6 +163,8 @@ type Server struct {
 	res         reservations
 	// tokenizeWarned is when a tokenize failure was last logged as a warning (unix ns).
 	tokenizeWarned atomic.Int64
+	// tr traces requests; nil without Config.Tracer.
+	tr *tracing
 }
 
 // loraSet is a snapshot of the adapter names configured workers serve.
@@ -185,6 +192,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		metrics:   newMetrics(),
 	}
 	s.models = newModelCache(s)
+	s.tr = newTracing(cfg.Tracer)
 	if cfg.Registerer != nil {
 		if err := s.metrics.register(cfg.Registerer, newFleetCollector(tracker, workers)); err != nil {
 			return nil, err
@@ -435,7 +443,13 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	case p.HasTokens:
 		req.Hashes = s.router.HashTokens(p.Tokens, lora, nil)
 	case s.cfg.Tokenizer != nil:
-		tokens, err := s.cfg.Tokenizer.Tokenize(ctx, p)
+		tctx, span := s.tr.start(ctx, "tokenize", trace.SpanKindClient)
+		tokens, err := s.cfg.Tokenizer.Tokenize(tctx, p)
+		span.SetAttributes(attrTokens.Int(len(tokens)), attrFallback.Bool(err != nil))
+		if err != nil {
+			failSpan(span, "tokenize", err)
+		}
+		span.End()
 		if err == nil {
 			req.PromptTokens = len(tokens)
 			req.Hashes = s.router.HashTokens(tokens, lora, nil)
@@ -566,6 +580,21 @@ func (s *Server) isLoRA(model string) bool {
 // serveCompletion handles /v1/chat/completions and /v1/completions.
 func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 	arrived := time.Now()
+	r, span := s.tr.startRequest(r, kind, s.cfg.ReplicaID)
+	defer func() {
+		code := w.status
+		if w.gone {
+			code = StatusClientClosed
+		}
+		if !span.IsRecording() {
+			return
+		}
+		span.SetAttributes(attrStatus.Int(code))
+		if code >= 500 {
+			span.SetStatus(codes.Error, http.StatusText(code))
+		}
+		span.End()
+	}()
 	body, apiErr := s.readBody(w, r)
 	if apiErr != nil || body == nil {
 		s.fail(w, r, apiErr)
@@ -581,12 +610,22 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		s.fail(w, r, apiErr)
 		return
 	}
-	att, err := s.router.Route(r.Context(), req)
+	sctx, sspan := s.tr.start(r.Context(), "select", trace.SpanKindInternal)
+	if sspan.IsRecording() {
+		sspan.SetAttributes(attrSession.Bool(req.Session != ""), attrTokens.Int(req.PromptTokens))
+	}
+	att, err := s.router.Route(sctx, req)
 	if err != nil {
+		failSpan(sspan, "select", err)
+		sspan.End()
 		s.fail(w, r, routeError(err))
 		return
 	}
 	d := att.Decision()
+	if sspan.IsRecording() {
+		sspan.SetAttributes(decisionAttrs(d)...)
+	}
+	sspan.End()
 	s.metrics.selection.Observe(d.Took.Seconds())
 	if d.PromptBlocks > 0 {
 		s.metrics.kvHit.Observe(float64(d.Overlap) / float64(d.PromptBlocks))
