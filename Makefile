@@ -21,6 +21,7 @@ FUZZ_TARGETS := \
 	./cluster/hints:FuzzHealthDecode \
 	./cluster/hints:FuzzSnapshotContainer \
 	./cluster/hints:FuzzLoadDecode \
+	./transport/enginemetrics:FuzzParse \
 	./cluster/hints:FuzzDecisionDecode \
 	./cluster/gossip:FuzzParseFrame \
 	./cluster/gossip:FuzzDecodeMeta \

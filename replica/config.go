@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 )
@@ -45,6 +46,15 @@ type Config struct {
 	OverlayTTL time.Duration
 	// Tokenizer is "none" (text prompts hash in byte chunks) or "worker" (ask a worker's /tokenize).
 	Tokenizer string
+	// EngineMetrics scrapes every worker's Prometheus endpoint for the load its engine reports
+	// beyond this cluster's own requests (other clients' requests, the engine's queue), which
+	// the policies then read (routing.EngineLoad); Interval 0 is off. Its TLS defaults to
+	// Proxy.WorkerTLS, its logger and registerer are the replica's.
+	EngineMetrics enginemetrics.Config
+	// EngineRequestTokens is the prompt size of a request seen only in an engine's metrics
+	// when neither the engine's KV usage nor this cluster's requests there say more
+	// (routing.DefaultEngineRequestTokens when 0).
+	EngineRequestTokens int
 	// NoGossip keeps this replica's decisions and load to itself (comparison runs); bindings
 	// are shared through Raft regardless.
 	NoGossip bool
@@ -122,6 +132,9 @@ func (c *Config) check() error {
 	}
 	if c.ShutdownDelay < 0 || c.ShutdownTimeout < 0 {
 		errs = append(errs, fmt.Errorf("--shutdown-delay %s, --shutdown-timeout %s: must not be negative", c.ShutdownDelay, c.ShutdownTimeout))
+	}
+	if em := c.EngineMetrics; em.Interval < 0 || em.Timeout < 0 || em.StaleAfter < 0 || em.MaxBodyBytes < 0 || c.EngineRequestTokens < 0 {
+		errs = append(errs, errors.New("--engine-metrics-interval, -timeout, -stale-after, -max-bytes and -request-tokens must not be negative"))
 	}
 	switch n := len(c.Cluster.Gossip.Key); n {
 	case 0, 16, 24, 32:

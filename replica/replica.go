@@ -27,6 +27,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/version"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
@@ -60,6 +61,11 @@ type Replica struct {
 	picker    *extproc.Picker // nil without ExtProcListen
 	http      *http.Server
 	admin     *http.Server
+
+	// engineLoad and scraper fold the workers' engine metrics into the router's load; nil
+	// with EngineMetrics off.
+	engineLoad *routing.EngineLoad
+	scraper    *enginemetrics.Scraper
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -250,6 +256,9 @@ func (r *Replica) openRouting(context.Context) error {
 		deps.Recorder = r.share.decisions
 		deps.Load = r.share.remote
 	}
+	if err := r.openEngineMetrics(&deps); err != nil {
+		return err
+	}
 	if r.router, err = routing.New(cfg.Router, deps); err != nil {
 		return err
 	}
@@ -287,6 +296,34 @@ func (r *Replica) openRouting(context.Context) error {
 	return nil
 }
 
+// openEngineMetrics puts the workers' engine load on top of the load the router reads and
+// makes the scraper that feeds it, when EngineMetrics is on. The engine load is not gossiped:
+// every replica scrapes every worker and subtracts the whole cluster's requests (the merged
+// view), so sharing the estimates would count them once per replica.
+func (r *Replica) openEngineMetrics(deps *routing.Deps) error {
+	cfg := r.cfg
+	if cfg.EngineMetrics.Interval <= 0 {
+		return nil
+	}
+	base := deps.Load
+	if base == nil {
+		base = r.tracker
+	}
+	r.engineLoad = routing.NewEngineLoad(base, routing.EngineLoadConfig{BlockSize: cfg.Router.BlockSize, RequestTokens: cfg.EngineRequestTokens})
+	deps.Load = r.engineLoad
+	ecfg := cfg.EngineMetrics
+	ecfg.Logger, ecfg.Registerer = r.log.With("part", "engine-metrics"), r.promReg
+	if ecfg.TLS == nil {
+		ecfg.TLS = cfg.Proxy.WorkerTLS
+	}
+	s, err := enginemetrics.New(ecfg, r.registry, r.engineLoad)
+	if err != nil {
+		return err
+	}
+	r.scraper = s
+	return nil
+}
+
 // forgetWorker is the fan-out when a worker leaves the registry: every index, the load
 // tracker and the merged health view let go of it.
 func (r *Replica) forgetWorker(spec routing.WorkerSpec) {
@@ -300,6 +337,9 @@ func (r *Replica) forgetWorker(spec routing.WorkerSpec) {
 	}
 	if r.share != nil {
 		r.share.health.ForgetWorker(spec.ID)
+	}
+	if r.engineLoad != nil {
+		r.engineLoad.Forget(spec.ID)
 	}
 }
 
@@ -329,6 +369,9 @@ func (r *Replica) startServing(ctx context.Context) error {
 	}
 	if r.share != nil {
 		r.share.run(r, bg)
+	}
+	if r.scraper != nil {
+		r.goRun(func() { r.scraper.Run(bg) })
 	}
 	r.goRun(func() { r.expireIndex(bg) })
 	r.goRun(func() { r.lifecycle.Run(bg) })

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -74,6 +75,15 @@ func newMetrics(w *Worker) (*metrics, error) {
 			func() float64 { _, waiting := w.running.counts(); return float64(waiting) }),
 		gauge("vllm:kv_cache_usage_perc", "Share of KV cache blocks pinned by running requests (1 = full).",
 			w.cache.usage),
+		// vLLM's info gauge: the cache's configuration in labels, the value 1. A router reads
+		// the capacity behind kv_cache_usage_perc from it.
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "vllm:cache_config_info", Help: "Information of the engine's CacheConfig.",
+			ConstLabels: prometheus.Labels{
+				"model_name": w.cfg.Model, "block_size": strconv.Itoa(w.cfg.BlockSize),
+				"num_gpu_blocks": strconv.Itoa(w.cfg.CapacityBlocks), "enable_prefix_caching": "True",
+			},
+		}, func() float64 { return 1 }),
 		counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
 			func() float64 { return float64(w.cache.snapshot().Queries) }),
 		counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",

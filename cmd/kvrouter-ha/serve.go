@@ -21,6 +21,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/internal/telemetry"
 	"github.com/kvrouter-ha/kvrouter-ha/replica"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
@@ -157,6 +158,12 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.Health.Timeout, "health-timeout", time.Second, "one health probe's timeout (a busy worker answers slowly; too short a timeout drains a loaded fleet)")
 	fs.IntVar(&cfg.Health.FailThreshold, "health-fail-threshold", 3, "consecutive failed probes that take a worker out")
 	fs.IntVar(&cfg.Health.RiseThreshold, "health-rise-threshold", 2, "consecutive good probes that put it back")
+	fs.DurationVar(&cfg.EngineMetrics.Interval, "engine-metrics-interval", enginemetrics.DefaultInterval, "how often each worker's Prometheus endpoint is scraped for the load its engine reports beyond this cluster's requests (vLLM's num_requests_running and _waiting, kv_cache_usage_perc, cache_config_info; SGLang's equivalents), which the policies then count: other clients' requests and the engine's queue (0: off)")
+	fs.DurationVar(&cfg.EngineMetrics.Timeout, "engine-metrics-timeout", enginemetrics.DefaultTimeout, "one engine metrics scrape's timeout, connection included (a round waits for its slowest scrape)")
+	fs.StringVar(&cfg.EngineMetrics.Path, "engine-metrics-path", enginemetrics.DefaultPath, "path of the workers' Prometheus endpoint")
+	fs.Int64Var(&cfg.EngineMetrics.MaxBodyBytes, "engine-metrics-max-bytes", enginemetrics.DefaultMaxBodyBytes, "largest metrics body read from a worker; a larger one is a counted scrape error")
+	fs.DurationVar(&cfg.EngineMetrics.StaleAfter, "engine-metrics-stale-after", 0, "a worker's engine load stops counting when its last good scrape is older than this (0: three intervals)")
+	fs.IntVar(&cfg.EngineRequestTokens, "engine-metrics-request-tokens", routing.DefaultEngineRequestTokens, "prompt size given to a request seen only in an engine's metrics when neither its KV usage and capacity nor this cluster's requests there tell more")
 	fs.StringVar(&cfg.KVEventsBind, "kv-events-bind", "", "bind a ZMQ SUB socket here for workers that connect their KV events to the router, e.g. tcp://127.0.0.1:5557, and one on each port + r for the data-parallel ranks r of the largest worker, where vLLM connects them (workers with kv_events in --workers-file get their own subscriber)")
 	fs.StringVar(&cfg.TopicPattern, "kv-events-topic-pattern", "kv@{host:port}@{model}", "how a bound subscriber tells workers apart: the {host:port} in a topic is matched against worker URLs")
 	fs.DurationVar(&cfg.OverlayTTL, "overlay-ttl", 10*time.Second, "precise mode: how long the replica's own decisions count on top of the KV events")

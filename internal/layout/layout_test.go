@@ -31,6 +31,9 @@ var allowed = map[string][]string{
 	// The fault harness and the process harness know the router only by its wire.
 	"jepsen":        {"internal/loopback", "internal/proc"},
 	"internal/proc": {"internal/loopback"},
+
+	// The engine metrics scraper hands routing plain numbers (routing.EngineReport).
+	"transport/enginemetrics": {"indexer", "routing"},
 }
 
 // raftUsers are the only packages that may import hashicorp/raft itself.
