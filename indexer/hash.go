@@ -16,6 +16,9 @@ const seedDomain = "kvrouter-ha/seed/v1\x00"
 // Seed returns the block-hash seed for a LoRA adapter name and a cache salt. Both empty gives
 // BaseSeed; any other pair gives a seed that differs from every other pair, because the two
 // names are length-prefixed before they are mixed ("a","" and "","a" are different seeds).
+// Engines key a cache salt into a prompt's first block only (vLLM's extra_keys), and the KV-event
+// translator seeds with the LoRA name alone: to meet their keys, pass "" here and the salt
+// through VLLMBlockExtras and SequenceHashesExtra.
 func Seed(lora, salt string) uint64 {
 	if lora == "" && salt == "" {
 		return BaseSeed

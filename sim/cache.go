@@ -38,12 +38,20 @@ type BlockRef struct {
 	Parent uint64
 	// Tokens are the block's token ids.
 	Tokens []uint32
+	// Salt is the request's cache_salt on a prompt's first block (vLLM keys the salt into the
+	// first block only; the chain carries it to the others), "" otherwise.
+	Salt string
 }
 
 // CacheEvent is a batch of blocks stored into or removed from the cache, or a clear.
 type CacheEvent struct {
 	Kind   EventKind
 	Blocks []BlockRef
+	// Window is the sliding window in tokens of a hybrid worker (Config.SlidingWindow), 0 for a
+	// worker with full attention only; Group is then the event's KV cache group: 0 for the
+	// full-attention group, 1 for the sliding-window group. A clear is every group's.
+	Window int
+	Group  int
 }
 
 // CacheStats is a snapshot of the prefix cache.
@@ -88,17 +96,45 @@ func BlockHash(parent uint64, tokens []uint32) uint64 {
 	return h
 }
 
+// saltSeed is the parent hash a salted prompt's first block is hashed with, so that the same
+// tokens under another cache_salt are other blocks; 0 for no salt.
+func saltSeed(salt string) uint64 {
+	if salt == "" {
+		return 0
+	}
+	const (
+		offset64 = 14695981039346656037
+		prime64  = 1099511628211
+	)
+	h := uint64(offset64)
+	for _, c := range []byte("sim/cache_salt\x00" + salt) {
+		h ^= uint64(c)
+		h *= prime64
+	}
+	if h == 0 {
+		h = 1
+	}
+	return h
+}
+
 type block struct {
 	ref  BlockRef
 	refs int
 	// elem is the block's place in the LRU list while no request pins it.
 	elem *list.Element
+	// slide says the block's twin in the sliding-window group is still cached (hybrid only).
+	slide bool
 }
 
-// cache is a paged prefix cache with pinning and leaf-first LRU eviction.
+// cache is a paged prefix cache with pinning and leaf-first LRU eviction. With a sliding
+// window (hybrid attention) every block has a twin in the sliding-window group: stored with it,
+// dropped once the window of the request that computed it has moved past it (vLLM frees such
+// blocks as the window slides; the simulator removes them at once), or with the block when it
+// is evicted. Hits are the full-attention group's: the twins only make the events.
 type cache struct {
 	blockSize int
 	capacity  int
+	window    int
 	onEvent   func(CacheEvent)
 
 	mu     sync.Mutex
@@ -114,12 +150,21 @@ type sequence struct {
 	gen    uint64
 	blocks []*block
 	done   bool
+	// salt is the request's cache_salt, which keys its first block.
+	salt string
 }
 
 func newCache(blockSize, capacity int, onEvent func(CacheEvent)) *cache {
+	return newHybridCache(blockSize, capacity, 0, onEvent)
+}
+
+// newHybridCache is newCache for a hybrid-attention worker whose sliding window is window
+// tokens (0: full attention only).
+func newHybridCache(blockSize, capacity, window int, onEvent func(CacheEvent)) *cache {
 	return &cache{
 		blockSize: blockSize,
 		capacity:  capacity,
+		window:    window,
 		onEvent:   onEvent,
 		blocks:    make(map[uint64]*block),
 	}
@@ -130,14 +175,26 @@ func newCache(blockSize, capacity int, onEvent func(CacheEvent)) *cache {
 // per block (an engine batches a step's events instead).
 type eventBatch []CacheEvent
 
-func (b *eventBatch) add(kind EventKind, ref BlockRef) {
+func (b *eventBatch) add(kind EventKind, ref BlockRef) { b.addGroup(kind, 0, 0, ref) }
+
+// addGroup adds ref to the batch's event of kind in group (of a worker with window w).
+func (b *eventBatch) addGroup(kind EventKind, group, w int, ref BlockRef) {
 	for i := range *b {
-		if (*b)[i].Kind == kind {
+		if (*b)[i].Kind == kind && (*b)[i].Group == group {
 			(*b)[i].Blocks = append((*b)[i].Blocks, ref)
 			return
 		}
 	}
-	*b = append(*b, CacheEvent{Kind: kind, Blocks: []BlockRef{ref}})
+	*b = append(*b, CacheEvent{Kind: kind, Blocks: []BlockRef{ref}, Window: w, Group: group})
+}
+
+// addBoth adds ref to the event of kind of the full-attention group and, on a hybrid worker,
+// of the sliding-window group too.
+func (c *cache) addBoth(b *eventBatch, kind EventKind, ref BlockRef, twin bool) {
+	b.addGroup(kind, 0, c.window, ref)
+	if c.window > 0 && twin {
+		b.addGroup(kind, 1, c.window, ref)
+	}
 }
 
 // emit runs with c.mu held so that events reach the hook in the order they happened. Within
@@ -162,16 +219,20 @@ func boolInt(b bool) int {
 }
 
 // acquire pins the longest cached prefix of tokens and returns the sequence holding it.
-func (c *cache) acquire(tokens []uint32) *sequence {
+func (c *cache) acquire(tokens []uint32) *sequence { return c.acquireSalted(tokens, "") }
+
+// acquireSalted is acquire for a request with a cache_salt: only blocks stored under the same
+// salt are its prefix.
+func (c *cache) acquireSalted(tokens []uint32, salt string) *sequence {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	s := &sequence{gen: c.gen}
+	s := &sequence{gen: c.gen, salt: salt}
 	// As vLLM does, leave the last prompt token to compute even when everything is cached.
 	limit := 0
 	if len(tokens) > 0 {
 		limit = (len(tokens) - 1) / c.blockSize
 	}
-	c.walkPrefix(tokens, limit, func(b *block) {
+	c.walkPrefix(tokens, salt, limit, func(b *block) {
 		c.pin(b)
 		s.blocks = append(s.blocks, b)
 	})
@@ -197,16 +258,26 @@ func (c *cache) store(s *sequence, tokens []uint32) {
 	if s.done || s.gen != c.gen {
 		return
 	}
-	var events eventBatch
-	defer func() { c.emit(events) }()
+	var events, slides eventBatch
+	defer func() {
+		c.slide(s, len(tokens), &slides)
+		c.emit(events)
+		c.emit(slides)
+	}()
 	var parent uint64
 	if n := len(s.blocks); n > 0 {
 		parent = s.blocks[n-1].ref.Hash
 	}
 	for i := len(s.blocks); (i+1)*c.blockSize <= len(tokens); i++ {
 		chunk := tokens[i*c.blockSize : (i+1)*c.blockSize]
-		h := BlockHash(parent, chunk)
-		b := c.blocks[h]
+		ref := BlockRef{Parent: parent}
+		if i == 0 {
+			ref.Salt = s.salt
+			ref.Hash = BlockHash(saltSeed(s.salt), chunk)
+		} else {
+			ref.Hash = BlockHash(parent, chunk)
+		}
+		b := c.blocks[ref.Hash]
 		switch {
 		case b != nil && slices.Equal(b.ref.Tokens, chunk):
 			// Another request stored it meanwhile.
@@ -218,14 +289,34 @@ func (c *cache) store(s *sequence, tokens []uint32) {
 			if len(c.blocks) >= c.capacity && !c.evictOne(&events) {
 				return
 			}
-			b = &block{ref: BlockRef{Hash: h, Parent: parent, Tokens: slices.Clone(chunk)}, refs: 1}
-			c.blocks[h] = b
+			ref.Tokens = slices.Clone(chunk)
+			b = &block{ref: ref, refs: 1, slide: c.window > 0}
+			c.blocks[ref.Hash] = b
 			c.pinned++
 			c.stats.StoredBlocks++
-			events.add(Stored, b.ref)
+			c.addBoth(&events, Stored, b.ref, true)
 		}
 		s.blocks = append(s.blocks, b)
-		parent = h
+		parent = ref.Hash
+	}
+}
+
+// slide drops, on a hybrid worker, the sliding-window twins of s's blocks that lie wholly
+// before the window of s's next token once computed tokens are done: vLLM skips the tokens
+// before computed - window + 1. It runs with c.mu held.
+func (c *cache) slide(s *sequence, computed int, slides *eventBatch) {
+	if c.window <= 0 {
+		return
+	}
+	skipped := computed - c.window + 1
+	for i, b := range s.blocks {
+		if (i+1)*c.blockSize > skipped {
+			return
+		}
+		if b.slide {
+			b.slide = false
+			slides.addGroup(Removed, 1, c.window, b.ref)
+		}
 	}
 }
 
@@ -239,7 +330,7 @@ func (c *cache) evictOne(events *eventBatch) bool {
 	b.elem = nil
 	delete(c.blocks, b.ref.Hash)
 	c.stats.EvictedBlocks++
-	events.add(Removed, b.ref)
+	c.addBoth(events, Removed, b.ref, b.slide)
 	return true
 }
 
@@ -274,7 +365,7 @@ func (c *cache) clear() {
 	c.blocks = make(map[uint64]*block)
 	c.lru.Init()
 	c.pinned = 0
-	c.emit(eventBatch{{Kind: Cleared}})
+	c.emit(eventBatch{{Kind: Cleared, Window: c.window}})
 }
 
 func (c *cache) snapshot() CacheStats {
@@ -305,7 +396,7 @@ func (c *cache) fork(s *sequence, n int) *sequence {
 	if s.done || s.gen != c.gen {
 		return nil
 	}
-	f := &sequence{gen: c.gen, blocks: slices.Clone(s.blocks[:min(n, len(s.blocks))])}
+	f := &sequence{gen: c.gen, blocks: slices.Clone(s.blocks[:min(n, len(s.blocks))]), salt: s.salt}
 	for _, b := range f.blocks {
 		c.pin(b)
 	}
@@ -319,20 +410,20 @@ func (c *cache) live(s *sequence) bool {
 	return !s.done && s.gen == c.gen
 }
 
-// cachedBlocks counts the full blocks of tokens, from the first, that are cached, without
-// pinning them or counting a lookup.
-func (c *cache) cachedBlocks(tokens []uint32) int {
+// cachedBlocks counts the full blocks of tokens (under cache_salt salt), from the first, that
+// are cached, without pinning them or counting a lookup.
+func (c *cache) cachedBlocks(tokens []uint32, salt string) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	n := 0
-	c.walkPrefix(tokens, len(tokens)/c.blockSize, func(*block) { n++ })
+	c.walkPrefix(tokens, salt, len(tokens)/c.blockSize, func(*block) { n++ })
 	return n
 }
 
 // walkPrefix calls found for each of the first (at most limit) full blocks of tokens that
-// are cached, in order, stopping at the first that is not. It runs with c.mu held.
-func (c *cache) walkPrefix(tokens []uint32, limit int, found func(*block)) {
-	var parent uint64
+// are cached under salt, in order, stopping at the first that is not. It runs with c.mu held.
+func (c *cache) walkPrefix(tokens []uint32, salt string, limit int, found func(*block)) {
+	parent := saltSeed(salt)
 	for i := range limit {
 		chunk := tokens[i*c.blockSize : (i+1)*c.blockSize]
 		b := c.blocks[BlockHash(parent, chunk)]

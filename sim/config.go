@@ -93,6 +93,15 @@ type Config struct {
 	// chunk takes that chunk's prefill time longer (see the package's latency model). 0
 	// keeps the separate FIFO prefill stage and the fixed decode rate.
 	ChunkedPrefillTokens int
+	// SlidingWindow, when positive, makes the worker a hybrid-attention model (gpt-oss,
+	// Gemma 3) of this many tokens of sliding window: its KV cache has a full-attention group
+	// (group_idx 0) and a sliding-window group (group_idx 1), and every cache event says its
+	// group, as current vLLM does (group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window).
+	// The sliding-window group stores each block with the full-attention group and removes it
+	// once the window of the request that computed it has moved past it, or when the block is
+	// evicted. Prefix hits (cached_tokens) are the full-attention group's. 0 is full attention
+	// only, with events in the older single-group shape.
+	SlidingWindow int
 	// Logger receives the worker's logs; nil uses slog.Default().
 	Logger *slog.Logger
 	// OnEvent, when set, is called in order for every change to the prefix cache. It runs
@@ -191,6 +200,9 @@ func (c Config) Validate() error {
 	case RoleBoth, RolePrefill, RoleDecode:
 	default:
 		bad("role %q: must be %s, %s or %s", c.Role, RoleBoth, RolePrefill, RoleDecode)
+	}
+	if c.SlidingWindow < 0 {
+		bad("sliding window %d tokens: must not be negative", c.SlidingWindow)
 	}
 	if c.ChunkedPrefillTokens < 0 {
 		bad("chunked prefill tokens %d: must not be negative", c.ChunkedPrefillTokens)

@@ -477,7 +477,7 @@ func (w *Worker) pullKV(ctx context.Context, req *genRequest, seq *sequence, res
 	pulled, err := w.fetchBlocks(ctx, p)
 	code := "kv_transfer_failed"
 	if err == nil {
-		if err = w.checkPulled(req.prompt, p, pulled); err != nil {
+		if err = w.checkPulled(req.prompt, req.cacheSalt, p, pulled); err != nil {
 			code = "kv_transfer_mismatch"
 		}
 	}
@@ -492,7 +492,7 @@ func (w *Worker) pullKV(ctx context.Context, req *genRequest, seq *sequence, res
 	bs := w.cfg.BlockSize
 	k := len(pulled.Blocks)
 	// seq's blocks are this goroutine's to read: only its owner stores into it now.
-	have := max(len(seq.blocks), w.cache.cachedBlocks(req.prompt[:k*bs]))
+	have := max(len(seq.blocks), w.cache.cachedBlocks(req.prompt[:k*bs], req.cacheSalt))
 	missing := max(0, k-have)
 	if err := sleepUntil(ctx, time.Now().Add(w.scale(w.cfg.TransferPerBlock, missing))); err != nil {
 		return err
@@ -544,9 +544,9 @@ func (w *Worker) fetchBlocks(ctx context.Context, p *kvParams) (*pullResponse, e
 	return &pr, nil
 }
 
-// checkPulled verifies that the pulled blocks are the leading full blocks of prompt, as
-// this worker tokenizes it: the same ids, tokens and chained hashes.
-func (w *Worker) checkPulled(prompt []uint32, p *kvParams, r *pullResponse) error {
+// checkPulled verifies that the pulled blocks are the leading full blocks of prompt (under
+// cache_salt salt), as this worker tokenizes it: the same ids, tokens and chained hashes.
+func (w *Worker) checkPulled(prompt []uint32, salt string, p *kvParams, r *pullResponse) error {
 	bs := w.cfg.BlockSize
 	switch {
 	case r.EngineID != p.engineID:
@@ -561,10 +561,14 @@ func (w *Worker) checkPulled(prompt []uint32, p *kvParams, r *pullResponse) erro
 	var parent uint64
 	for i, b := range r.Blocks {
 		want := prompt[i*bs : (i+1)*bs]
+		hashParent := parent
+		if i == 0 {
+			hashParent = saltSeed(salt)
+		}
 		switch {
 		case b.ID != p.blockIDs[i]:
 			return fmt.Errorf("block %d of the answer is id %d, asked for %d", i, b.ID, p.blockIDs[i])
-		case !slices.Equal(b.Tokens, want) || b.Parent != parent || b.Hash != BlockHash(parent, want):
+		case !slices.Equal(b.Tokens, want) || b.Parent != parent || b.Hash != BlockHash(hashParent, want):
 			return fmt.Errorf("block %d (id %d) is not this prompt's block %d: the transfer is another prompt's", i, b.ID, i)
 		}
 		parent = b.Hash

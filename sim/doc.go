@@ -38,6 +38,21 @@
 // A prefill leg's prompt blocks are also pinned by its KV transfer until a decode worker
 // pulls them or KVTransferTimeout passes (see below).
 //
+// A request's cache_salt (completions and chat completions; a non-empty string, as vLLM
+// requires) keys its first block, as vLLM keys it: the first block is hashed from a parent
+// derived from the salt, and the chain carries it on, so the same tokens under another salt, or
+// none, are other blocks and do not hit. Its KV events carry the salt in the first block's
+// extra_keys, where vLLM puts it.
+//
+// With SlidingWindow = W > 0 the worker is a hybrid-attention model (gpt-oss, Gemma 3): the
+// cache has a full-attention group and a sliding-window group of W tokens. Every block is
+// stored in both; a block's sliding-window twin is removed once the request that computed it
+// has computed W tokens past it (vLLM frees such blocks as the window slides, and its events
+// report them when the block is reused; the simulator removes them at once), and both go when
+// the block is evicted. The events name their group (group_idx, kv_cache_spec_kind and the
+// window), as current vLLM's do. Hits are the full-attention group's; vLLM also needs the
+// sliding-window blocks just before the hit's end, which this simulator does not model.
+//
 // # Latency model
 //
 // A request first waits for one of MaxRunning running slots (counted as waiting), then spends

@@ -27,6 +27,7 @@ type engine struct {
 // the request's own goroutine reads it there and emits the tokens produced.
 type engineReq struct {
 	prompt []uint32
+	salt   string // the request's cache_salt
 	// seq is the request's hold on the cache: given (a decode leg) or taken at the lookup
 	// when its first chunk is scheduled.
 	seq       *sequence
@@ -49,7 +50,7 @@ type chunk struct {
 // generate runs req through the engine: the stepped counterpart of Worker.generate, with
 // the same contract.
 func (e *engine) generate(ctx context.Context, req *genRequest, out output, seq *sequence, emit func(i int) error, res *runResult) (*sequence, error) {
-	r := &engineReq{prompt: req.prompt, seq: seq, cached: res.cached, total: len(out.tokens), ready: make(chan struct{}, 1)}
+	r := &engineReq{prompt: req.prompt, salt: req.cacheSalt, seq: seq, cached: res.cached, total: len(out.tokens), ready: make(chan struct{}, 1)}
 	if seq != nil {
 		r.remaining = e.w.prefillTokens(req.prompt, seq)
 	}
@@ -113,7 +114,7 @@ func (e *engine) plan() (chunks []chunk, decoders []*engineReq, d time.Duration)
 			if r.seq == nil {
 				// The lookup happens when the request's prefill starts, so that it finds
 				// what the prefills before it stored.
-				r.seq, r.cached = w.lookup(r.prompt)
+				r.seq, r.cached = w.lookup(r.prompt, r.salt)
 				r.remaining = w.prefillTokens(r.prompt, r.seq)
 			}
 			r.started = true

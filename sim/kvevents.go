@@ -48,8 +48,25 @@ func PublishEvents(ctx context.Context, pub EventPublisher, blockSize int, log *
 }
 
 // translateCacheEvent turns one cache change into vLLM events; stored blocks are split into
-// runs that chain (each block's parent is the one before it), one BlockStored per run.
+// runs that chain (each block's parent is the one before it), one BlockStored per run. A
+// salted prompt's first block carries its cache_salt in extra_keys, as vLLM's does. A hybrid
+// worker's events name their group as vLLM's do: group_idx on every store and removal, the
+// group's kv_cache_spec_kind (and sliding window) on its stores.
 func translateCacheEvent(ce CacheEvent, blockSize int) []kvevents.Event {
+	group := func(ev *kvevents.Event) {
+		if ce.Window <= 0 {
+			return
+		}
+		ev.Group, ev.HasGroup = ce.Group, true
+		if ev.Kind != indexer.Stored {
+			return
+		}
+		if ce.Group == 0 {
+			ev.SpecKind = "full_attention"
+		} else {
+			ev.SpecKind, ev.SlidingWindow = "sliding_window", ce.Window
+		}
+	}
 	switch ce.Kind {
 	case Cleared:
 		return []kvevents.Event{{Kind: indexer.Cleared}}
@@ -61,6 +78,7 @@ func translateCacheEvent(ce CacheEvent, blockSize int) []kvevents.Event {
 		for _, b := range ce.Blocks {
 			ev.BlockHashes = append(ev.BlockHashes, kvevents.UintHash(b.Hash))
 		}
+		group(&ev)
 		return []kvevents.Event{ev}
 	case Stored:
 		var out []kvevents.Event
@@ -70,11 +88,22 @@ func translateCacheEvent(ce CacheEvent, blockSize int) []kvevents.Event {
 			if first.Parent != 0 {
 				ev.Parent, ev.HasParent = kvevents.UintHash(first.Parent), true
 			}
+			salted := false
 			j := i
 			for ; j < len(ce.Blocks) && (j == i || ce.Blocks[j].Parent == ce.Blocks[j-1].Hash); j++ {
 				ev.BlockHashes = append(ev.BlockHashes, kvevents.UintHash(ce.Blocks[j].Hash))
 				ev.TokenIDs = append(ev.TokenIDs, ce.Blocks[j].Tokens...)
+				salted = salted || ce.Blocks[j].Salt != ""
 			}
+			if salted {
+				ev.ExtraKeys = make([][]any, j-i)
+				for k := i; k < j; k++ {
+					if s := ce.Blocks[k].Salt; s != "" {
+						ev.ExtraKeys[k-i] = []any{s}
+					}
+				}
+			}
+			group(&ev)
 			out = append(out, ev)
 			i = j
 		}

@@ -59,6 +59,9 @@ type genRequest struct {
 	includeUsage bool
 	// kv is the request's kv_transfer_params; nil without them.
 	kv *kvParams
+	// cacheSalt is the request's cache_salt: its blocks are other blocks than the same
+	// tokens' under another salt or none, as vLLM keys the salt into the first block.
+	cacheSalt string
 }
 
 type streamOptions struct {
@@ -82,6 +85,7 @@ type wireRequest struct {
 	AddSpecialTokens    *bool           `json:"add_special_tokens"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
 	KVTransferParams    json.RawMessage `json:"kv_transfer_params"`
+	CacheSalt           json.RawMessage `json:"cache_salt"`
 }
 
 func decodeWire(body []byte) (*wireRequest, *apiError) {
@@ -140,6 +144,9 @@ func decodeRequest(body []byte, chat bool, maxModelLen int) (*genRequest, *apiEr
 	if req.kv, aerr = parseKVTransferParams(w.KVTransferParams); aerr != nil {
 		return nil, aerr
 	}
+	if req.cacheSalt, aerr = parseCacheSalt(w.CacheSalt); aerr != nil {
+		return nil, aerr
+	}
 	if req.kv != nil && req.kv.remoteDecode && req.stream {
 		return nil, badRequest("stream", "a prefill leg (kv_transfer_params.do_remote_decode true) cannot be streamed: its kv_transfer_params come in the whole answer")
 	}
@@ -148,6 +155,19 @@ func decodeRequest(body []byte, chat bool, maxModelLen int) (*genRequest, *apiEr
 			maxModelLen, total, len(req.prompt), req.maxTokens)
 	}
 	return req, nil
+}
+
+// parseCacheSalt reads cache_salt: absent or null for none, else a non-empty string, as vLLM
+// requires it.
+func parseCacheSalt(raw json.RawMessage) (string, *apiError) {
+	if isNull(raw) {
+		return "", nil
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err != nil || s == "" {
+		return "", badRequest("cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided.")
+	}
+	return s, nil
 }
 
 func isNull(raw json.RawMessage) bool {

@@ -97,7 +97,7 @@ func New(cfg Config) (*Worker, error) {
 	w := &Worker{
 		cfg:     cfg,
 		log:     cfg.Logger.With("worker", cfg.ID),
-		cache:   newCache(cfg.BlockSize, cfg.CapacityBlocks, cfg.OnEvent),
+		cache:   newHybridCache(cfg.BlockSize, cfg.CapacityBlocks, cfg.SlidingWindow, cfg.OnEvent),
 		running: newFIFOSem(cfg.MaxRunning),
 		prefill: newFIFOSem(1),
 		reg:     prometheus.NewRegistry(),
@@ -340,7 +340,7 @@ func (w *Worker) run(ctx context.Context, req *genRequest, out output, emit func
 	}()
 	if req.kv != nil && req.kv.remotePrefill {
 		// The local hit is looked up before the transfer, which then fills in the rest.
-		seq, res.cached = w.lookup(req.prompt)
+		seq, res.cached = w.lookup(req.prompt, req.cacheSalt)
 		if err := w.pullKV(ctx, req, seq, res); err != nil {
 			return err
 		}
@@ -362,9 +362,10 @@ func (w *Worker) run(ctx context.Context, req *genRequest, out output, emit func
 	return nil
 }
 
-// lookup pins the longest cached prefix of prompt and returns it with its length in tokens.
-func (w *Worker) lookup(prompt []uint32) (*sequence, int) {
-	seq := w.cache.acquire(prompt)
+// lookup pins the longest cached prefix of prompt (stored under cache_salt salt) and returns
+// it with its length in tokens.
+func (w *Worker) lookup(prompt []uint32, salt string) (*sequence, int) {
+	seq := w.cache.acquireSalted(prompt, salt)
 	return seq, len(seq.blocks) * w.cfg.BlockSize
 }
 
@@ -391,7 +392,7 @@ func (w *Worker) generate(ctx context.Context, req *genRequest, out output, seq 
 		return seq, err
 	}
 	if seq == nil {
-		seq, res.cached = w.lookup(req.prompt)
+		seq, res.cached = w.lookup(req.prompt, req.cacheSalt)
 	}
 	w.prefillStarts(req.prompt, res.cached)
 	err := sleepUntil(ctx, time.Now().Add(w.scale(w.cfg.PrefillPerToken, w.prefillTokens(req.prompt, seq))))

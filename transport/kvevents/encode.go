@@ -29,9 +29,13 @@ func Encode(b Batch, mapEncoding bool) ([]byte, error) {
 // but the same one every time, which is all the router needs of an opaque hash.
 //
 // Arrays: [ts, events, dp_rank?] and ["BlockStored", block_hashes, parent_block_hash,
-// token_ids, block_size, lora_id, medium, lora_name], ["BlockRemoved", block_hashes, medium],
-// ["AllBlocksCleared"]. Maps: {"ts", "events", "data_parallel_rank"} and the same fields by
-// name with "type". nil stands for no parent, lora_id 0, and an empty medium or LoRA name.
+// token_ids, block_size, lora_id, medium, lora_name, extra_keys?, group_idx?,
+// kv_cache_spec_kind?, kv_cache_spec_sliding_window?], ["BlockRemoved", block_hashes, medium,
+// group_idx?], ["AllBlocksCleared"]; the optional fields are written, as msgspec writes them,
+// up to the last one set (nil for those before it that are not). Maps: {"ts", "events",
+// "data_parallel_rank"} and the same fields by name with "type", the optional ones only when
+// set. nil stands for no parent, lora_id 0, and an empty medium or LoRA name. Extra keys are
+// written from ExtraKeys (Extras, digests, cannot be written back).
 func (f Format) Append(dst []byte, b Batch) ([]byte, error) {
 	if err := b.Validate(); err != nil {
 		return dst, fmt.Errorf("encode: %w", err)
@@ -118,7 +122,22 @@ func (w *writer) batch(b Batch) {
 func (w *writer) event(ev *Event) {
 	switch ev.Kind {
 	case indexer.Stored:
-		w.head(tagStored, 7)
+		opt := 0 // optional trailing fields written
+		switch {
+		case ev.SlidingWindow != 0:
+			opt = 4
+		case ev.SpecKind != "":
+			opt = 3
+		case ev.HasGroup:
+			opt = 2
+		case ev.ExtraKeys != nil:
+			opt = 1
+		}
+		if w.f.Map {
+			opt = boolInt(ev.ExtraKeys != nil) + boolInt(ev.HasGroup) + boolInt(ev.SpecKind != "") +
+				boolInt(ev.SlidingWindow != 0)
+		}
+		w.head(tagStored, 7+opt)
 		w.field("block_hashes")
 		w.hashes(ev.BlockHashes)
 		w.field("parent_block_hash")
@@ -144,12 +163,22 @@ func (w *writer) event(ev *Event) {
 		w.optStr(ev.Medium)
 		w.field("lora_name")
 		w.optStr(ev.LoRAName)
+		w.optional(opt, 0, ev.ExtraKeys != nil, "extra_keys", func() { w.extraKeys(ev.ExtraKeys) })
+		w.optional(opt, 1, ev.HasGroup, "group_idx", func() { w.do(w.e.EncodeInt(int64(ev.Group))) })
+		w.optional(opt, 2, ev.SpecKind != "", "kv_cache_spec_kind", func() { w.str(ev.SpecKind) })
+		w.optional(opt, 3, ev.SlidingWindow != 0, "kv_cache_spec_sliding_window", func() {
+			w.do(w.e.EncodeInt(int64(ev.SlidingWindow)))
+		})
 	case indexer.Removed:
-		w.head(tagRemoved, 2)
+		w.head(tagRemoved, 2+boolInt(ev.HasGroup))
 		w.field("block_hashes")
 		w.hashes(ev.BlockHashes)
 		w.field("medium")
 		w.optStr(ev.Medium)
+		if ev.HasGroup {
+			w.field("group_idx")
+			w.do(w.e.EncodeInt(int64(ev.Group)))
+		}
 	default:
 		w.head(tagCleared, 0)
 	}
@@ -171,4 +200,47 @@ func (w *writer) field(name string) {
 	if w.f.Map {
 		w.str(name)
 	}
+}
+
+// optional writes the optional BlockStored field i (0: extra_keys .. 3: the sliding window):
+// in a map only when set, in an array as nil when not set but a later one is (opt fields are
+// written in all).
+func (w *writer) optional(opt, i int, set bool, name string, write func()) {
+	if w.f.Map {
+		if set {
+			w.str(name)
+			write()
+		}
+		return
+	}
+	if i >= opt {
+		return
+	}
+	if set {
+		write()
+	} else {
+		w.do(w.e.EncodeNil())
+	}
+}
+
+// extraKeys writes one tuple (or nil) per block.
+func (w *writer) extraKeys(keys [][]any) {
+	w.do(w.e.EncodeArrayLen(len(keys)))
+	for _, k := range keys {
+		if k == nil {
+			w.do(w.e.EncodeNil())
+			continue
+		}
+		w.do(w.e.EncodeArrayLen(len(k)))
+		for _, v := range k {
+			w.do(w.e.Encode(v))
+		}
+	}
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

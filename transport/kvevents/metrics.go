@@ -20,6 +20,7 @@ type Metrics struct {
 	unknownRemoved    *prometheus.CounterVec
 	blockSizeMismatch *prometheus.CounterVec
 	overCapacity      *prometheus.CounterVec
+	otherGroup        *prometheus.CounterVec
 	unknownPublisher  prometheus.Counter
 	events            *prometheus.CounterVec
 	blocks            *prometheus.CounterVec
@@ -52,6 +53,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			"BlockStored events dropped because their block size is not the router's.", "worker"),
 		overCapacity: counter("over_capacity_blocks_total",
 			"Stored (or restored from a peer's snapshot) blocks dropped because the worker's engine-hash map was full.", "worker"),
+		otherGroup: counter("other_group_events_total",
+			"Events of KV cache groups that do not feed the index (a hybrid model's sliding-window or Mamba groups).", "worker"),
 		unknownPublisher: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvrouter_kvevents_unknown_publisher_total",
 			Help: "Messages on a shared socket whose topic names no configured worker.",
@@ -67,7 +70,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	}
 	var errs []error
 	for _, c := range []prometheus.Collector{m.decodeErrors, m.gaps, m.missed, m.replays, m.replayed, m.restarts,
-		m.unknownParent, m.unknownRemoved, m.blockSizeMismatch, m.overCapacity, m.unknownPublisher, m.events,
+		m.unknownParent, m.unknownRemoved, m.blockSizeMismatch, m.overCapacity, m.otherGroup, m.unknownPublisher, m.events,
 		m.blocks, m.connects, m.lastSeq, m.silence} {
 		errs = append(errs, reg.Register(c))
 	}
@@ -90,4 +93,5 @@ func (m *Metrics) counts(worker string, c Counts) {
 	add(m.unknownRemoved, c.UnknownRemoved)
 	add(m.blockSizeMismatch, c.BlockSizeMismatch)
 	add(m.overCapacity, c.OverCapacity)
+	add(m.otherGroup, c.OtherGroup)
 }

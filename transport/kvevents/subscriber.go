@@ -568,8 +568,8 @@ func (st *stream) noteReplayed(r replayed) {
 
 // fetchReplay asks a vLLM replay (ROUTER) socket for everything from `from` on, and keeps the
 // messages before `to`, in increasing order. The request is an empty delimiter and the 8-byte
-// big-endian start (vLLM's ROUTER expects [identity, "", start]); each answer is ["", seq,
-// payload], the empty delimiter tolerated absent, until seq -1.
+// big-endian start (vLLM's ROUTER expects [identity, "", start]); each answer carries a
+// sequence and a payload, until seq -1, in any of the layouts replayFrames accepts.
 func (s *Subscriber) fetchReplay(ctx context.Context, ep string, from, to uint64) ([]replayed, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
 	defer cancel()
@@ -589,14 +589,15 @@ func (s *Subscriber) fetchReplay(ctx context.Context, ep string, from, to uint64
 		if err != nil {
 			return out, fmt.Errorf("replay answer: %w", err)
 		}
-		f := m.Frames
-		if len(f) == 3 && len(f[0]) == 0 {
-			f = f[1:]
+		seqFrame, payload, ok := replayFrames(m.Frames)
+		if !ok {
+			sizes := make([]int, len(m.Frames))
+			for i, f := range m.Frames {
+				sizes[i] = len(f)
+			}
+			return out, fmt.Errorf("replay answer of %d frames (%v bytes): %w", len(m.Frames), sizes, ErrMalformed)
 		}
-		if len(f) != 2 || len(f[0]) != 8 {
-			return out, fmt.Errorf("replay answer of %d frames: %w", len(m.Frames), ErrMalformed)
-		}
-		seq := binary.BigEndian.Uint64(f[0])
+		seq := binary.BigEndian.Uint64(seqFrame)
 		if int64(seq) == -1 {
 			return out, nil
 		}
@@ -606,12 +607,44 @@ func (s *Subscriber) fetchReplay(ctx context.Context, ep string, from, to uint64
 		if seq >= to {
 			return out, nil // the rest arrives, or arrived, on the SUB socket
 		}
-		out = append(out, replayed{seq: seq, payload: f[1]})
+		out = append(out, replayed{seq: seq, payload: payload})
 		if seq == to-1 {
 			return out, nil
 		}
 	}
 	return out, fmt.Errorf("replay answer longer than %d messages: %w", maxReplayMessages, ErrTooLarge)
+}
+
+// replayFrames finds the sequence and the payload in one replay answer as our DEALER receives
+// it: the publisher's ROUTER takes the first frame it sends (the client's identity) to route
+// the message and sends the rest as they are, so what arrives is whatever the publisher put
+// after the identity. The layouts publishers use, as received:
+//
+//	[seq, payload]                   no delimiter
+//	["", seq, payload]               vLLM and SGLang ([identity, "", seq, payload] sent)
+//	[topic, seq, payload]            the topic instead of the delimiter
+//	["", topic, seq, payload]        the delimiter and the topic (llm-d-inference-sim)
+//	[identity, "", topic, seq, payload]  the same with the identity echoed, as a client that is
+//	                                 not a DEALER, or a publisher that adds it twice, sees it
+//
+// The sequence is always the 8-byte frame before the payload, the end marker an 8-byte -1 and
+// an empty payload. Anything else is malformed.
+func replayFrames(f [][]byte) (seq, payload []byte, ok bool) {
+	n := len(f)
+	if n < 2 || n > 5 || len(f[n-2]) != 8 {
+		return nil, nil, false
+	}
+	switch n {
+	case 4: // ["", topic, ...]
+		if len(f[0]) != 0 {
+			return nil, nil, false
+		}
+	case 5: // [identity, "", topic, ...]
+		if len(f[1]) != 0 {
+			return nil, nil, false
+		}
+	}
+	return f[n-2], f[n-1], true
 }
 
 // identify names the worker behind a topic.

@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/cespare/xxhash/v2"
 
@@ -31,6 +32,9 @@ type Counts struct {
 	UnknownRemoved int
 	// OverCapacity counts stored blocks dropped because the worker's map was full.
 	OverCapacity int
+	// OtherGroup counts events of KV cache groups that do not feed the index: a hybrid
+	// model's sliding-window, Mamba or chunked-local groups (see Translator).
+	OtherGroup int
 }
 
 // Add adds o to c.
@@ -41,25 +45,57 @@ func (c *Counts) Add(o Counts) {
 	c.BlockSizeMismatch += o.BlockSizeMismatch
 	c.UnknownRemoved += o.UnknownRemoved
 	c.OverCapacity += o.OverCapacity
+	c.OtherGroup += o.OtherGroup
 }
 
 // Translator turns one worker's engine events into indexer events keyed by the router's own
 // sequence hashes. It remembers, per engine block, the router key it computed, so that
 // BlockRemoved resolves and a later BlockStored can chain from its parent. It also counts how
 // many engine blocks map to each router key: blocks the router cannot tell apart (a cache salt
-// or multimodal inputs the router does not hash, the same block on GPU and offloaded to CPU)
-// leave the index only when the last of them goes. A Translator is not safe for concurrent use.
+// or multimodal inputs an older engine does not report, the same block on GPU and offloaded to
+// CPU, the same block in two full-attention groups) leave the index only when the last of them
+// goes.
+//
+// KV cache groups (vLLM's group_idx) are kept apart: the same engine hash names a block in
+// every group of a hybrid model, and each group stores and removes its blocks on its own. Only
+// full-attention groups feed the index (a prefix hit needs their blocks); a sliding-window
+// group drops its blocks as the window moves on, and those removals must not take the prefix
+// out of the index. A group's kind comes from its BlockStored events (kv_cache_spec_kind); a
+// group never described is group 0 (older vLLM, SGLang) feeding the index, or another one that
+// does not. Engine blocks smaller than the router's, dividing it (SGLang's pages, one token by
+// default), are regrouped into router blocks along their parent links. A Translator is not
+// safe for concurrent use.
 type Translator struct {
 	worker    indexer.Worker
 	blockSize int
 	maxBlocks int
 
-	keys *table // engine block (salted by medium) -> router key
+	keys *table // engine block (salted by medium and group) -> router key
 	refs *table // router key -> how many engine blocks map to it
+	// pages holds engine blocks smaller than a router block (same salted keys as keys).
+	pages map[uint64]*page
+	// groups says, per group learned from a BlockStored, whether it feeds the index.
+	groups map[int]bool
 
-	seq, gone []uint64 // scratch
-	loraName  string
-	loraSeed  uint64
+	seq, gone, out []uint64 // scratch
+	gather         []uint32 // scratch: one router block's tokens
+	loraName       string
+	loraSeed       uint64
+}
+
+// page is an engine block smaller than the router's block. A router block is complete at the
+// page whose end reaches its last token: that page owns the router key, computed from the
+// tokens of it and the pages before it in the block, chained from the key of the router block
+// before (prefix).
+type page struct {
+	parent uint64 // salted key of the page before, when hasParent
+	prefix uint64 // key of the last router block completed before this page's block
+	own    uint64 // the key of the router block this page completes, when owns
+	tokens []uint32
+	extra  uint64 // the page's extra digest
+	fill   int    // tokens of this page's router block up to this page's end
+
+	hasParent, hasPrefix, owns bool
 }
 
 // NewTranslator returns a Translator for worker w whose index uses blocks of blockSize tokens.
@@ -77,6 +113,7 @@ func NewTranslator(w indexer.Worker, blockSize, maxBlocks int) (*Translator, err
 		maxBlocks: maxBlocks,
 		keys:      newTable(),
 		refs:      newTable(),
+		pages:     make(map[uint64]*page),
 	}, nil
 }
 
@@ -84,7 +121,7 @@ func NewTranslator(w indexer.Worker, blockSize, maxBlocks int) (*Translator, err
 func (t *Translator) Worker() indexer.Worker { return t.worker }
 
 // Len is the number of engine blocks remembered.
-func (t *Translator) Len() int { return t.keys.Len() }
+func (t *Translator) Len() int { return t.keys.Len() + len(t.pages) }
 
 // Apply validates the whole batch, then translates its events in order and applies them to
 // sink. A batch that fails validation changes nothing. Events that cannot be translated (a
@@ -106,15 +143,39 @@ func (t *Translator) Apply(b Batch, sink Sink) (Counts, error) {
 func (t *Translator) apply(ev *Event, sink Sink, c *Counts) error {
 	switch ev.Kind {
 	case indexer.Stored:
+		if !t.feeds(ev) {
+			c.OtherGroup++
+			return nil
+		}
+		if ev.BlockSize != t.blockSize {
+			if ev.BlockSize < t.blockSize && t.blockSize%ev.BlockSize == 0 {
+				return t.storedPages(ev, sink, c)
+			}
+			c.BlockSizeMismatch++
+			return nil
+		}
 		return t.stored(ev, sink, c)
 	case indexer.Removed:
-		salt := mediumSalt(ev.Medium)
+		if !t.feeds(ev) {
+			c.OtherGroup++
+			return nil
+		}
+		salt := saltOf(ev)
 		t.gone = t.gone[:0]
 		for _, h := range ev.BlockHashes {
-			key, ok := t.keys.take(uint64(h ^ salt))
+			k := uint64(h ^ salt)
+			key, ok := t.keys.take(k)
 			if !ok {
-				c.UnknownRemoved++
-				continue
+				p, isPage := t.pages[k]
+				if !isPage {
+					c.UnknownRemoved++
+					continue
+				}
+				delete(t.pages, k)
+				if !p.owns {
+					continue
+				}
+				key = p.own
 			}
 			if t.refs.decr(key) {
 				t.gone = append(t.gone, key)
@@ -133,37 +194,92 @@ func (t *Translator) apply(ev *Event, sink Sink, c *Counts) error {
 	}
 }
 
-func (t *Translator) stored(ev *Event, sink Sink, c *Counts) error {
-	if ev.BlockSize != t.blockSize {
-		c.BlockSizeMismatch++
-		return nil
+// Full-attention kinds of vLLM's kv_cache_spec_kind: their groups need every block of a
+// prefix, so theirs are the blocks a prefix hit is made of.
+func fullAttention(kind string) bool {
+	switch kind {
+	case "", "full_attention", "mla_attention", "sink_full_attention":
+		return true
 	}
+	return false
+}
+
+// feeds reports whether the event's group feeds the index, learning the group's kind from a
+// BlockStored that describes it.
+func (t *Translator) feeds(ev *Event) bool {
+	if ev.Kind == indexer.Stored && (ev.SpecKind != "" || ev.SlidingWindow > 0) {
+		full := fullAttention(ev.SpecKind) && ev.SlidingWindow == 0
+		if t.groups == nil {
+			t.groups = make(map[int]bool)
+		}
+		if len(t.groups) < MaxGroup+1 {
+			t.groups[ev.Group] = full
+		}
+		return full
+	}
+	if full, ok := t.groups[ev.Group]; ok {
+		return full
+	}
+	return ev.Group == 0
+}
+
+// saltOf is what the translator XORs an event's engine hashes with: the medium's salt and the
+// group's, so that a block's copies on two media, or in two groups, are separate entries.
+func saltOf(ev *Event) EngineHash { return mediumSalt(ev.Medium) ^ groupSalt(ev.Group) }
+
+// groupSalt keeps a group's blocks apart from the same hashes in another group. Group 0, the
+// only group of a model without hybrid attention, is unsalted.
+func groupSalt(g int) EngineHash {
+	if g == 0 {
+		return 0
+	}
+	return digestInt(kindGroup, uint64(g))
+}
+
+// parentKey finds the router key of the block whose salted engine key is k (an offloaded
+// block's parent may be known only on the GPU: unsalted by medium).
+func (t *Translator) parentKey(ev *Event, h EngineHash) (uint64, bool) {
+	salt := saltOf(ev)
+	if key, ok := t.keys.get(uint64(h ^ salt)); ok {
+		return key, true
+	}
+	if ms := mediumSalt(ev.Medium); ms != 0 {
+		return t.keys.get(uint64(h ^ salt ^ ms))
+	}
+	return 0, false
+}
+
+func (t *Translator) stored(ev *Event, sink Sink, c *Counts) error {
 	n := len(ev.BlockHashes)
 	if n == 0 {
 		return nil
 	}
-	if t.keys.Len()+n > t.maxBlocks {
+	if t.Len()+n > t.maxBlocks {
 		c.OverCapacity += n
 		return nil
 	}
-	salt := mediumSalt(ev.Medium)
+	salt := saltOf(ev)
 	var parent uint64
 	if ev.HasParent {
 		var ok bool
-		if parent, ok = t.keys.get(uint64(ev.Parent ^ salt)); !ok && salt != 0 {
-			// An offloaded block's parent may be known only on the GPU.
-			parent, ok = t.keys.get(uint64(ev.Parent))
-		}
-		if !ok {
+		if parent, ok = t.parentKey(ev, ev.Parent); !ok {
 			c.UnknownParent++
 			return nil
 		}
 	}
 	t.seq = indexer.BlockHashes(ev.TokenIDs, t.blockSize, t.seed(ev.LoRAName), t.seq)
+	// The hashes name the last blocks of token_ids (vLLM leaves a group's null blocks out).
+	first := len(t.seq) - n
+	if ev.Extras != nil {
+		for i, x := range ev.Extras {
+			t.seq[first+i] = indexer.MixExtra(t.seq[first+i], x)
+		}
+	}
 	t.seq = indexer.Chain(parent, ev.HasParent, t.seq, t.seq)
+	keys := t.seq[first:]
 	t.gone = t.gone[:0]
 	for i, h := range ev.BlockHashes {
-		key := t.seq[i]
+		key := keys[i]
 		if old, had := t.keys.put(uint64(h^salt), key); had {
 			if old == key {
 				continue // stored again: the index refreshes it, the count stays
@@ -182,7 +298,118 @@ func (t *Translator) stored(ev *Event, sink Sink, c *Counts) error {
 	}
 	c.Events++
 	c.Blocks += n
-	return sink.Apply(indexer.Event{Kind: indexer.Stored, Worker: t.worker, Blocks: t.seq})
+	return sink.Apply(indexer.Event{Kind: indexer.Stored, Worker: t.worker, Blocks: keys})
+}
+
+// storedPages applies a BlockStored of engine blocks smaller than the router's (a divisor of
+// it): each is remembered with where it ends in its router block, and the one that ends a
+// router block gets that block's key, from the tokens of the pages since the block began.
+func (t *Translator) storedPages(ev *Event, sink Sink, c *Counts) error {
+	n, ps := len(ev.BlockHashes), ev.BlockSize
+	if n == 0 {
+		return nil
+	}
+	if t.Len()+n > t.maxBlocks {
+		c.OverCapacity += n
+		return nil
+	}
+	salt := saltOf(ev)
+	seed := t.seed(ev.LoRAName)
+	off := len(ev.TokenIDs) - n*ps
+	t.gone, t.out = t.gone[:0], t.out[:0]
+	parent, hasParent := uint64(ev.Parent^salt), ev.HasParent
+	for i, h := range ev.BlockHashes {
+		k := uint64(h ^ salt)
+		p := &page{parent: parent, hasParent: hasParent, tokens: ev.TokenIDs[off+i*ps : off+(i+1)*ps]}
+		if ev.Extras != nil {
+			p.extra = ev.Extras[i]
+		}
+		if hasParent {
+			pp := t.pages[parent]
+			if pp == nil {
+				c.UnknownParent++
+				break // the rest chains from this page
+			}
+			if pp.fill == t.blockSize {
+				p.prefix, p.hasPrefix = pp.own, pp.owns
+			} else {
+				p.prefix, p.hasPrefix, p.fill = pp.prefix, pp.hasPrefix, pp.fill
+			}
+		}
+		p.fill += ps
+		if p.fill > t.blockSize {
+			c.BlockSizeMismatch++ // pages of another size in one router block
+			break
+		}
+		if p.fill == t.blockSize && !t.complete(p, seed) {
+			c.UnknownParent++
+			break
+		}
+		if old, had := t.pages[k]; had {
+			if old.owns && (!p.owns || old.own != p.own) && t.refs.decr(old.own) {
+				t.gone = append(t.gone, old.own)
+			}
+			if old.owns && p.owns && old.own == p.own {
+				t.refs.decr(old.own) // stored again: the count stays
+			}
+		}
+		p.tokens = slices.Clone(p.tokens)
+		t.pages[k] = p
+		if p.owns {
+			t.refs.incr(p.own)
+			t.out = append(t.out, p.own)
+		}
+		parent, hasParent = k, true
+	}
+	if len(t.gone) > 0 {
+		if err := sink.Apply(indexer.Event{Kind: indexer.Removed, Worker: t.worker, Blocks: t.gone}); err != nil {
+			return err
+		}
+	}
+	c.Events++
+	c.Blocks += len(t.out)
+	if len(t.out) == 0 {
+		return nil
+	}
+	return sink.Apply(indexer.Event{Kind: indexer.Stored, Worker: t.worker, Blocks: t.out})
+}
+
+// complete computes the key of the router block p ends, from the tokens of p and the pages
+// before it in the block; false when one of them is no longer known.
+func (t *Translator) complete(p *page, seed uint64) bool {
+	per := t.blockSize / len(p.tokens)
+	t.gather = grow(t.gather[:0], t.blockSize)[:t.blockSize]
+	var ex indexer.ExtraDigest
+	extra := false
+	cur := p
+	for i := per - 1; i >= 0; i-- {
+		if cur == nil || len(cur.tokens) != len(p.tokens) {
+			return false
+		}
+		copy(t.gather[i*len(p.tokens):], cur.tokens)
+		extra = extra || cur.extra != 0
+		if i > 0 {
+			if !cur.hasParent {
+				return false
+			}
+			cur = t.pages[cur.parent]
+		}
+	}
+	if extra {
+		// Pages with extra keys make a block the request side cannot key as the engine did
+		// (vLLM attaches them per engine block): a key of its own, which matches no prompt.
+		cur = p
+		for range per {
+			ex.Uint(cur.extra)
+			if cur.hasParent {
+				cur = t.pages[cur.parent]
+			}
+		}
+	}
+	local := indexer.MixExtra(indexer.BlockHashes(t.gather, t.blockSize, seed, t.seq[:0])[0], ex.Sum())
+	t.seq = indexer.Chain(p.prefix, p.hasPrefix, []uint64{local}, t.seq[:0])
+	p.own, p.owns = t.seq[0], true
+	return true
 }
 
 // seed caches the last LoRA name's seed: a worker serves few adapters, often one.
@@ -205,11 +432,13 @@ func mediumSalt(medium string) EngineHash {
 	return EngineHash(xxhash.Sum64String(medium))
 }
 
-// Purge forgets every engine block (the engine restarted). It does not touch the index: the
-// caller removes the worker there.
+// Purge forgets every engine block and what it learned of the groups (the engine restarted).
+// It does not touch the index: the caller removes the worker there.
 func (t *Translator) Purge() {
 	t.keys.reset()
 	t.refs.reset()
+	clear(t.pages)
+	t.groups = nil
 }
 
 // Snapshot copies out the engine-block to router-key map, for a snapshot of the worker.
@@ -231,7 +460,7 @@ func (t *Translator) merge(m map[uint64]uint64) (added, kept, dropped int) {
 			kept++
 			continue
 		}
-		if t.keys.Len() >= t.maxBlocks {
+		if t.Len() >= t.maxBlocks {
 			dropped++
 			continue
 		}

@@ -27,8 +27,9 @@ import (
 const (
 	// MaxPayload is the largest payload Decode accepts, in bytes.
 	MaxPayload = 64 << 20
-	// MaxEvents is the most events one batch may carry.
-	MaxEvents = 4096
+	// MaxEvents is the most events one batch may carry. SGLang sends one BlockStored per page,
+	// and its default page is one token, so a long prefill step is many thousand events.
+	MaxEvents = 1 << 16
 	// MaxBlocksPerEvent is the most block hashes one event may carry.
 	MaxBlocksPerEvent = 65536
 	// MaxTokensPerEvent is the most token ids one BlockStored event may carry.
@@ -39,6 +40,11 @@ const (
 	MaxHashBytes = 256
 	// MaxDPRank is the highest data-parallel rank a batch may name.
 	MaxDPRank = 65535
+	// MaxGroup is the highest KV cache group index (vLLM's group_idx) an event may name.
+	MaxGroup = 4095
+	// MaxExtraBytes bounds one string or bytes element of extra_keys (a cache salt, a
+	// multimodal identifier, a prompt-embedding hash).
+	MaxExtraBytes = 64 << 10
 	// maxString bounds map keys, medium and LoRA names.
 	maxString = 1024
 	// maxDepth bounds the nesting of fields skipped as unknown.
@@ -85,6 +91,8 @@ const (
 	kindNegative byte = 1
 	kindInteger  byte = 2
 	kindBytes    byte = 3
+	// kindGroup salts a KV cache group's blocks (translate.go), not a hash of the wire.
+	kindGroup byte = 4
 )
 
 // IntHash is the EngineHash of an integer hash.
@@ -139,6 +147,25 @@ type Event struct {
 	LoRAID int
 	// Medium is where the blocks live ("GPU", "CPU", ...); empty when not sent.
 	Medium string
+
+	// Extras holds, per block hash, the digest of the block's extra_keys (multimodal items,
+	// cache salt, prompt-embedding hashes) as indexer.ExtraDigest computes it, the leading LoRA
+	// name left out (it seeds the keys already); 0 for a block without extra keys. nil when
+	// the event carried no extra_keys. Decode fills it; Encode ignores it (see ExtraKeys).
+	Extras []uint64
+	// ExtraKeys are the extra_keys Encode writes, one tuple per block hash (nil for none),
+	// elements of type string, []byte, int, int64, uint64, float64, bool, nil or []any.
+	// Decode leaves it nil and fills Extras instead.
+	ExtraKeys [][]any
+	// Group is vLLM's group_idx: the KV cache group the blocks belong to (hybrid models have
+	// a full-attention group and sliding-window or Mamba groups). HasGroup is false when the
+	// event did not say (older vLLM, SGLang): group 0.
+	Group    int
+	HasGroup bool
+	// SpecKind is kv_cache_spec_kind ("full_attention", "sliding_window", "mamba", ...) and
+	// SlidingWindow kv_cache_spec_sliding_window in tokens, when a BlockStored carried them.
+	SpecKind      string
+	SlidingWindow int
 }
 
 // Batch is one payload: the events of one engine step.
@@ -183,9 +210,21 @@ func (e *Event) validate() error {
 		if e.BlockSize < 1 {
 			return fmt.Errorf("%w: block_size %d", ErrMalformed, e.BlockSize)
 		}
-		if len(e.TokenIDs) != len(e.BlockHashes)*e.BlockSize {
+		// vLLM skips the null blocks of a sliding-window (or Mamba) group in block_hashes but
+		// not in token_ids, which cover every block from the parent on: the hashes name the
+		// last blocks. Fewer tokens than hashes, or a partial block, is malformed.
+		if len(e.TokenIDs) < len(e.BlockHashes)*e.BlockSize || len(e.TokenIDs)%e.BlockSize != 0 {
 			return fmt.Errorf("%w: %d token ids for %d blocks of %d", ErrMalformed,
 				len(e.TokenIDs), len(e.BlockHashes), e.BlockSize)
+		}
+		if e.Extras != nil && len(e.Extras) != len(e.BlockHashes) {
+			return fmt.Errorf("%w: %d extra_keys for %d blocks", ErrMalformed, len(e.Extras), len(e.BlockHashes))
+		}
+		if e.ExtraKeys != nil && len(e.ExtraKeys) != len(e.BlockHashes) {
+			return fmt.Errorf("%w: %d extra_keys for %d blocks", ErrMalformed, len(e.ExtraKeys), len(e.BlockHashes))
+		}
+		if e.SlidingWindow < 0 || e.SlidingWindow > math.MaxInt32 {
+			return fmt.Errorf("%w: kv_cache_spec_sliding_window %d", ErrWrongType, e.SlidingWindow)
 		}
 	case indexer.Removed:
 		if len(e.BlockHashes) > MaxBlocksPerEvent {
@@ -194,6 +233,9 @@ func (e *Event) validate() error {
 	case indexer.Cleared:
 	default:
 		return fmt.Errorf("%w: kind %d", ErrUnknownEvent, e.Kind)
+	}
+	if e.HasGroup && (e.Group < 0 || e.Group > MaxGroup) {
+		return fmt.Errorf("%w: group_idx %d out of 0..%d", ErrWrongType, e.Group, MaxGroup)
 	}
 	return nil
 }
@@ -251,8 +293,27 @@ type Decoder struct {
 	events  []Event
 	hashes  []EngineHash
 	tokens  []uint32
-	// medium remembers the last medium string so that "GPU" is not allocated per event.
-	medium string
+	// medium and kind remember the last medium and kv_cache_spec_kind strings so that "GPU"
+	// and "full_attention" are not allocated per event.
+	medium, kind string
+	// extras holds the events' extra-key digests; pending the digests of the extra_keys of the
+	// event being decoded, resolved once its lora_name is known (a map may give it after).
+	extras  []uint64
+	pending []extraEntry
+	// hasExtras says the event being decoded carried a list in extra_keys.
+	hasExtras bool
+	// sink takes the digest writes nobody reads (the first element of a tuple, for the digest
+	// that leaves it out).
+	sink indexer.ExtraDigest
+}
+
+// extraEntry is one block's extra_keys as decoded: the digest of all its elements, and of all
+// but the first, which vLLM makes the LoRA name when the request has one.
+type extraEntry struct {
+	all, rest uint64
+	// first is the xxhash of the first element, when firstStr says it is a string.
+	first    uint64
+	firstStr bool
 }
 
 // NewDecoder returns a Decoder.
@@ -278,6 +339,7 @@ func (d *Decoder) Decode(payload []byte) (Batch, error) {
 	d.events = d.events[:0]
 	d.hashes = d.hashes[:0]
 	d.tokens = d.tokens[:0]
+	d.extras = d.extras[:0]
 	b, err := d.batch()
 	if err == nil && d.r.Len() != 0 {
 		err = fmt.Errorf("%w: %d trailing bytes after the batch", ErrMalformed, d.r.Len())
@@ -346,7 +408,7 @@ func (d *Decoder) mapBatch() (Batch, error) {
 		case "events":
 			b.Events, err = d.eventList()
 			haveEvents = true
-		case "data_parallel_rank":
+		case "data_parallel_rank", "attn_dp_rank": // vLLM's name, SGLang's name
 			b.DPRank, b.HasDPRank, err = d.dpRank()
 		default:
 			err = d.skip(0)
@@ -379,39 +441,65 @@ func (d *Decoder) eventList() ([]Event, error) {
 		return nil, err
 	}
 	start := len(d.events)
-	for range n {
-		ev, err := d.event()
-		if err != nil {
-			return nil, fmt.Errorf("event %d: %w", len(d.events)-start, err)
+	for i := range n {
+		// Decoded in place: an Event is a couple of hundred bytes, not worth copying twice.
+		d.events = append(d.events, Event{})
+		if err := d.event(&d.events[start+i]); err != nil {
+			return nil, fmt.Errorf("event %d: %w", i, err)
 		}
-		d.events = append(d.events, ev)
 	}
 	return d.events[start:len(d.events):len(d.events)], nil
 }
 
-func (d *Decoder) event() (Event, error) {
+func (d *Decoder) event(ev *Event) error {
 	c, err := d.peek("event")
 	if err != nil {
-		return Event{}, err
+		return err
 	}
-	var ev Event
+	d.hasExtras = false
 	switch {
 	case isArray(c):
-		err = d.arrayEvent(&ev)
+		err = d.arrayEvent(ev)
 	case isMap(c):
-		err = d.mapEvent(&ev)
+		err = d.mapEvent(ev)
 	default:
-		return Event{}, fmt.Errorf("%w: event is msgpack code %#x, want an array or a map", ErrWrongType, c)
+		return fmt.Errorf("%w: event is msgpack code %#x, want an array or a map", ErrWrongType, c)
 	}
 	if err != nil {
-		return Event{}, err
+		return err
 	}
-	return ev, ev.validate()
+	if d.hasExtras && ev.Kind == indexer.Stored {
+		d.resolveExtras(ev)
+	}
+	return ev.validate()
 }
 
-// arrayEvent decodes a tagged array event: ["BlockStored", block_hashes, parent_block_hash,
-// token_ids, block_size, lora_id, medium, lora_name, ...], ["BlockRemoved", block_hashes,
-// medium, ...] or ["AllBlocksCleared", ...]. Fields past those are newer vLLM's and skipped.
+// resolveExtras turns the pending extra_keys of a BlockStored into ev.Extras: a block's
+// digest leaves its first element out when that is the event's LoRA name (vLLM puts the name
+// first in every block's tuple; the router has it in the seed), and keeps it otherwise.
+func (d *Decoder) resolveExtras(ev *Event) {
+	var lora uint64
+	if ev.LoRAName != "" {
+		lora = xxhash.Sum64String(ev.LoRAName)
+	}
+	start := len(d.extras)
+	for _, x := range d.pending {
+		if ev.LoRAName != "" && x.firstStr && x.first == lora {
+			d.extras = append(d.extras, x.rest)
+		} else {
+			d.extras = append(d.extras, x.all)
+		}
+	}
+	ev.Extras = d.extras[start:len(d.extras):len(d.extras)]
+}
+
+// arrayEvent decodes a tagged array event, vLLM's array_like layout: ["BlockStored",
+// block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+// extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, ...],
+// ["BlockRemoved", block_hashes, medium, group_idx, ...] or ["AllBlocksCleared", ...]. msgspec
+// drops trailing fields at their defaults, so any prefix from block_size (BlockStored) or
+// block_hashes (BlockRemoved) on is an older release's event (SGLang's BlockStored stops
+// after lora_id or medium). Fields past those are a newer release's and skipped.
 func (d *Decoder) arrayEvent(ev *Event) error {
 	n, err := d.arrayLen("event", 1<<16)
 	if err != nil {
@@ -427,12 +515,12 @@ func (d *Decoder) arrayEvent(ev *Event) error {
 	known := 0 // how many fields after the tag this package reads
 	switch string(tag) {
 	case tagStored:
-		ev.Kind, known = indexer.Stored, 7
+		ev.Kind, known = indexer.Stored, 11
 		if n < 5 {
 			return fmt.Errorf("%w: BlockStored with %d fields, want at least 4", ErrMalformed, n-1)
 		}
 	case tagRemoved:
-		ev.Kind, known = indexer.Removed, 2
+		ev.Kind, known = indexer.Removed, 3
 		if n < 2 {
 			return fmt.Errorf("%w: BlockRemoved without block_hashes", ErrMalformed)
 		}
@@ -453,10 +541,14 @@ func (d *Decoder) arrayEvent(ev *Event) error {
 // positional decodes field i (after the tag) of an array event whose Kind is set.
 func (d *Decoder) positional(ev *Event, i int) error {
 	if ev.Kind == indexer.Removed {
-		if i == 0 {
+		switch i {
+		case 0:
 			return d.blockHashes(ev)
+		case 1:
+			return d.mediumField(ev)
+		default:
+			return d.group(ev)
 		}
-		return d.mediumField(ev)
 	}
 	switch i {
 	case 0:
@@ -471,8 +563,16 @@ func (d *Decoder) positional(ev *Event, i int) error {
 		return d.loraID(ev)
 	case 5:
 		return d.mediumField(ev)
-	default:
+	case 6:
 		return d.loraName(ev)
+	case 7:
+		return d.extraKeys()
+	case 8:
+		return d.group(ev)
+	case 9:
+		return d.specKind(ev)
+	default:
+		return d.slidingWindow(ev)
 	}
 }
 
@@ -509,6 +609,14 @@ func (d *Decoder) mapEvent(ev *Event) error {
 			err = d.mediumField(ev)
 		case "lora_name":
 			err = d.loraName(ev)
+		case "extra_keys":
+			err = d.extraKeys()
+		case "group_idx":
+			err = d.group(ev)
+		case "kv_cache_spec_kind":
+			err = d.specKind(ev)
+		case "kv_cache_spec_sliding_window":
+			err = d.slidingWindow(ev)
 		default:
 			err = d.skip(0)
 		}
@@ -657,7 +765,7 @@ func (d *Decoder) tokenIDs(ev *Event) error {
 			out[i] = binary.BigEndian.Uint32(p[1:])
 			p = p[5:]
 		default:
-			v, used, err := slowUint32(p)
+			v, used, err := slowToken(p)
 			if err != nil {
 				return fmt.Errorf("token_ids[%d]: %w", i, err)
 			}
@@ -674,6 +782,53 @@ func (d *Decoder) tokenIDs(ev *Event) error {
 	d.tokens = d.tokens[:start+n]
 	ev.TokenIDs = d.tokens[start : start+n : start+n]
 	return nil
+}
+
+// slowToken decodes a token id in a rarer encoding at the start of p: an integer in one of
+// the rarer widths, or SGLang's bigram key, a short array whose first element is the token (with
+// EAGLE, SGLang's radix keys pair each token with the next one, and its events pass the pairs
+// on). It says how many bytes it used.
+func slowToken(p []byte) (uint32, int, error) {
+	c := p[0]
+	if c&0xf0 != 0x90 { // not a fixarray: an integer or an error
+		return slowUint32(p)
+	}
+	n := int(c & 0x0f)
+	if n == 0 {
+		return 0, 0, fmt.Errorf("%w: token id is an empty array", ErrWrongType)
+	}
+	used := 1
+	var first uint32
+	for j := range n {
+		if used >= len(p) {
+			return 0, 0, fmt.Errorf("%w: truncated token pair", ErrMalformed)
+		}
+		v, k, err := rawUint32(p[used:])
+		if err != nil {
+			return 0, 0, err
+		}
+		if j == 0 {
+			first = v
+		}
+		used += k
+	}
+	return first, used, nil
+}
+
+// rawUint32 decodes an integer token id at the start of p (non-empty) and says how many bytes
+// it used.
+func rawUint32(p []byte) (uint32, int, error) {
+	switch c := p[0]; {
+	case c <= 0x7f:
+		return uint32(c), 1, nil
+	case c == codeUint8 && len(p) >= 2:
+		return uint32(p[1]), 2, nil
+	case c == codeUint16 && len(p) >= 3:
+		return uint32(binary.BigEndian.Uint16(p[1:])), 3, nil
+	case c == codeUint32 && len(p) >= 5:
+		return binary.BigEndian.Uint32(p[1:]), 5, nil
+	}
+	return slowUint32(p)
 }
 
 // slowUint32 decodes a token id in one of the rarer integer encodings (signed widths, 64-bit
@@ -756,6 +911,194 @@ func (d *Decoder) loraName(ev *Event) error {
 	}
 	ev.LoRAName = string(s)
 	return nil
+}
+
+func (d *Decoder) group(ev *Event) error {
+	c, err := d.peek("group_idx")
+	if err != nil {
+		return err
+	}
+	if c == codeNil {
+		ev.Group, ev.HasGroup = 0, false
+		return d.d.DecodeNil()
+	}
+	v, err := d.int("group_idx", 0, MaxGroup)
+	ev.Group, ev.HasGroup = int(v), err == nil
+	return err
+}
+
+func (d *Decoder) specKind(ev *Event) error {
+	s, isNil, err := d.optStr("kv_cache_spec_kind")
+	if err != nil || isNil {
+		return err
+	}
+	if string(s) != d.kind {
+		d.kind = string(s)
+	}
+	ev.SpecKind = d.kind
+	return nil
+}
+
+func (d *Decoder) slidingWindow(ev *Event) error {
+	c, err := d.peek("kv_cache_spec_sliding_window")
+	if err != nil {
+		return err
+	}
+	if c == codeNil {
+		ev.SlidingWindow = 0
+		return d.d.DecodeNil()
+	}
+	v, err := d.int("kv_cache_spec_sliding_window", 0, math.MaxInt32)
+	ev.SlidingWindow = int(v)
+	return err
+}
+
+// extraKeys decodes vLLM's extra_keys: nil, or a list with one entry per block hash, each nil
+// or a tuple of elements (strings, integers, bytes, nested tuples). Each entry becomes a digest
+// (indexer.ExtraDigest, element by element), resolved against lora_name once the event is
+// whole (resolveExtras).
+func (d *Decoder) extraKeys() error {
+	c, err := d.peek("extra_keys")
+	if err != nil {
+		return err
+	}
+	d.pending = d.pending[:0]
+	if c == codeNil {
+		d.hasExtras = false
+		return d.d.DecodeNil()
+	}
+	n, err := d.arrayLen("extra_keys", MaxBlocksPerEvent)
+	if err != nil {
+		return err
+	}
+	d.hasExtras = true
+	for range n {
+		c, err := d.peek("extra_keys entry")
+		if err != nil {
+			return err
+		}
+		if c == codeNil {
+			if err := d.d.DecodeNil(); err != nil {
+				return malformed("extra_keys entry", err)
+			}
+			d.pending = append(d.pending, extraEntry{})
+			continue
+		}
+		if !isArray(c) {
+			return fmt.Errorf("%w: extra_keys entry is msgpack code %#x, want an array or nil", ErrWrongType, c)
+		}
+		m, err := d.arrayLen("extra_keys entry", math.MaxInt)
+		if err != nil {
+			return err
+		}
+		var all, rest indexer.ExtraDigest
+		var x extraEntry
+		for j := range m {
+			if j > 0 {
+				if err := d.extraValue(&all, &rest, 1); err != nil {
+					return err
+				}
+				continue
+			}
+			c, err := d.peek("extra key")
+			if err != nil {
+				return err
+			}
+			if !isStr(c) {
+				if err := d.extraValue(&all, nil, 1); err != nil {
+					return err
+				}
+				continue
+			}
+			b, err := d.raw("extra key", MaxExtraBytes)
+			if err != nil {
+				return err
+			}
+			x.first, x.firstStr = xxhash.Sum64(b), true
+			all.StringBytes(b)
+		}
+		x.all, x.rest = all.Sum(), rest.Sum()
+		d.pending = append(d.pending, x)
+	}
+	return nil
+}
+
+// extraValue reads one element of an extra_keys tuple into a (and b, unless nil), nesting at
+// most maxDepth deep.
+func (d *Decoder) extraValue(a, b *indexer.ExtraDigest, depth int) error {
+	if depth > maxDepth {
+		return fmt.Errorf("%w: extra_keys nested deeper than %d", ErrTooLarge, maxDepth)
+	}
+	if b == nil {
+		b = &d.sink // written and never read
+	}
+	c, err := d.peek("extra key")
+	if err != nil {
+		return err
+	}
+	switch {
+	case c == codeNil:
+		a.Nil()
+		b.Nil()
+		return malformed("extra key", d.d.DecodeNil())
+	case c == codeFalse || c == codeTrue:
+		v, err := d.d.DecodeBool()
+		a.Bool(v)
+		b.Bool(v)
+		return malformed("extra key", err)
+	case c == codeUint64:
+		v, err := d.d.DecodeUint64()
+		a.Uint(v)
+		b.Uint(v)
+		return malformed("extra key", err)
+	case isInt(c):
+		v, err := d.d.DecodeInt64()
+		a.Int(v)
+		b.Int(v)
+		return malformed("extra key", err)
+	case c == codeFloat || c == codeDouble:
+		v, err := d.d.DecodeFloat64()
+		a.Float(v)
+		b.Float(v)
+		return malformed("extra key", err)
+	case isStr(c) || isBin(c):
+		s, err := d.raw("extra key", MaxExtraBytes)
+		if err != nil {
+			return err
+		}
+		if isStr(c) {
+			a.StringBytes(s)
+			b.StringBytes(s)
+		} else {
+			a.Bytes(s)
+			b.Bytes(s)
+		}
+		return nil
+	case isArray(c) || isMap(c):
+		var n, elems int
+		if isArray(c) {
+			n, err = d.arrayLen("extra key", math.MaxInt)
+			elems = n
+			a.Tuple(n)
+			b.Tuple(n)
+		} else {
+			n, err = d.mapLen("extra key")
+			elems = 2 * n
+			a.Map(n)
+			b.Map(n)
+		}
+		if err != nil {
+			return err
+		}
+		for range elems {
+			if err := d.extraValue(a, b, depth+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	default:
+		return fmt.Errorf("%w: extra key is msgpack code %#x", ErrWrongType, c)
+	}
 }
 
 // peek returns the next msgpack code without consuming it.

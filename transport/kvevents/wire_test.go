@@ -154,8 +154,9 @@ func TestDecodeMapBatchFixture(t *testing.T) {
 		HasDPRank: true,
 		Events: []Event{
 			{Kind: indexer.Stored, BlockHashes: []EngineHash{BytesHash(sha(1)), BytesHash(sha(2))},
-				TokenIDs: seqTokens(100, 32), BlockSize: 16, Medium: "GPU"},
-			{Kind: indexer.Removed, BlockHashes: []EngineHash{BytesHash(sha(2))}, Medium: "CPU"},
+				TokenIDs: seqTokens(100, 32), BlockSize: 16, Medium: "GPU",
+				Extras: []uint64{0, extraOf("", "mm", 1)}, HasGroup: true, SpecKind: "full_attention"},
+			{Kind: indexer.Removed, BlockHashes: []EngineHash{BytesHash(sha(2))}, Medium: "CPU", Group: 1, HasGroup: true},
 			{Kind: indexer.Cleared},
 		},
 	}
@@ -357,6 +358,14 @@ func sampleBatch() Batch {
 			{Kind: indexer.Stored, BlockHashes: []EngineHash{11, 12}, TokenIDs: seqTokens(1, 32), BlockSize: 16, Medium: "GPU"},
 			{Kind: indexer.Stored, BlockHashes: []EngineHash{13}, Parent: 12, HasParent: true, TokenIDs: seqTokens(90000, 16),
 				BlockSize: 16, LoRAID: 2, LoRAName: "sql-lora", Medium: "CPU"},
+			{Kind: indexer.Stored, BlockHashes: []EngineHash{14, 15}, TokenIDs: seqTokens(7, 32), BlockSize: 16,
+				LoRAName: "sql-lora", Medium: "GPU", ExtraKeys: [][]any{{"sql-lora", []any{"img", 3}, "salt"}, nil},
+				HasGroup: true, Group: 0, SpecKind: "full_attention"},
+			{Kind: indexer.Stored, BlockHashes: []EngineHash{15}, TokenIDs: seqTokens(7, 32), BlockSize: 16, Medium: "GPU",
+				HasGroup: true, Group: 1, SpecKind: "sliding_window", SlidingWindow: 128},
+			{Kind: indexer.Stored, BlockHashes: []EngineHash{16}, TokenIDs: seqTokens(3, 16), BlockSize: 16,
+				HasGroup: true, Group: 2},
+			{Kind: indexer.Removed, BlockHashes: []EngineHash{15}, Medium: "GPU", HasGroup: true, Group: 1},
 			{Kind: indexer.Removed, BlockHashes: []EngineHash{11}, Medium: "GPU"},
 			{Kind: indexer.Removed, BlockHashes: []EngineHash{}},
 			{Kind: indexer.Cleared},
@@ -390,6 +399,13 @@ func asDecoded(b Batch, bytesHashes bool) Batch {
 		}
 		if ev.Kind != indexer.Stored {
 			ev.TokenIDs = nil
+		}
+		if ev.ExtraKeys != nil {
+			ev.Extras = make([]uint64, len(ev.ExtraKeys))
+			for i, k := range ev.ExtraKeys {
+				ev.Extras[i] = extraOf(ev.LoRAName, k...)
+			}
+			ev.ExtraKeys = nil
 		}
 		out.Events = append(out.Events, ev)
 	}
@@ -465,6 +481,39 @@ func TestEncodeWritesVLLMLayout(t *testing.T) {
 	}
 }
 
+// TestEncodeWritesTheNewFieldsAsMsgspecDoes: in an array, every optional field up to the last
+// one set (nil before it), in a map only the ones set.
+func TestEncodeWritesTheNewFieldsAsMsgspecDoes(t *testing.T) {
+	b := Batch{TS: 2.5, Events: []Event{
+		{Kind: indexer.Stored, BlockHashes: []EngineHash{7}, TokenIDs: seqTokens(1, 4), BlockSize: 4, Medium: "GPU",
+			HasGroup: true, Group: 1},
+		{Kind: indexer.Removed, BlockHashes: []EngineHash{7}, Medium: "GPU", HasGroup: true, Group: 1},
+	}}
+	got, err := Encode(b, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fixture(t, []any{2.5, []any{
+		[]any{"BlockStored", []any{7}, nil, seqTokens(1, 4), 4, nil, "GPU", nil, nil, 1},
+		[]any{"BlockRemoved", []any{7}, "GPU", 1},
+	}})
+	if !bytes.Equal(got, want) {
+		t.Fatalf("Encode\n%x\nwant\n%x", got, want)
+	}
+	gotMap, err := Encode(b, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantMap := fixture(t, kv{"ts", 2.5, "events", []any{
+		kv{"type", "BlockStored", "block_hashes", []any{7}, "parent_block_hash", nil, "token_ids", seqTokens(1, 4),
+			"block_size", 4, "lora_id", nil, "medium", "GPU", "lora_name", nil, "group_idx", 1},
+		kv{"type", "BlockRemoved", "block_hashes", []any{7}, "medium", "GPU", "group_idx", 1},
+	}})
+	if !bytes.Equal(gotMap, wantMap) {
+		t.Fatalf("Encode map\n%x\nwant\n%x", gotMap, wantMap)
+	}
+}
+
 func TestEncodeRefusesInvalidBatches(t *testing.T) {
 	cases := map[string]Batch{
 		"unknown kind":   {Events: []Event{{Kind: 9}}},
@@ -495,6 +544,9 @@ func TestDecoderReuseDoesNotLeakPreviousBatch(t *testing.T) {
 func FuzzDecode(f *testing.F) {
 	f.Add(arrayBatchFixture(f))
 	f.Add(mapBatchFixture(f))
+	for _, fx := range fixtures { // testdata: every event shape of vLLM and SGLang
+		f.Add(loadFixture(f, fx.name))
+	}
 	for _, form := range []Format{{}, {Map: true}, {BytesHashes: true}, {Map: true, BytesHashes: true}} {
 		p, err := form.Append(nil, sampleBatch())
 		if err != nil {
