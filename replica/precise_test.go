@@ -3,6 +3,7 @@ package replica
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net"
@@ -192,4 +193,49 @@ func TestRestartedReplicaRecoversThroughReplay(t *testing.T) {
 	w.direct(late)
 	waitPrecise(t, second, "w0", late, 24)
 	waitPrecise(t, second, "w0", early, 24)
+}
+
+// saltedBody is a completion body with vLLM's cache_salt.
+func saltedBody(tokens []uint32, salt string) []byte {
+	b, err := json.Marshal(map[string]any{"model": sim.DefaultModel, "prompt": tokens, "max_tokens": 2, "cache_salt": salt})
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+// TestCacheSaltKeepsPromptsApartAsTheEngineDoes: a prompt cached on a worker under one
+// cache_salt (learned from the worker's events, whose extra_keys carry the salt) is predicted
+// there only for the same salt: the same tokens with another salt, or none, are predicted
+// uncached, as the worker then reports.
+func TestCacheSaltKeepsPromptsApartAsTheEngineDoes(t *testing.T) {
+	a := startEventWorker(t, "w0")
+	rep := startPreciseReplica(t, a)
+	client := newRouterClient(t, rep)
+	prefix := promptTokens(41, 32*16)
+	first := client.post("/v1/completions", saltedBody(prefix, "tenant-a"), nil).mustOK(t)
+	if got := first.cachedTokens(t); got != 0 {
+		t.Fatalf("first request found %d tokens cached", got)
+	}
+	waitRouterIdle(t, rep)
+	eventually(t, "the salted prompt's events", func() (bool, string) {
+		ans := client.post("/v1/route", saltedBody(prefix, "tenant-a"), nil)
+		return bytes.Contains(ans.body, []byte(`"overlap_blocks":32`)), string(ans.body)
+	})
+	for _, tc := range []struct {
+		name string
+		body []byte
+		want int
+	}{
+		{"same salt", saltedBody(concat(prefix, promptTokens(42, 16)), "tenant-a"), 32 * 16},
+		{"another salt", saltedBody(concat(prefix, promptTokens(43, 16)), "tenant-b"), 0},
+		{"no salt", completionBody(concat(prefix, promptTokens(44, 16)), 2, false), 0},
+	} {
+		ans := client.post("/v1/completions", tc.body, nil).mustOK(t)
+		predicted := ans.overlap(t) * indexer.DefaultBlockSize
+		if cached := ans.cachedTokens(t); predicted != tc.want || cached != tc.want {
+			t.Fatalf("%s: predicted %d cached tokens, the worker reports %d, want %d", tc.name, predicted, cached, tc.want)
+		}
+		waitRouterIdle(t, rep)
+	}
 }

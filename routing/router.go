@@ -215,9 +215,34 @@ func (r *Router) HashTokens(tokens []uint32, lora string, dst []uint64) []uint64
 	return indexer.SequenceHashes(tokens, r.cfg.BlockSize, indexer.Seed(lora, ""), dst)
 }
 
-// HashText returns the approximate sequence hashes of a text prompt.
+// HashTokensWithSalt returns the sequence hashes of a token prompt with vLLM's cache_salt:
+// the salt keys the first block, as the engine's extra keys do, and the chain carries it on.
+// An empty salt gives HashTokens' hashes.
+func (r *Router) HashTokensWithSalt(tokens []uint32, lora, cacheSalt string, dst []uint64) []uint64 {
+	if cacheSalt == "" {
+		return r.HashTokens(tokens, lora, dst)
+	}
+	var buf [1]uint64
+	extras := indexer.VLLMBlockExtras(min(len(tokens)/r.cfg.BlockSize, 1), r.cfg.BlockSize, cacheSalt, nil, buf[:0])
+	if len(extras) == 0 {
+		return r.HashTokens(tokens, lora, dst)
+	}
+	// Only the first block carries the salt; the others' digests are 0.
+	all := make([]uint64, len(tokens)/r.cfg.BlockSize)
+	all[0] = extras[0]
+	return indexer.SequenceHashesExtra(tokens, r.cfg.BlockSize, indexer.Seed(lora, ""), all, dst)
+}
+
+// HashText returns the approximate sequence hashes of a text prompt; a cache salt (""
+// for none) keeps salted prompts apart from unsalted ones (approximate keys meet only the
+// router's own decisions, so any consistent mixing does).
 func (r *Router) HashText(text string, lora string, dst []uint64) []uint64 {
-	return indexer.TextSequenceHashes(text, r.cfg.TextChunkBytes, indexer.Seed(lora, ""), dst)
+	return r.HashTextWithSalt(text, lora, "", dst)
+}
+
+// HashTextWithSalt is HashText for a prompt with vLLM's cache_salt.
+func (r *Router) HashTextWithSalt(text, lora, cacheSalt string, dst []uint64) []uint64 {
+	return indexer.TextSequenceHashes(text, r.cfg.TextChunkBytes, indexer.Seed(lora, cacheSalt), dst)
 }
 
 // errPreferredGone is a selection failure of a bound or explicit worker that is not routable.

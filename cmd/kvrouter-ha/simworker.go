@@ -35,6 +35,7 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.KVTransferTimeout, "kv-transfer-timeout", sim.DefaultKVTransferTimeout, "how long a prefill leg's prompt blocks stay pinned for a decode worker to pull them (wall clock, as vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
 	fs.DurationVar(&cfg.TransferPerBlock, "kv-transfer-per-block", sim.DefaultTransferPerBlock, "simulated KV transfer time per block a decode leg pulls and did not hold already")
 	fs.IntVar(&cfg.ChunkedPrefillTokens, "chunked-prefill-tokens", 0, "chunked prefill: the engine runs in steps of at most this many prompt tokens, and a decode step sharing a step with a prefill chunk takes that chunk's prefill time longer (0: off, a separate FIFO prefill stage)")
+	fs.IntVar(&cfg.SlidingWindow, "sliding-window", 0, "a hybrid-attention model (gpt-oss, Gemma 3): KV events of two groups, full attention and a sliding window of this many tokens, whose blocks leave the window as vLLM removes them (0: one full-attention group)")
 	var pub kvevents.PublisherConfig
 	fs.StringVar(&pub.Endpoint, "kv-events-endpoint", "", "publish KV events in vLLM's ZMQ format: tcp://*:5557 binds, tcp://host:port connects to a router (empty: off)")
 	fs.StringVar(&pub.Topic, "kv-events-topic", "", "topic frame of every KV event message (e.g. kv@127.0.0.1:8001@sim-model)")

@@ -64,6 +64,9 @@ type Request struct {
 	Messages json.RawMessage
 	// Body is the request exactly as the client sent it.
 	Body []byte
+	// CacheSalt is vLLM's cache_salt, "" for none: it keys the prompt's first block on the
+	// engine, so it keys the router's too.
+	CacheSalt string
 }
 
 // PromptTokens is the prompt length in tokens: exact for token prompts, len(text)/4 otherwise.
@@ -101,6 +104,12 @@ func Parse(k Kind, body []byte) (*Request, error) {
 	// and pin KV on a prefill worker, so they are refused, not forwarded.
 	if _, ok := present(f.kvTransfer); ok {
 		return nil, invalid("kv_transfer_params", "kv_transfer_params is set by the router between prefill and decode workers; a client may not send it")
+	}
+	if raw, ok := present(f.cacheSalt); ok {
+		// vLLM takes a non-empty string, and keys the prompt's first block with it.
+		if req.CacheSalt, ok = jsonString(raw); !ok || req.CacheSalt == "" {
+			return nil, invalid("cache_salt", "cache_salt must be a non-empty string")
+		}
 	}
 	if k >= KindResponses {
 		if err := parseAPI(k, body, req); err != nil {
@@ -168,7 +177,7 @@ func DetectKind(body []byte) Kind {
 
 // topFields are the raw values of the top-level fields routing reads (nil: absent).
 type topFields struct {
-	model, stream, messages, prompt, kvTransfer []byte
+	model, stream, messages, prompt, kvTransfer, cacheSalt []byte
 }
 
 // What scanTop found.
@@ -201,6 +210,8 @@ func scanTop(body []byte, f *topFields) int {
 			f.prompt = val
 		case "kv_transfer_params":
 			f.kvTransfer = val
+		case "cache_salt":
+			f.cacheSalt = val
 		}
 	})
 	if !ok || skipSpace(body, i+end) != len(body) {

@@ -30,6 +30,15 @@ func refParse(k Kind, body []byte) (*Request, error) {
 	}
 	req := &Request{Kind: k, Body: body}
 
+	if _, ok := refPresent(fields, "kv_transfer_params"); ok {
+		return nil, refInvalid("kv_transfer_params", "kv_transfer_params is set by the router between prefill and decode workers; a client may not send it")
+	}
+	if raw, ok := refPresent(fields, "cache_salt"); ok {
+		if req.CacheSalt, ok = refJsonString(raw); !ok || req.CacheSalt == "" {
+			return nil, refInvalid("cache_salt", "cache_salt must be a non-empty string")
+		}
+	}
+
 	model, ok := refPresent(fields, "model")
 	if !ok {
 		return nil, refInvalid("model", "missing required field: model")

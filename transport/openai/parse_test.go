@@ -104,6 +104,8 @@ func TestParseErrorsNameTheirField(t *testing.T) {
 		{"prompt empty inner", KindCompletion, `{"model":"m","prompt":[[]]}`, "prompt", "must not be an empty array"},
 		{"prompt nested too deep", KindCompletion, `{"model":"m","prompt":[[[1]]]}`, "prompt", "array of token ids"},
 		{"client kv_transfer_params", KindChat, `{"model":"m","messages":[{"role":"user","content":"x"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.1","remote_port":5600}}`, "kv_transfer_params", "a client may not send it"},
+		{"cache_salt not a string", KindCompletion, `{"model":"m","prompt":"x","cache_salt":5}`, "cache_salt", "non-empty string"},
+		{"cache_salt empty", KindChat, `{"model":"m","messages":[{"role":"user","content":"x"}],"cache_salt":""}`, "cache_salt", "non-empty string"},
 		{"client kv_transfer_params on a completion", KindCompletion, `{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_decode":true}}`, "kv_transfer_params", "a client may not send it"},
 	}
 	for _, tt := range tests {
@@ -222,7 +224,7 @@ func sameAsReference(t *testing.T, kind Kind, body []byte) {
 		}
 		return
 	}
-	if got.Kind != want.Kind || got.Model != want.Model || got.Stream != want.Stream || got.Text != want.Text ||
+	if got.Kind != want.Kind || got.Model != want.Model || got.Stream != want.Stream || got.Text != want.Text || got.CacheSalt != want.CacheSalt ||
 		got.HasTokens != want.HasTokens || !slices.Equal(got.Tokens, want.Tokens) ||
 		!bytes.Equal(got.Messages, want.Messages) || !bytes.Equal(got.Body, want.Body) {
 		t.Fatalf("Parse(%q) = %+v, the encoding/json parser's %+v", body, got, want)

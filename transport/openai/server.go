@@ -441,7 +441,7 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	}
 	switch {
 	case p.HasTokens:
-		req.Hashes = s.router.HashTokens(p.Tokens, lora, nil)
+		req.Hashes = s.router.HashTokensWithSalt(p.Tokens, lora, p.CacheSalt, nil)
 	case s.cfg.Tokenizer != nil:
 		tctx, span := s.tr.start(ctx, "tokenize", trace.SpanKindClient)
 		tokens, err := s.cfg.Tokenizer.Tokenize(tctx, p)
@@ -452,7 +452,7 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		span.End()
 		if err == nil {
 			req.PromptTokens = len(tokens)
-			req.Hashes = s.router.HashTokens(tokens, lora, nil)
+			req.Hashes = s.router.HashTokensWithSalt(tokens, lora, p.CacheSalt, nil)
 			break
 		}
 		// The request still routes, on approximate keys; the failure is counted and said,
@@ -470,9 +470,9 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		} else {
 			s.log.Debug("tokenize failed; routing on text chunks", "reason", reason, "error", err)
 		}
-		req.Hashes = s.router.HashText(p.Text, lora, nil)
+		req.Hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
 	default:
-		req.Hashes = s.router.HashText(p.Text, lora, nil)
+		req.Hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
 	}
 	return req, nil
 }
