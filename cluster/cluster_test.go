@@ -175,6 +175,7 @@ func TestNewLeaderRearmsTimersAndExpiresOnce(t *testing.T) {
 	}
 	c.kill(li)
 	_, nl := c.leader()
+	changes := nl.Stability().LeaderChanges
 	if got := nl.lead.pendingTimers(); got != nl.FSM().Len() {
 		t.Fatalf("new leader armed %d timers for %d bindings", got, nl.FSM().Len())
 	}
@@ -185,8 +186,14 @@ func TestNewLeaderRearmsTimersAndExpiresOnce(t *testing.T) {
 		}
 		return nil
 	})
-	if got := nl.lead.expiresProposed.Load(); got != sessions {
-		t.Fatalf("new leader proposed %d expiries for %d sessions", got, sessions)
+	// With the leadership steady, one proposal per session. On a starved machine the new
+	// leader can lose its leadership and win it back (its pending proposals then fail and
+	// are proposed again): each such change may cost every session one more proposal, never
+	// more.
+	got := nl.lead.expiresProposed.Load()
+	flaps := nl.Stability().LeaderChanges - changes
+	if flaps == 0 && got != sessions || got > sessions*int64(1+flaps) {
+		t.Fatalf("new leader proposed %d expiries for %d sessions (%d leadership changes meanwhile)", got, sessions, flaps)
 	}
 }
 
