@@ -32,7 +32,7 @@ FUZZ_TARGETS := \
 	./transport/openai:FuzzParseAPIs \
 	./sim:FuzzDecodeAPIs
 
-.PHONY: all build test unit fuzz demo bench lint clean jepsen jepsen-ci
+.PHONY: all build test unit fuzz demo bench bench-report lint clean jepsen jepsen-ci
 
 all: build
 
@@ -69,6 +69,12 @@ demo: build
 ## bench: the microbenchmarks behind the performance targets (figures, not assertions).
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./indexer ./routing ./transport/openai
+
+## bench-report: the benchmarks and replays behind the performance and quality claims (about ten minutes on two cores), written to docs/bench-report/ as report.md, PNG plots and results.json.
+BENCH_REPORT_OUT ?= docs/bench-report
+BENCH_REPORT_FLAGS ?=
+bench-report: build
+	./$(BIN) bench-report --out $(BENCH_REPORT_OUT) --command "make bench-report" $(BENCH_REPORT_FLAGS)
 
 ## jepsen: the fault harness on a long seeded schedule (partitions need root, ip and iptables).
 JEPSEN_DURATION ?= 10m

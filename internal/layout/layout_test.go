@@ -34,6 +34,10 @@ var allowed = map[string][]string{
 
 	// The engine metrics scraper hands routing plain numbers (routing.EngineReport).
 	"transport/enginemetrics": {"indexer", "routing"},
+
+	// The bench report measures the parts through their public APIs and the demo; nothing
+	// imports it but the command.
+	"benchreport": {"cluster/hints", "demo", "indexer", "replica", "routing", "sim", "sim/replay", "sim/trace", "transport/openai", "transport/peer"},
 }
 
 // raftUsers are the only packages that may import hashicorp/raft itself.
