@@ -74,7 +74,8 @@ bench:
 BENCH_REPORT_OUT ?= docs/bench-report
 BENCH_REPORT_FLAGS ?=
 bench-report: build
-	./$(BIN) bench-report --out $(BENCH_REPORT_OUT) --command "make bench-report" $(BENCH_REPORT_FLAGS)
+	$(GO) build -trimpath -o bin/bench-report ./cmd/bench-report
+	./bin/bench-report --binary $(BIN) --out $(BENCH_REPORT_OUT) --command "make bench-report" $(BENCH_REPORT_FLAGS)
 
 ## jepsen: the fault harness on a long seeded schedule (partitions need root, ip and iptables).
 JEPSEN_DURATION ?= 10m

@@ -2,6 +2,8 @@ package benchreport
 
 import (
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -93,5 +95,30 @@ func TestWrapAndNumbersRead(t *testing.T) {
 	}
 	if got := comma(1234567); got != "1,234,567" {
 		t.Errorf("comma: %q", got)
+	}
+}
+
+func TestRenderRewritesTheReportFromItsResults(t *testing.T) {
+	dir := t.TempDir()
+	res := &Results{Command: "test", Machine: thisMachine(), Config: Tiny(), Seconds: 1,
+		Steps: []Step{{Name: "selection against workers", Seconds: 1}},
+		Workers: []WorkerPoint{{Workers: 8, Select: Timing{Name: "select, 8 workers", P50: 1000, P99: 2000, P99Best: 1500, P99Worst: 2500, FloorP50: 1000, FloorP99: 1800}},
+			{Workers: 16, Select: Timing{Name: "select, 16 workers", P50: 1200, P99: 2400, P99Best: 1800, P99Worst: 2600, FloorP50: 1200, FloorP99: 2000}}}}
+	if err := write(dir, res); err != nil {
+		t.Fatal(err)
+	}
+	got, err := Render(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Workers) != 2 || got.Command != "test" {
+		t.Errorf("results read back: %+v", got)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, ReportFile))
+	if err != nil || !strings.Contains(string(b), figWorkers) {
+		t.Errorf("report: %v\n%s", err, b)
+	}
+	if _, err := os.Stat(filepath.Join(dir, figWorkers)); err != nil {
+		t.Error(err)
 	}
 }

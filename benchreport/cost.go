@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"runtime"
+	"runtime/debug"
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
@@ -211,10 +212,12 @@ func (f *fleet) grow(x *indexer.Index, entries int) {
 }
 
 // heap is the live heap after a collection. It collects twice: a sync.Pool (each index has
-// one) keeps what it holds, and the object it is part of, alive for one collection more.
+// one) keeps what it holds, and the object it is part of, alive for one collection more; and
+// it returns the freed memory to the system now, so that the runtime's background scavenger
+// does not do it during the measurements that follow.
 func heap() uint64 {
 	runtime.GC()
-	runtime.GC()
+	debug.FreeOSMemory()
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
@@ -255,10 +258,10 @@ func indexCurve(ctx context.Context, cfg Config, progress func(string, ...any)) 
 		// BenchmarkFindMatches512/shared-fleet's do; the prompt's hashes are copied into one
 		// buffer first, untimed (a router has just hashed them).
 		i := 0
-		p.Lookup = measure(fmt.Sprintf("lookup, %d entries", p.Entries), cfg.measureOpts(),
+		p.Lookup = measure(fmt.Sprintf("lookup, %s entries", millions(p.Entries)), cfg.measureOpts(),
 			func() { buf = append(buf[:0], f.prompts[i%len(f.prompts)]...); i++ },
 			func() { dst = x.FindMatches(buf, dst[:0]) })
-		p.Select = measure(fmt.Sprintf("select, %d entries", p.Entries), cfg.measureOpts(), nil, s.route)
+		p.Select = measure(fmt.Sprintf("select, %s entries", millions(p.Entries)), cfg.measureOpts(), nil, s.route)
 		if s.err != nil {
 			return points, snaps, fmt.Errorf("selection over %d entries: %w", p.Entries, s.err)
 		}

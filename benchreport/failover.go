@@ -214,15 +214,30 @@ func failover(ctx context.Context, cfg Config, reqs []trace.Request, logDir stri
 	})
 	half := time.Duration(float64(reqs[len(reqs)-1].Timestamp-reqs[0].Timestamp) / 2 / cfg.Speedup)
 	var killErr error
+	// The kill runs on its own context, so that a replay shorter than the wait for a leader
+	// (a starved machine, or a tiny slice) does not cut it short; the replay's end waits for it.
+	killCtx, cancelKill := context.WithCancel(ctx)
+	defer cancelKill()
+	killDone := make(chan struct{})
 	watchers.Go(func() {
+		defer close(killDone)
 		select {
-		case <-watchCtx.Done():
+		case <-killCtx.Done():
 			return
 		case <-time.After(half):
 		}
-		lctx, cancel := context.WithTimeout(watchCtx, 2*time.Second)
-		i, err := proc.FindLeader(lctx, hc, admins)
-		cancel()
+		// A starved cluster may be between leaders just then: wait for one (bounded).
+		var i int
+		var err error
+		for deadline := time.Now().Add(15 * time.Second); ; {
+			lctx, cancel := context.WithTimeout(killCtx, 2*time.Second)
+			i, err = proc.FindLeader(lctx, hc, admins)
+			cancel()
+			if err == nil || killCtx.Err() != nil || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
 		if err != nil {
 			killErr = fmt.Errorf("no leader to kill half-way: %w", err)
 			return
@@ -235,25 +250,21 @@ func failover(ctx context.Context, cfg Config, reqs []trace.Request, logDir stri
 			killErr = fmt.Errorf("restarting %s: %w", members[i].ID, err)
 			return
 		}
-		if proc.WaitReady(watchCtx, hc, "http://"+members[i].Client+"/readyz", 90*time.Second) == nil {
+		if proc.WaitReady(killCtx, hc, "http://"+members[i].Client+"/readyz", 90*time.Second) == nil {
 			mu.Lock()
 			f.BackAt = time.Since(start).Seconds()
 			mu.Unlock()
 		}
 	})
 	sum, err := replay.Run(ctx, rc)
-	// The restarted replica may still be on its way back: give it a moment to say so.
-	backCtx, cancelBack := context.WithTimeout(ctx, 15*time.Second)
-	for f.Killed != "" && ctx.Err() == nil {
-		mu.Lock()
-		back := f.BackAt > 0
-		mu.Unlock()
-		if back || backCtx.Err() != nil {
-			break
-		}
-		time.Sleep(50 * time.Millisecond)
+	// The kill, and the restarted replica's return, may still be on their way: give them a
+	// bounded moment.
+	select {
+	case <-killDone:
+	case <-ctx.Done():
+	case <-time.After(30 * time.Second):
 	}
-	cancelBack()
+	cancelKill()
 	stopWatch()
 	watchers.Wait()
 	if err != nil {

@@ -26,18 +26,20 @@ const (
 
 // kneeTolerance is how far off the straight line through a curve's first points a point may
 // be before the curve counts as no longer linear.
-const (
-	kneeTolerance = 0.25
-	kneeFitPoints = 3
-)
+const kneeTolerance = 0.25
+
+// fitPoints is how many of a curve's n first points its straight line goes through: up to
+// four, so that one noisy point does not tilt it, and never more than half of them.
+func fitPoints(n int) int { return min(4, max(2, n/2)) }
 
 // figures builds every figure the results have data for, and each one's footer notes.
 func figures(res *Results) ([]figure, map[string][]string, error) {
 	var figs []figure
 	notes := map[string][]string{}
 	cfg := res.Config
-	shared := fmt.Sprintf("The machine is shared: other engineers' tests ran meanwhile (1-minute load %s at the start, %s at the end).",
-		first(res.Machine.LoadStart), first(res.Machine.LoadEnd))
+	all := overall(res)
+	shared := fmt.Sprintf("A machine shared with other engineers' tests: during the report others took %.0f%% of the CPU, steal %.0f%% (1-minute load %s at the start, %s at the end).",
+		100*all.OthersCPU, 100*all.Steal, first(res.Machine.LoadStart), first(res.Machine.LoadEnd))
 	slice := fmt.Sprintf("%d requests of %s from request %d, %gx speed, %d simulated workers.", cfg.Requests, traceName(cfg), cfg.Start, cfg.Speedup, cfg.Workers)
 	add := func(f figure, err error, lines ...string) error {
 		if err != nil {
@@ -559,7 +561,8 @@ func timingSeries(p *plot.Plot, what string, xs []float64, ts []Timing, c int, w
 // kneeSeries draws the straight line through a curve's first points and marks where the curve
 // leaves it. It returns a description of the knee.
 func kneeSeries(p *plot.Plot, what string, xs, ys []float64, lo, hi float64, scale float64) (string, error) {
-	a, b, knee := linearFit(xs, ys, kneeFitPoints, kneeTolerance)
+	k := fitPoints(len(xs))
+	a, b, knee := linearFit(xs, ys, k, kneeTolerance)
 	var fit plotter.XYs
 	for i := range 60 {
 		x := lo * math.Pow(hi/lo, float64(i)/59)
@@ -567,12 +570,12 @@ func kneeSeries(p *plot.Plot, what string, xs, ys []float64, lo, hi float64, sca
 			fit = append(fit, plotter.XY{X: x, Y: y})
 		}
 	}
-	if err := addLine(p, fmt.Sprintf("%s: straight line through the first %d points", what, min(kneeFitPoints, len(xs))), fit,
+	if err := addLine(p, fmt.Sprintf("%s: straight line through the first %d points", what, k), fit,
 		style{color: fitGrey, dashes: []vg.Length{vg.Points(8), vg.Points(3), vg.Points(2), vg.Points(3)}, width: vg.Points(1.2)}); err != nil {
 		return "", err
 	}
 	if knee < 0 {
-		return fmt.Sprintf("%s stays within %.0f%% of the straight line through its first %d points", what, 100*kneeTolerance, kneeFitPoints), nil
+		return fmt.Sprintf("%s stays within %.0f%% of the straight line through its first %d points", what, 100*kneeTolerance, k), nil
 	}
 	fitAt := a + b*xs[knee]
 	sc, err := plotter.NewScatter(plotter.XYs{{X: xs[knee], Y: ys[knee] * scale}})
@@ -581,7 +584,7 @@ func kneeSeries(p *plot.Plot, what string, xs, ys []float64, lo, hi float64, sca
 	}
 	sc.GlyphStyle = draw.GlyphStyle{Color: red, Radius: vg.Points(8), Shape: draw.RingGlyph{}}
 	p.Add(sc)
-	desc := fmt.Sprintf("%s leaves the straight line through its first %d points at x = %s (%+.0f%%: %s)", what, kneeFitPoints, compact(xs[knee]), 100*(ys[knee]/fitAt-1), direction(ys[knee], fitAt))
+	desc := fmt.Sprintf("%s leaves the straight line through its first %d points at x = %s (%+.0f%%: %s)", what, k, compact(xs[knee]), 100*(ys[knee]/fitAt-1), direction(ys[knee], fitAt))
 	p.Legend.Add(desc, sc)
 	return desc, nil
 }

@@ -7,9 +7,9 @@ import (
 )
 
 // Timing is one microsecond-scale operation timed call by call, beside its noise floor: a
-// fixed chain of multiplications (BenchmarkNoiseFloor's) calibrated to the operation's median,
-// timed in the same rounds, interleaved with it in blocks, so that both meet the same moods of
-// a shared machine. Percentiles are in nanoseconds; Rounds rounds give the median and the best
+// fixed chain of multiplications (BenchmarkNoiseFloor's) calibrated to the operation's median
+// (and re-calibrated after every round to that round's), timed in the same rounds,
+// interleaved with it in blocks, so that both meet the same moods of a shared machine. Percentiles are in nanoseconds; Rounds rounds give the median and the best
 // of each p99.
 type Timing struct {
 	Name   string `json:"name"`
@@ -100,18 +100,14 @@ func measure(name string, o measureOpts, prep, op func()) Timing {
 	}
 	slices.Sort(warm)
 	iters := calibrateFloor(warm[len(warm)/2])
-	floor := func() { floorChain(iters) }
 
-	t := Timing{Name: name, Rounds: o.rounds, FloorIter: iters, Calls: o.calls}
-	var p50s, p90s, p99s, f50s, f90s, f99s []float64
-	opLat := make([]time.Duration, 0, o.calls)
-	flLat := make([]time.Duration, 0, o.calls)
-	cpu := readCPU()
-	for range o.rounds {
+	opLat := make([]time.Duration, 0, o.calls+block)
+	flLat := make([]time.Duration, 0, o.calls+block)
+	// interleave times blocks of the operation and of the floor in turns, at most calls of
+	// each or until end.
+	interleave := func(calls int, end time.Time) {
 		opLat, flLat = opLat[:0], flLat[:0]
-		runtime.GC()
-		end := time.Now().Add(o.roundTime)
-		for len(opLat) < o.calls && time.Now().Before(end) {
+		for len(opLat) < calls && time.Now().Before(end) {
 			for range block {
 				prep()
 				t0 := time.Now()
@@ -120,10 +116,29 @@ func measure(name string, o measureOpts, prep, op func()) Timing {
 			}
 			for range block {
 				t0 := time.Now()
-				floor()
+				floorChain(iters)
 				flLat = append(flLat, time.Since(t0))
 			}
 		}
+	}
+	// The operation's median alone and beside the floor differ (what the other side leaves
+	// in the caches, the clock's speed), so the floor's length is corrected twice against
+	// the operation's median in interleaved passes like the rounds'.
+	for range 2 {
+		interleave(min(o.calls, 2000), time.Now().Add(max(o.roundTime/4, 10*time.Millisecond)))
+		slices.Sort(opLat)
+		slices.Sort(flLat)
+		if fm := quantile(flLat, 0.5); fm > 0 {
+			iters = max(1, int(float64(iters)*quantile(opLat, 0.5)/fm))
+		}
+	}
+
+	t := Timing{Name: name, Rounds: o.rounds, Calls: o.calls}
+	var p50s, p90s, p99s, f50s, f90s, f99s []float64
+	cpu := readCPU()
+	for range o.rounds {
+		runtime.GC()
+		interleave(o.calls, time.Now().Add(o.roundTime))
 		t.Calls = min(t.Calls, len(opLat))
 		slices.Sort(opLat)
 		slices.Sort(flLat)
@@ -133,8 +148,13 @@ func measure(name string, o measureOpts, prep, op func()) Timing {
 		f50s = append(f50s, quantile(flLat, 0.50))
 		f90s = append(f90s, quantile(flLat, 0.90))
 		f99s = append(f99s, quantile(flLat, 0.99))
+		// The operation's median drifts with the machine (a collector or a neighbour
+		// finishing): the next round's floor follows this round's median.
+		if fm := quantile(flLat, 0.5); fm > 0 {
+			iters = max(1, int(float64(iters)*quantile(opLat, 0.5)/fm))
+		}
 	}
-	t.Neighbours = cpu.since()
+	t.Neighbours, t.FloorIter = cpu.since(), iters
 	t.P50, t.P90, t.P99 = median(p50s), median(p90s), median(p99s)
 	t.P99Best, t.P99Worst = slices.Min(p99s), slices.Max(p99s)
 	t.FloorP50, t.FloorP90, t.FloorP99 = median(f50s), median(f90s), median(f99s)

@@ -14,7 +14,7 @@ import (
 )
 
 // childIsMain, set in the environment, makes this test binary run as kvrouter-ha itself: the
-// bench report's failover starts its replicas as child processes of "this binary".
+// bench report's failover starts its replicas as child processes of the binary it is given.
 const childIsMain = "BENCHREPORT_TEST_CHILD_IS_KVROUTER"
 
 func TestMain(m *testing.M) {
@@ -25,18 +25,22 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// TestBenchReportWritesTheReportAndItsPlots runs `kvrouter-ha bench-report --tiny`: every
-// section on toy sizes (the failover's three replicas are this test binary, run as
-// kvrouter-ha), and checks that the folder holds the report, readable PNGs of the figures it
-// names, and the results.
+// TestBenchReportWritesTheReportAndItsPlots runs `bench-report --tiny` (cmd/bench-report's
+// command line): every section on toy sizes, the failover's three replicas being this test
+// binary run as kvrouter-ha (which is why the test lives here), and checks that the folder
+// holds the report, readable PNGs of the figures it names, and the results.
 func TestBenchReportWritesTheReportAndItsPlots(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs replays, a three-process failover and the cost curves on toy sizes (about 20 s)")
 	}
 	t.Setenv(childIsMain, "1")
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
 	out := filepath.Join(t.TempDir(), "report")
 	var stdout, stderr bytes.Buffer
-	err := run(t.Context(), []string{"bench-report", "--tiny", "--no-go-bench", "--out", out}, &stdout, &stderr)
+	err = benchreport.Main(t.Context(), []string{"--tiny", "--no-go-bench", "--out", out, "--binary", self}, &stdout, &stderr)
 	if err != nil {
 		t.Fatalf("bench-report: %v\n%s", err, stderr.String())
 	}

@@ -6,7 +6,6 @@
 //	kvrouter-ha demo        simulated workers + a router, kv routing against round-robin
 //	kvrouter-ha ctl         operate a running cluster (workers, sessions, raft)
 //	kvrouter-ha jepsen      run a cluster under faults and check what clients saw
-//	kvrouter-ha bench-report  run the benchmarks behind the performance claims, write a report
 //
 // Every flag can also be set from the environment: --foo-bar is KVROUTER_FOO_BAR.
 package main
@@ -43,7 +42,7 @@ func main() {
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	root := &ffcli.Command{
 		Name:       "kvrouter-ha",
-		ShortUsage: "kvrouter-ha <serve|sim-worker|replay|demo|ctl|jepsen|bench-report> [flags]",
+		ShortUsage: "kvrouter-ha <serve|sim-worker|replay|demo|ctl|jepsen> [flags]",
 		ShortHelp:  "a highly available, KV-cache-aware router for LLM serving fleets",
 		LongHelp: strings.TrimSpace(`
 kvrouter-ha routes OpenAI-compatible requests to the inference worker that already holds
@@ -58,7 +57,6 @@ Every flag can also come from the environment: --foo-bar is KVROUTER_FOO_BAR.`),
 			demoCommand(stdout, stderr),
 			ctlCommand(stdout, stderr),
 			jepsenCommand(stdout, stderr),
-			benchReportCommand(stdout, stderr),
 		},
 		Exec: func(context.Context, []string) error { return flag.ErrHelp },
 	}
