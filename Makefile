@@ -10,6 +10,8 @@ FUZZTIME ?= 20000x
 # package:target pairs that `make fuzz` runs.
 FUZZ_TARGETS := \
 	./transport/openai:FuzzParse \
+	./transport/openai:FuzzReadCommonHead \
+	./transport/openai:FuzzScanUsage \
 	./sim:FuzzDecodeRequest \
 	./sim/trace:FuzzRead \
 	./indexer:FuzzChain \

@@ -212,7 +212,16 @@ func (r *Router) Policy() string {
 
 // HashTokens returns the sequence hashes of a token prompt.
 func (r *Router) HashTokens(tokens []uint32, lora string, dst []uint64) []uint64 {
-	return indexer.SequenceHashes(tokens, r.cfg.BlockSize, indexer.Seed(lora, ""), dst)
+	return indexer.SequenceHashes(tokens, r.cfg.BlockSize, indexer.Seed(lora, ""), hashBuffer(dst, len(tokens)/r.cfg.BlockSize))
+}
+
+// hashBuffer is dst, or when it is nil a slice made for the n hashes of a prompt's full
+// blocks, so that hashing allocates once instead of growing its result as it goes.
+func hashBuffer(dst []uint64, n int) []uint64 {
+	if dst == nil && n > 0 {
+		return make([]uint64, 0, n)
+	}
+	return dst
 }
 
 // HashTokensWithSalt returns the sequence hashes of a token prompt with vLLM's cache_salt:
@@ -242,7 +251,7 @@ func (r *Router) HashText(text string, lora string, dst []uint64) []uint64 {
 
 // HashTextWithSalt is HashText for a prompt with vLLM's cache_salt.
 func (r *Router) HashTextWithSalt(text, lora, cacheSalt string, dst []uint64) []uint64 {
-	return indexer.TextSequenceHashes(text, r.cfg.TextChunkBytes, indexer.Seed(lora, cacheSalt), dst)
+	return indexer.TextSequenceHashes(text, r.cfg.TextChunkBytes, indexer.Seed(lora, cacheSalt), hashBuffer(dst, len(text)/r.cfg.TextChunkBytes))
 }
 
 // errPreferredGone is a selection failure of a bound or explicit worker that is not routable.

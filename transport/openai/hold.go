@@ -204,10 +204,16 @@ type Tally struct {
 
 // Observe reads one chunk of the answer.
 func (t *Tally) Observe(chunk []byte) {
+	u := scanUsage(chunk)
+	t.observe(chunk, &u)
+}
+
+// observe is Observe with the chunk's usage already read.
+func (t *Tally) observe(chunk []byte, u *usage) {
 	// Chat and completions say completion_tokens; Responses and Messages, output_tokens.
-	for _, key := range [...]string{completionTokensKey, outputTokensKey} {
-		if v, ok := usageCount(chunk, key); ok {
-			t.generated, t.sawGenerated = v, true
+	for _, key := range [...]int{usageCompletion, usageOutput} {
+		if u.ok[key] {
+			t.generated, t.sawGenerated = u.n[key], true
 		}
 	}
 	t.events += bytes.Count(chunk, []byte("data:"))

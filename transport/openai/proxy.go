@@ -30,6 +30,8 @@ const (
 	copyBuffer = 16 << 10
 	// keepFailedAnswer is how much of a worker's error answer is kept for the client.
 	keepFailedAnswer = 64 << 10
+	// maxPooledAnswer is the largest non-streamed answer buffer kept for reuse.
+	maxPooledAnswer = 64 << 10
 )
 
 // Causes that end an upstream read.
@@ -265,7 +267,11 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if span := trace.SpanFromContext(ctx); span.IsRecording() {
 		span.SetAttributes(attrStatus.Int(resp.StatusCode))
 	}
-	bctx, bspan := s.tr.start(ctx, "bind", trace.SpanKindInternal, attrSession.Bool(c.session != ""))
+	// The attribute is built only when tracing is on: a variadic argument is an allocation.
+	bctx, bspan := ctx, trace.SpanFromContext(context.Background())
+	if s.tr != nil {
+		bctx, bspan = s.tr.start(ctx, "bind", trace.SpanKindInternal, attrSession.Bool(c.session != ""))
+	}
 	binding, err := c.att.Commit(bctx)
 	if bspan.IsRecording() {
 		bspan.SetAttributes(attrRevision.Int64(int64(binding.Revision)), attrWorker.String(c.att.Decision().Target.Worker.ID))
@@ -299,7 +305,20 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return res, fail
 	}
 
-	body, err := s.readAll(&rd, resp.ContentLength, c.firstBytes)
+	// The answer's buffer is reused: nothing holds it once it is written to the client.
+	ap, _ := s.answers.Get().(*[]byte)
+	if ap == nil {
+		ap = new([]byte)
+	}
+	body, err := s.readAllInto(*ap, &rd, resp.ContentLength, c.firstBytes)
+	if err == nil {
+		defer func() {
+			if cap(body) <= maxPooledAnswer {
+				*ap = body[:0]
+				s.answers.Put(ap)
+			}
+		}()
+	}
 	switch {
 	case err != nil && ctx.Err() != nil:
 		s.fail(c.w, c.r, nil)
@@ -311,14 +330,15 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	case resp.Header.Get("Content-Encoding") == "" && !validJSON(body):
 		return retry, s.badResponse(d, "upstream_garbage", errors.New("a 2xx answer that is not JSON"))
 	}
+	u := scanUsage(body)
 	var tally Tally
-	tally.Observe(body)
+	tally.observe(body, &u)
 	c.att.Complete(tally.Generated())
 	c.observeTTFT(s)
 	s.observeDecodeLeg(c, resp.Header)
-	for _, key := range [...]string{cachedTokensKey, cacheReadTokensKey} {
-		if n, ok := usageCount(body, key); ok {
-			s.observePrediction(d, n)
+	for _, key := range [...]int{usageCached, usageCacheRead} {
+		if u.ok[key] {
+			s.observePrediction(d, u.n[key])
 			break
 		}
 	}
@@ -367,13 +387,29 @@ func (s *Server) upstreamRequest(r *http.Request, body []byte, t routing.Target)
 	if r.URL.RawQuery != "" {
 		target += "?" + r.URL.RawQuery
 	}
-	return outbound{method: r.Method, target: target, body: body, header: func(b []byte) []byte {
-		b = appendForwardHeaders(b, r, t, s.tr != nil)
-		if s.tr != nil {
-			b = s.tr.traceHeaders(r.Context(), b)
-		}
+	return outbound{method: r.Method, target: target, body: body, forwarding: forwarding{from: r, to: t, tr: s.tr}}
+}
+
+// forwarding is what a worker's copy of a client request carries of it besides the body: the
+// headers appendForwardHeaders forwards from the client request from to the worker to, and
+// tr's trace context. Plain fields rather than a closure, so that building a request for a
+// worker allocates nothing.
+type forwarding struct {
+	from *http.Request // nil: nothing is forwarded
+	to   routing.Target
+	tr   *tracing
+}
+
+// appendTo appends the forwarded header lines.
+func (f *forwarding) appendTo(b []byte) []byte {
+	if f.from == nil {
 		return b
-	}}
+	}
+	b = appendForwardHeaders(b, f.from, f.to, f.tr != nil)
+	if f.tr != nil {
+		b = f.tr.traceHeaders(f.from.Context(), b)
+	}
+	return b
 }
 
 // appendForwardHeaders appends the client's headers a worker should see, without hop-by-hop
@@ -546,10 +582,11 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 	for {
 		n, err := rd.read(buf)
 		if n > 0 {
-			if v, ok := usageCount(buf[:n], cachedTokensKey); ok {
-				cached, sawUsage = v, true
+			u := scanUsage(buf[:n])
+			if u.ok[usageCached] {
+				cached, sawUsage = u.n[usageCached], true
 			}
-			tally.Observe(buf[:n])
+			tally.observe(buf[:n], &u)
 			c.firstBytes()
 			if !started {
 				hdr()
@@ -612,12 +649,20 @@ func (s *Server) getCopyBuffer() *[]byte {
 // readAll reads a whole non-streamed answer within maxBufferedResponse; size is the
 // announced length, or -1.
 func (s *Server) readAll(rd *upstreamReader, size int64, first func()) ([]byte, error) {
+	return s.readAllInto(nil, rd, size, first)
+}
+
+// readAllInto is readAll into buf's array when it is large enough to start with.
+func (s *Server) readAllInto(buf []byte, rd *upstreamReader, size int64, first func()) ([]byte, error) {
 	// The buffer starts at the announced size (a worker's claim, so within reason) and one
 	// spare byte, so that the read that finds the end does not grow it.
 	if size < 0 {
 		size = 512
 	}
-	out := make([]byte, 0, min(size, 1<<20)+1)
+	out := buf[:0]
+	if want := min(size, 1<<20) + 1; int64(cap(buf)) < want {
+		out = make([]byte, 0, want)
+	}
 	// Each pass reads at least one byte or ends; the size cap and the idle timeout bound it.
 	for {
 		if len(out) == cap(out) {
@@ -721,24 +766,29 @@ const (
 // usage chunk comes last). It is a scan, not a parse: the number only feeds a metric and the
 // index's estimate of what the worker caches.
 func usageCount(b []byte, key string) (int, bool) {
-	i := bytes.LastIndex(b, []byte(key))
+	i := lastIndex(b, key)
 	if i < 0 {
 		return 0, false
 	}
-	rest := bytes.TrimLeft(b[i+len(key):], " \t\r\n")
-	if len(rest) == 0 || rest[0] != ':' {
-		return 0, false
-	}
-	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
-	n, digits := 0, 0
-	for _, ch := range rest {
-		if ch < '0' || ch > '9' || digits >= 12 {
+	return usageValue(b[i+len(key):])
+}
+
+// lastIndex is bytes.LastIndex(b, key) found by forward searches, which are vectorised,
+// where LastIndex runs Rabin-Karp a byte at a time: the keys are absent from most reads, and
+// found at most once or twice in the others.
+func lastIndex(b []byte, key string) int {
+	k := []byte(key)
+	last := -1
+	// Each pass finds a later occurrence or ends.
+	for off := 0; off <= len(b)-len(k); {
+		i := bytes.Index(b[off:], k)
+		if i < 0 {
 			break
 		}
-		n = n*10 + int(ch-'0')
-		digits++
+		last = off + i
+		off = last + 1
 	}
-	return n, digits > 0
+	return last
 }
 
 // observePrediction records how far the predicted cache hit was from the worker's report.

@@ -13,6 +13,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/textproto"
 	"os"
 	"runtime/debug"
 	"strconv"
@@ -153,8 +154,10 @@ type Server struct {
 	tracker   *routing.Tracker
 	transport *http.Transport // off the hot path: the model list
 	upstream  *upstream       // the proxied requests
-	// copyBuffers holds relay buffers (*[]byte of copyBuffer bytes).
+	// copyBuffers holds relay buffers (*[]byte of copyBuffer bytes), answers the buffers of
+	// non-streamed answers (*[]byte, empty).
 	copyBuffers sync.Pool
+	answers     sync.Pool
 	metrics     *metrics
 	ready       atomic.Pointer[func() error]
 	loras       atomic.Pointer[loraSet]
@@ -165,6 +168,10 @@ type Server struct {
 	tokenizeWarned atomic.Int64
 	// tr traces requests; nil without Config.Tracer.
 	tr *tracing
+	// sessionKeys are Config.SessionHeaders in canonical form, the keys they have in a
+	// request's header map (h.Values would canonicalise each, which costs an allocation
+	// for a name that is not canonical already, as X-Session-ID is not).
+	sessionKeys []string
 }
 
 // loraSet is a snapshot of the adapter names configured workers serve.
@@ -192,6 +199,9 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		metrics:   newMetrics(),
 	}
 	s.models = newModelCache(s)
+	for _, h := range s.cfg.SessionHeaders {
+		s.sessionKeys = append(s.sessionKeys, textproto.CanonicalMIMEHeaderKey(h))
+	}
 	s.tr = newTracing(cfg.Tracer)
 	if cfg.Registerer != nil {
 		if err := s.metrics.register(cfg.Registerer, newFleetCollector(tracker, workers)); err != nil {
@@ -372,6 +382,12 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *Erro
 	} else {
 		body, err = readToEOF(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes), make([]byte, 0, 4<<10))
 	}
+	if err == nil {
+		// Read to its end, the body is closed here rather than by net/http once the answer's
+		// headers go out, where it would first try to discard what is left of it (nothing,
+		// at the cost of a copy loop and its allocations).
+		_ = r.Body.Close()
+	}
 	if err != nil {
 		var maxErr *http.MaxBytesError
 		if errors.As(err, &maxErr) {
@@ -485,8 +501,8 @@ func badHeader(name, msg string) *Error {
 // sessionKey reads the first of the session headers present (X-Session-ID, then
 // X-Dynamo-Session-ID, by default): at most 256 bytes of printable ASCII without spaces.
 func (s *Server) sessionKey(h http.Header) (string, *Error) {
-	for _, name := range s.cfg.SessionHeaders {
-		vals := h.Values(name)
+	for i, name := range s.cfg.SessionHeaders {
+		vals := h[s.sessionKeys[i]]
 		if len(vals) == 0 {
 			continue
 		}

@@ -79,13 +79,15 @@ func newUpstream(connectTimeout time.Duration, tlsConfig *tls.Config) *upstream 
 }
 
 // outbound is a request for a worker. The head lines are appended by header, which must
-// append complete "Name: value\r\n" lines; the client writes Host and Content-Length.
+// append complete "Name: value\r\n" lines, and then, when from is set, the forwarded
+// headers of a client request (see forwarding); the client writes Host and Content-Length.
 type outbound struct {
 	method string
 	// target is the path and query, beginning with "/", that follow the worker URL's path.
 	target string
 	header func(dst []byte) []byte
-	body   []byte
+	forwarding
+	body []byte
 }
 
 // roundTrip sends req to the worker at base and reads the answer's status and headers,
@@ -225,6 +227,7 @@ func (p *hostPool) appendHead(b []byte, req outbound) []byte {
 	if req.header != nil {
 		b = req.header(b)
 	}
+	b = req.forwarding.appendTo(b)
 	if len(req.body) > 0 || req.method == http.MethodPost || req.method == http.MethodPut {
 		b = append(b, "Content-Length: "...)
 		b = strconv.AppendInt(b, int64(len(req.body)), 10)
@@ -362,6 +365,10 @@ type upConn struct {
 
 	out      net.Buffers // the request being written, over outArray
 	outArray [2][]byte
+	// head is readCommonHead's copy of an answer head being canonicalised, and body the
+	// answer body it reads, reused by every exchange (only the exchange's upBody reads it).
+	head []byte
+	body fixedBody
 
 	mu        sync.Mutex
 	cancelled bool
@@ -450,7 +457,14 @@ func (c *upConn) readHead(method string) (*http.Response, error) {
 		probe = &http.Request{Method: method}
 	}
 	for range maxInformational {
-		resp, err := http.ReadResponse(c.br, probe)
+		resp, ok, err := c.readCommonHead(probe)
+		if err != nil {
+			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
+		}
+		if ok {
+			return resp, nil
+		}
+		resp, err = http.ReadResponse(c.br, probe)
 		if err != nil {
 			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
 		}

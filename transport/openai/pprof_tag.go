@@ -1,0 +1,26 @@
+//go:build kvrouter_pprof
+
+package openai
+
+import (
+	"log/slog"
+	"net/http"
+	_ "net/http/pprof" // registers /debug/pprof/ on http.DefaultServeMux
+	"os"
+)
+
+// A binary built with -tags kvrouter_pprof (system_test's throughput benchmark builds one to
+// profile a real `kvrouter-ha serve`) serves net/http/pprof on $KVROUTER_PPROF_LISTEN when it
+// is set. Release builds have none of this: the handlers are on http.DefaultServeMux, which no
+// listener of the router serves, and only this file, outside release builds, listens on it.
+func init() {
+	addr := os.Getenv("KVROUTER_PPROF_LISTEN")
+	if addr == "" {
+		return
+	}
+	go func() {
+		if err := http.ListenAndServe(addr, nil); err != nil {
+			slog.Error("pprof listener", "addr", addr, "error", err)
+		}
+	}()
+}

@@ -1,0 +1,163 @@
+package openai
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loadgen"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// BenchmarkServeThroughput is the front's saturation cost per request in one process: the
+// Server behind a net/http server on loopback, as a replica serves it, over two workers that
+// answer every request with a static completion from a raw socket loop, driven by 32
+// keep-alive connections of a raw HTTP/1.1 client, each sending its next request when its
+// answer is in. Worker and client allocate nothing per request, so allocs/op and B/op are
+// the front's (net/http's server included); ns/op is the whole process's time per request
+// on this machine's cores. system_test's BenchmarkThroughputVsHAProxy measures the release
+// binary against HAProxy; this is the quick loop for the allocations and the CPU profile.
+func BenchmarkServeThroughput(b *testing.B) {
+	for _, stream := range []bool{false, true} {
+		name := map[bool]string{false: "json", true: "sse"}[stream]
+		b.Run(name, func(b *testing.B) {
+			workers := []string{staticWorker(b), staticWorker(b)}
+			reg, err := routing.NewRegistry([]routing.WorkerSpec{spec("w0", "http://"+workers[0]), spec("w1", "http://"+workers[1])})
+			if err != nil {
+				b.Fatal(err)
+			}
+			tracker := routing.NewTracker()
+			idx := indexer.New(indexer.Options{TTL: 2 * time.Minute})
+			router, err := routing.New(routing.Config{}, routing.Deps{Index: idx, Recorder: idx, Workers: reg, Tracker: tracker,
+				Affinity: routing.NewMemoryAffinity(time.Hour, 0)})
+			if err != nil {
+				b.Fatal(err)
+			}
+			srv, err := NewServer(Config{ReplicaID: "r0", Registerer: prometheus.NewRegistry(),
+				Logger: slog.New(slog.DiscardHandler)}, router, reg, tracker)
+			if err != nil {
+				b.Fatal(err)
+			}
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				b.Fatal(err)
+			}
+			hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+			go func() { _ = hs.Serve(ln) }()
+			b.Cleanup(func() {
+				_ = hs.Close()
+				srv.Close()
+			})
+			req := loadgen.Request("m", stream)
+			const conns = 32
+			// Warm every connection and the router's state.
+			runLoad(b, ln.Addr().String(), req, conns, 4*conns)
+			b.ReportAllocs()
+			b.ResetTimer()
+			runLoad(b, ln.Addr().String(), req, conns, int64(b.N))
+		})
+	}
+}
+
+// staticWorker serves every request on a loopback port with a fixed answer (SSE for chat
+// completions) from a raw loop, and returns its address.
+func staticWorker(b *testing.B) string {
+	const (
+		jsonBody = `{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,` +
+			`"text":" Paris.","finish_reason":"stop"}],"usage":{"prompt_tokens":40,"completion_tokens":3,"total_tokens":43,` +
+			`"prompt_tokens_details":{"cached_tokens":32}}}`
+		sseBody = `data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Paris"}}]}` + "\n\n" +
+			`data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],` +
+			`"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41}}` + "\n\n" + "data: [DONE]\n\n"
+	)
+	answer := func(ct, body string) []byte {
+		return fmt.Appendf(nil, "HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s", ct, len(body), body)
+	}
+	jsonAnswer, sseAnswer := answer("application/json", jsonBody), answer("text/event-stream", sseBody)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				br := bufio.NewReaderSize(c, 16<<10)
+				// Each pass reads one request (head, then the body its Content-Length says).
+				for {
+					line, err := br.ReadSlice('\n')
+					if err != nil {
+						return
+					}
+					out := jsonAnswer
+					if bytes.Contains(line, []byte("/chat/")) {
+						out = sseAnswer
+					}
+					length := 0
+					for {
+						h, err := br.ReadSlice('\n')
+						if err != nil {
+							return
+						}
+						if len(h) <= 2 {
+							break
+						}
+						if v, ok := bytes.CutPrefix(h, []byte("Content-Length: ")); ok {
+							length, _ = strconv.Atoi(string(bytes.TrimSpace(v)))
+						}
+					}
+					if _, err := br.Discard(length); err != nil {
+						return
+					}
+					if _, err := c.Write(out); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// runLoad sends req over conns keep-alive connections until total answers are in; each
+// answer must be a whole 200 (Content-Length or chunked).
+func runLoad(b *testing.B, addr string, req []byte, conns int, total int64) {
+	var left atomic.Int64
+	left.Store(total)
+	var wg sync.WaitGroup
+	for range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			lc, err := loadgen.Dial(addr)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			defer lc.Close()
+			for left.Add(-1) >= 0 {
+				if err := lc.Do(req); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}
