@@ -28,7 +28,9 @@ import (
 // (`http-request return`), so they are never what limits either path; one `kvrouter-ha serve`
 // (the release build, default flags but its addresses and data directory) has them as its two
 // workers, and a second HAProxy balances them round-robin with no other work (no log line per
-// request, X-Forwarded-For as the router sets it). The load generator is 32 keep-alive
+// request, X-Forwarded-For as the router sets it); and, as the Go anchor, httputil.ReverseProxy
+// round-robin over them (testdata/goproxy: Go's HTTP server and client with no routing work).
+// The load generator is 32 keep-alive
 // connections in this process, each sending its next request as soon as its answer is in, over a
 // minimal HTTP/1.1 client (net/http's client costs several times what it measures). Rounds
 // alternate router, HAProxy, router, ... (three of each by default); each reports requests per
@@ -48,6 +50,10 @@ import (
 //	KVROUTER_TP_BASELINE  other kvrouter-ha binaries, [name=]path, comma-separated: more
 //	                      contenders in the same alternation (a before/after comparison in
 //	                      one run; "baseline" when unnamed)
+//	KVROUTER_TP_LOAD=wrk  drive the rounds with wrk (2 threads, the same connections, a Lua
+//	                      script that POSTs the same request) instead of the in-process
+//	                      generator, as a new user would measure it; wrk's CPU is then the
+//	                      load generator's column
 //	KVROUTER_TP_PPROF     a directory: the router is built with -tags kvrouter_pprof and its
 //	                      CPU profile (all router rounds) and allocations (the delta over them)
 //	                      are written there (cpu-json.pprof, allocs-json.pprof, ...)
@@ -123,10 +129,24 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 		return contender{name: name, addr: addr, pid: p.PID(), pprof: pprof}
 	}
 	contenders := []contender{router("router", bin), {name: "haproxy", addr: lbAddr, pid: lb.PID()}}
+	// The Go anchor: httputil.ReverseProxy round-robin, what Go's HTTP server and client cost
+	// on this path before any routing work.
+	goAddr := loopbacktest.Addr(b)
+	goBin := filepath.Join(b.TempDir(), "goproxy")
+	if out, err := exec.Command("go", "build", "-o", goBin, "./testdata/goproxy").CombinedOutput(); err != nil {
+		b.Fatalf("build goproxy: %v\n%s", err, out)
+	}
+	goArgv := []string{goBin, "-listen", goAddr, "-backend", backends[0], "-backend", backends[1]}
+	goProxy := newProcess(b, proc.Spec{Name: "goproxy", Argv: goArgv, Wrap: on("1")})
+	if err := goProxy.Start(); err != nil {
+		b.Fatal(err)
+	}
+	waitHTTP(b, "http://"+goAddr+"/readyz")
+	contenders = append(contenders, contender{name: "go-revproxy", addr: goAddr, pid: goProxy.PID()})
 	for _, base := range baselines() {
 		contenders = append(contenders, router(base[0], base[1]))
 	}
-	b.Logf("%d connections, rounds of %s, pinned: %v; backends pid %d", knobs.conns, knobs.round, knobs.pin, backend.PID())
+	b.Logf("%d connections, rounds of %s, pinned: %v, load generator %s; backends pid %d", knobs.conns, knobs.round, knobs.pin, knobs.load, backend.PID())
 
 	for _, stream := range []bool{false, true} {
 		name := map[bool]string{false: "json", true: "sse"}[stream]
@@ -147,8 +167,14 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 			results := map[string][]roundResult{}
 			for round := range knobs.rounds {
 				for _, c := range contenders {
-					res, err := driveRound(c.addr, req, knobs.conns, 300*time.Millisecond, knobs.round, 1<<30,
-						[]int{c.pid, backend.PID(), os.Getpid()})
+					pids := []int{c.pid, backend.PID(), os.Getpid()}
+					var res roundResult
+					var err error
+					if knobs.load == "wrk" {
+						res, err = wrkRound(b, c.addr, stream, knobs.conns, knobs.round, pids[:2], on("0"))
+					} else {
+						res, err = driveRound(c.addr, req, knobs.conns, 300*time.Millisecond, knobs.round, 1<<30, pids)
+					}
 					if err != nil {
 						b.Fatalf("%s, round %d: %v", c.name, round+1, err)
 					}
@@ -179,6 +205,10 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 			b.ReportMetric(median(rr), "ratio-median")
 			b.ReportMetric(median(cpu("router")), "router-cpu-us/req")
 			b.ReportMetric(median(cpu("haproxy")), "haproxy-cpu-us/req")
+			gr := ratios("go-revproxy")
+			b.Logf("go-revproxy/haproxy per round %s, median %.2fx", fmtRatios(gr), median(gr))
+			b.ReportMetric(median(gr), "go-revproxy-ratio-median")
+			b.ReportMetric(median(cpu("go-revproxy")), "go-revproxy-cpu-us/req")
 			for _, base := range baselines() {
 				br := ratios(base[0])
 				b.Logf("%s/haproxy per round %s, median %.2fx", base[0], fmtRatios(br), median(br))
@@ -210,6 +240,7 @@ type tpKnobs struct {
 	rounds int
 	conns  int
 	pin    bool
+	load   string // "wrk", or "" for the in-process generator
 }
 
 func throughputKnobs(b *testing.B) tpKnobs {
@@ -231,6 +262,17 @@ func throughputKnobs(b *testing.B) tpKnobs {
 				b.Fatalf("%s=%q: not a positive number", kv.name, v)
 			}
 			*kv.dst = n
+		}
+	}
+	switch v := os.Getenv("KVROUTER_TP_LOAD"); v {
+	case "", "wrk":
+		k.load = v
+	default:
+		b.Fatalf("KVROUTER_TP_LOAD=%q: only wrk", v)
+	}
+	if k.load == "wrk" {
+		if _, err := exec.LookPath("wrk"); err != nil {
+			b.Skip("KVROUTER_TP_LOAD=wrk, and wrk is not installed")
 		}
 	}
 	switch v := os.Getenv("KVROUTER_TP_PIN"); v {
@@ -424,6 +466,63 @@ func driveRound(addr string, req []byte, conns int, warm, dur time.Duration, lim
 	if res.requests == 0 {
 		return res, errors.New("no answer")
 	}
+	return res, nil
+}
+
+// wrkRound is one round driven by wrk: two threads, conns connections, dur long in whole
+// seconds (a 1 s run first to warm up), POSTing loadgen.Request's body. res.cpu is the CPU of pids over the
+// measured run, then wrk's own. Any answer but a 2xx, or a socket error, fails the round.
+func wrkRound(b *testing.B, addr string, stream bool, conns int, dur time.Duration, pids []int, wrap []string) (roundResult, error) {
+	req := loadgen.Request("tp-model", stream)
+	head, body, _ := strings.Cut(string(req), "\r\n\r\n")
+	path := strings.Fields(head)[1]
+	script := filepath.Join(b.TempDir(), "post.lua")
+	lua := fmt.Sprintf("wrk.method = \"POST\"\nwrk.body = %q\nwrk.headers[\"Content-Type\"] = \"application/json\"\n", body)
+	if err := os.WriteFile(script, []byte(lua), 0o644); err != nil {
+		return roundResult{}, err
+	}
+	run := func(d time.Duration) (string, float64, error) {
+		argv := append(append([]string(nil), wrap...), "wrk", "-t2", "-c"+strconv.Itoa(conns), "-d"+strconv.Itoa(max(1, int(d.Round(time.Second)/time.Second)))+"s",
+			"--timeout", "5s", "-s", script, "http://"+addr+path)
+		cmd := exec.Command(argv[0], argv[1:]...)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			return "", 0, fmt.Errorf("wrk: %w: %s", err, out)
+		}
+		st := cmd.ProcessState
+		return string(out), (st.UserTime() + st.SystemTime()).Seconds(), nil
+	}
+	if _, _, err := run(time.Second); err != nil {
+		return roundResult{}, err
+	}
+	before := cpuTimes(pids)
+	out, wrkCPU, err := run(dur)
+	if err != nil {
+		return roundResult{}, err
+	}
+	after := cpuTimes(pids)
+	var res roundResult
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		switch {
+		case len(f) >= 5 && f[1] == "requests" && f[2] == "in":
+			res.requests, _ = strconv.ParseInt(f[0], 10, 64)
+			d, derr := time.ParseDuration(strings.TrimSuffix(f[3], ","))
+			if derr != nil {
+				return res, fmt.Errorf("wrk's duration %q: %w", f[3], derr)
+			}
+			res.seconds = d.Seconds()
+		case strings.HasPrefix(strings.TrimSpace(line), "Non-2xx"), strings.HasPrefix(strings.TrimSpace(line), "Socket errors"):
+			return res, fmt.Errorf("wrk: %s", strings.TrimSpace(line))
+		}
+	}
+	if res.requests == 0 || res.seconds == 0 {
+		return res, fmt.Errorf("no requests in wrk's output:\n%s", out)
+	}
+	for i := range pids {
+		res.cpu = append(res.cpu, after[i]-before[i])
+	}
+	res.cpu = append(res.cpu, wrkCPU)
 	return res, nil
 }
 
