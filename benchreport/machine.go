@@ -8,6 +8,8 @@ import (
 	"runtime"
 	"strings"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 )
 
 // Machine is where a report was made.
@@ -104,24 +106,11 @@ func readCPU() cpuTimes {
 	c.busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
 	c.total = c.busy + v[3] + v[4]
 	c.steal = v[7]
-	s, err := os.ReadFile("/proc/self/stat")
+	t, err := proc.ReadCPUTicks("self")
 	if err != nil {
 		return c
 	}
-	// The command may hold spaces: the fields after it start past the last ')'.
-	i := strings.LastIndexByte(string(s), ')')
-	if i < 0 {
-		return c
-	}
-	sf := strings.Fields(string(s)[i+1:])
-	if len(sf) < 15 {
-		return c
-	}
-	var t [4]uint64
-	for j := range t {
-		fmt.Sscan(sf[11+j], &t[j]) // utime stime cutime cstime: fields 14-17
-	}
-	c.self = t[0] + t[1] + t[2] + t[3]
+	c.self = t.User + t.System + t.ChildrenUser + t.ChildrenSystem
 	c.ok = true
 	return c
 }

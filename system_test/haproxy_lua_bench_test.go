@@ -19,7 +19,7 @@ import (
 // global and default settings as deploy/haproxy-lua/haproxy.cfg, without the Lua action.
 func plainHAProxyConfig(listen string, workers []string) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, `global
+	b.WriteString(`global
     log stdout format raw local0 info
     tune.bufsize 1048576
 
@@ -33,8 +33,17 @@ defaults
     timeout server 10m
     timeout http-request 10s
     timeout http-keep-alive 30s
+`)
+	b.WriteString(roundRobinProxies(listen, workers))
+	return b.String()
+}
 
-frontend plain
+// roundRobinProxies is the part of an HAProxy config after its settings: a frontend on
+// listen balancing the workers round-robin, with X-Forwarded-For as the router sets it.
+func roundRobinProxies(listen string, workers []string) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `
+frontend rr
     bind %s
     default_backend workers
 

@@ -36,13 +36,18 @@ var haproxyLuaConfig = filepath.Join("..", "deploy", "haproxy-lua", "haproxy.cfg
 // luaWorkers is how many workers deploy/haproxy-lua/haproxy.cfg names (KVR_WORKER0..3).
 const luaWorkers = 4
 
+// haproxyBinary is haproxy on PATH, else Debian's /usr/sbin/haproxy (not on a user's PATH).
+func haproxyBinary() string {
+	if bin, err := exec.LookPath("haproxy"); err == nil {
+		return bin
+	}
+	return "/usr/sbin/haproxy"
+}
+
 // haproxyWithLua returns an HAProxy binary built with Lua, or skips the test.
 func haproxyWithLua(t testing.TB) string {
 	t.Helper()
-	bin, err := exec.LookPath("haproxy")
-	if err != nil {
-		bin = "/usr/sbin/haproxy"
-	}
+	bin := haproxyBinary()
 	out, err := exec.Command(bin, "-vv").CombinedOutput()
 	if err != nil {
 		t.Skipf("no HAProxy (%s -vv: %v): these tests run the real HAProxy with its Lua action (apt-get install haproxy)", bin, err)

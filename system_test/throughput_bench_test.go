@@ -1,7 +1,6 @@
 package system_test
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -42,7 +41,7 @@ import (
 // Everything shares this machine's cores, the load generator included: the CPU figures tell
 // how much each part took. Knobs, from the environment:
 //
-//	KVROUTER_TP_ROUND     measured length of a round (4s; each round warms up 300ms first)
+//	KVROUTER_TP_ROUND     measured length of a round (4s; each round warms up first, 300ms or wrk's 1s)
 //	KVROUTER_TP_ROUNDS    rounds of each contender (3)
 //	KVROUTER_TP_CONNS     connections (32)
 //	KVROUTER_TP_PIN=split pin the proxy under test (router or HAProxy) to CPU 1, and the load
@@ -62,12 +61,9 @@ import (
 //
 //	go test ./system_test -run '^$' -bench ThroughputVsHAProxy -benchtime 1x
 func BenchmarkThroughputVsHAProxy(b *testing.B) {
-	haproxy, err := exec.LookPath("haproxy")
-	if err != nil {
-		if _, serr := os.Stat("/usr/sbin/haproxy"); serr != nil {
-			b.Skip("haproxy is not installed")
-		}
-		haproxy = "/usr/sbin/haproxy"
+	haproxy := haproxyBinary()
+	if _, err := os.Stat(haproxy); err != nil {
+		b.Skip("haproxy is not installed")
 	}
 	knobs := throughputKnobs(b)
 	pprofDir := os.Getenv("KVROUTER_TP_PPROF")
@@ -161,7 +157,8 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 			var profs []*routerProfile
 			for _, c := range contenders {
 				if c.pprof != "" {
-					profs = append(profs, startRouterProfile(b, c.pprof, pprofDir, name+"-"+c.name))
+					profs = append(profs, startRouterProfile(b, c.pprof, pprofDir, name+"-"+c.name,
+						time.Duration(knobs.rounds*len(contenders))*(knobs.warmup()+knobs.round)))
 				}
 			}
 			results := map[string][]roundResult{}
@@ -171,9 +168,9 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 					var res roundResult
 					var err error
 					if knobs.load == "wrk" {
-						res, err = wrkRound(b, c.addr, stream, knobs.conns, knobs.round, pids[:2], on("0"))
+						res, err = wrkRound(b, c.addr, stream, knobs.conns, knobs.warmup(), knobs.round, pids[:2], on("0"))
 					} else {
-						res, err = driveRound(c.addr, req, knobs.conns, 300*time.Millisecond, knobs.round, 1<<30, pids)
+						res, err = driveRound(c.addr, req, knobs.conns, knobs.warmup(), knobs.round, 1<<30, pids)
 					}
 					if err != nil {
 						b.Fatalf("%s, round %d: %v", c.name, round+1, err)
@@ -241,6 +238,14 @@ type tpKnobs struct {
 	conns  int
 	pin    bool
 	load   string // "wrk", or "" for the in-process generator
+}
+
+// warmup is how long each round warms up before it counts: wrk's durations are whole seconds.
+func (k tpKnobs) warmup() time.Duration {
+	if k.load == "wrk" {
+		return time.Second
+	}
+	return 300 * time.Millisecond
 }
 
 func throughputKnobs(b *testing.B) tpKnobs {
@@ -332,7 +337,7 @@ frontend backend%d
 // no log line per request.
 func roundRobinConfig(listen string, backends []string) string {
 	var sb strings.Builder
-	fmt.Fprintf(&sb, `global
+	sb.WriteString(`global
     maxconn 4000
 
 defaults
@@ -343,18 +348,8 @@ defaults
     timeout server 30s
     timeout http-request 10s
     timeout http-keep-alive 30s
-
-frontend rr
-    bind %s
-    default_backend workers
-
-backend workers
-    balance roundrobin
-    option forwardfor
-`, listen)
-	for i, w := range backends {
-		fmt.Fprintf(&sb, "    server w%d %s\n", i, w)
-	}
+`)
+	sb.WriteString(roundRobinProxies(listen, backends))
 	return sb.String()
 }
 
@@ -469,10 +464,10 @@ func driveRound(addr string, req []byte, conns int, warm, dur time.Duration, lim
 	return res, nil
 }
 
-// wrkRound is one round driven by wrk: two threads, conns connections, dur long in whole
-// seconds (a 1 s run first to warm up), POSTing loadgen.Request's body. res.cpu is the CPU of pids over the
+// wrkRound is one round driven by wrk: two threads, conns connections, a warm run and then
+// one of dur, each in whole seconds, POSTing loadgen.Request's body. res.cpu is the CPU of pids over the
 // measured run, then wrk's own. Any answer but a 2xx, or a socket error, fails the round.
-func wrkRound(b *testing.B, addr string, stream bool, conns int, dur time.Duration, pids []int, wrap []string) (roundResult, error) {
+func wrkRound(b *testing.B, addr string, stream bool, conns int, warm, dur time.Duration, pids []int, wrap []string) (roundResult, error) {
 	req := loadgen.Request("tp-model", stream)
 	head, body, _ := strings.Cut(string(req), "\r\n\r\n")
 	path := strings.Fields(head)[1]
@@ -492,7 +487,7 @@ func wrkRound(b *testing.B, addr string, stream bool, conns int, dur time.Durati
 		st := cmd.ProcessState
 		return string(out), (st.UserTime() + st.SystemTime()).Seconds(), nil
 	}
-	if _, _, err := run(time.Second); err != nil {
+	if _, _, err := run(warm); err != nil {
 		return roundResult{}, err
 	}
 	before := cpuTimes(pids)
@@ -526,30 +521,17 @@ func wrkRound(b *testing.B, addr string, stream bool, conns int, dur time.Durati
 	return res, nil
 }
 
-// cpuTimes are the CPU seconds (user and system, all threads) each process has used.
+// cpuTimes are the CPU seconds (user and system, all threads) each process has used; 0 for
+// one that is gone.
 func cpuTimes(pids []int) []float64 {
 	out := make([]float64, len(pids))
 	for i, pid := range pids {
-		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-		if err != nil {
-			continue
+		if t, err := proc.ReadCPUTicks(strconv.Itoa(pid)); err == nil {
+			out[i] = t.Own()
 		}
-		// Fields after the command (which may hold spaces) in parentheses: state is field 3,
-		// utime 14 and stime 15, so 11 and 12 after the parenthesis.
-		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-		if len(f) < 13 {
-			continue
-		}
-		u, _ := strconv.ParseFloat(f[11], 64)
-		s, _ := strconv.ParseFloat(f[12], 64)
-		out[i] = (u + s) / clockTicks
 	}
 	return out
 }
-
-// clockTicks is USER_HZ, the unit of /proc/PID/stat's times: 100 on every Linux the
-// benchmark runs on.
-const clockTicks = 100
 
 func mapRounds(rs []roundResult, f func(roundResult) float64) []float64 {
 	out := make([]float64, len(rs))
@@ -589,15 +571,14 @@ type routerProfile struct {
 	seconds         int
 }
 
-func startRouterProfile(b *testing.B, addr, dir, name string) *routerProfile {
+// startRouterProfile starts a CPU profile of length span (every round of every contender).
+func startRouterProfile(b *testing.B, addr, dir, name string, span time.Duration) *routerProfile {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		b.Fatal(err)
 	}
 	p := &routerProfile{addr: addr, dir: dir, name: name, cpu: make(chan []byte, 1)}
 	p.allocsBefore = pprofGet(b, "http://"+addr+"/debug/pprof/allocs")
-	k := throughputKnobs(b)
-	contenders := 2 + len(baselines())
-	p.seconds = int((k.round+300*time.Millisecond).Seconds()*float64(k.rounds*contenders)) + 1
+	p.seconds = int(span.Seconds()) + 1
 	go func() {
 		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", addr, p.seconds))
 		if err != nil {

@@ -391,3 +391,26 @@ func TestWaitStoppedWaitsForEveryThread(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestReadCPUTicksGrowsWithWork reads this process's times around a busy loop: they are
+// read, and grow.
+func TestReadCPUTicksGrowsWithWork(t *testing.T) {
+	before, err := ReadCPUTicks("self")
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := uint64(1)
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
+		for range 1 << 20 {
+			x = x*6364136223846793005 + 1442695040888963407
+		}
+		now, err := ReadCPUTicks("self")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if now.Own() >= before.Own()+0.05 {
+			return
+		}
+	}
+	t.Fatalf("no CPU time counted in 10 s of work (%d)", x)
+}

@@ -323,3 +323,13 @@ func spec(id, url string) routing.WorkerSpec {
 }
 
 const completionBody = `{"model":"m","prompt":"hello there, general kenobi"}`
+
+// forwardContentType is what a worker request carries of a client request holding only
+// Content-Type ct (nil: none), for a worker without data parallelism.
+func forwardContentType(ct []string) forwarding {
+	h := http.Header{}
+	if ct != nil {
+		h["Content-Type"] = ct
+	}
+	return forwarding{from: &http.Request{Header: h}, to: routing.Target{Spec: &routing.WorkerSpec{}}}
+}

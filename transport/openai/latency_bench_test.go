@@ -189,9 +189,8 @@ func bareProxy(b *testing.B, workerURL string) http.Handler {
 			return
 		}
 		resp, _, err := up.roundTrip(r.Context(), workerURL, outbound{method: r.Method, target: r.URL.RequestURI(),
-			body: body, header: func(b []byte) []byte {
-				return appendHeaderLine(b, "Content-Type", r.Header.Get("Content-Type"))
-			}}, time.Now().Add(time.Minute))
+			body: body, forwarding: forwardContentType(r.Header["Content-Type"])},
+			time.Now().Add(time.Minute))
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusBadGateway)
 			return

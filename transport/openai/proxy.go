@@ -1,7 +1,6 @@
 package openai
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -267,10 +266,10 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if span := trace.SpanFromContext(ctx); span.IsRecording() {
 		span.SetAttributes(attrStatus.Int(resp.StatusCode))
 	}
-	// The attribute is built only when tracing is on: a variadic argument is an allocation.
-	bctx, bspan := ctx, trace.SpanFromContext(context.Background())
-	if s.tr != nil {
-		bctx, bspan = s.tr.start(ctx, "bind", trace.SpanKindInternal, attrSession.Bool(c.session != ""))
+	// The attributes are set once the span records: a variadic argument is an allocation.
+	bctx, bspan := s.tr.start(ctx, "bind", trace.SpanKindInternal)
+	if bspan.IsRecording() {
+		bspan.SetAttributes(attrSession.Bool(c.session != ""))
 	}
 	binding, err := c.att.Commit(bctx)
 	if bspan.IsRecording() {
@@ -761,35 +760,6 @@ const (
 	outputTokensKey    = `"output_tokens"`
 	cacheReadTokensKey = `"cache_read_input_tokens"`
 )
-
-// usageCount finds the last key: N in b (a whole answer, or one read of a stream, where the
-// usage chunk comes last). It is a scan, not a parse: the number only feeds a metric and the
-// index's estimate of what the worker caches.
-func usageCount(b []byte, key string) (int, bool) {
-	i := lastIndex(b, key)
-	if i < 0 {
-		return 0, false
-	}
-	return usageValue(b[i+len(key):])
-}
-
-// lastIndex is bytes.LastIndex(b, key) found by forward searches, which are vectorised,
-// where LastIndex runs Rabin-Karp a byte at a time: the keys are absent from most reads, and
-// found at most once or twice in the others.
-func lastIndex(b []byte, key string) int {
-	k := []byte(key)
-	last := -1
-	// Each pass finds a later occurrence or ends.
-	for off := 0; off <= len(b)-len(k); {
-		i := bytes.Index(b[off:], k)
-		if i < 0 {
-			break
-		}
-		last = off + i
-		off = last + 1
-	}
-	return last
-}
 
 // observePrediction records how far the predicted cache hit was from the worker's report.
 func (s *Server) observePrediction(d routing.Decision, cached int) {

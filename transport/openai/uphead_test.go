@@ -177,24 +177,3 @@ func readInSmallPieces(r io.Reader) ([]byte, error) {
 	}
 	return out, io.ErrNoProgress
 }
-
-// TestLastIndexIsBytesLastIndex checks lastIndex against bytes.LastIndex.
-func TestLastIndexIsBytesLastIndex(t *testing.T) {
-	rng := rand.New(rand.NewPCG(3, 4))
-	for range 20000 {
-		b := make([]byte, rng.IntN(40))
-		for i := range b {
-			b[i] = "ab\"c:"[rng.IntN(5)]
-		}
-		key := string(b[rng.IntN(len(b)+1):])
-		if len(key) > 4 {
-			key = key[:1+rng.IntN(4)]
-		}
-		if rng.IntN(4) == 0 {
-			key = "\"ab"
-		}
-		if got, want := lastIndex(b, key), bytes.LastIndex(b, []byte(key)); got != want {
-			t.Fatalf("lastIndex(%q, %q) = %d, bytes.LastIndex says %d", b, key, got, want)
-		}
-	}
-}

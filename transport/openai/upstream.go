@@ -78,14 +78,12 @@ func newUpstream(connectTimeout time.Duration, tlsConfig *tls.Config) *upstream 
 	}
 }
 
-// outbound is a request for a worker. The head lines are appended by header, which must
-// append complete "Name: value\r\n" lines, and then, when from is set, the forwarded
+// outbound is a request for a worker. Its head carries, when from is set, the forwarded
 // headers of a client request (see forwarding); the client writes Host and Content-Length.
 type outbound struct {
 	method string
 	// target is the path and query, beginning with "/", that follow the worker URL's path.
 	target string
-	header func(dst []byte) []byte
 	forwarding
 	body []byte
 }
@@ -224,9 +222,6 @@ func (p *hostPool) appendHead(b []byte, req outbound) []byte {
 	b = append(b, " HTTP/1.1\r\nHost: "...)
 	b = append(b, p.host...)
 	b = append(b, "\r\n"...)
-	if req.header != nil {
-		b = req.header(b)
-	}
 	b = req.forwarding.appendTo(b)
 	if len(req.body) > 0 || req.method == http.MethodPost || req.method == http.MethodPut {
 		b = append(b, "Content-Length: "...)

@@ -54,7 +54,7 @@ func testUpstream(t *testing.T) *upstream {
 
 func post(body string) outbound {
 	return outbound{method: http.MethodPost, target: "/v1/completions", body: []byte(body),
-		header: func(b []byte) []byte { return appendHeaderLine(b, "Content-Type", "application/json") }}
+		forwarding: forwardContentType([]string{"application/json"})}
 }
 
 // trip makes one request with a first-byte deadline a minute away.

@@ -11,21 +11,24 @@ const (
 	usageKeys
 )
 
-// usageTail ends every usage key, and usagePrefixes are what comes before it in each.
-var (
-	usageTail     = []byte(`_tokens"`)
-	usagePrefixes = [usageKeys][]byte{[]byte(`"completion`), []byte(`"output`), []byte(`"cached`), []byte(`"cache_read_input`)}
-)
+// usageKeyNames are the usage keys, by index.
+var usageKeyNames = [usageKeys]string{completionTokensKey, outputTokensKey, cachedTokensKey, cacheReadTokensKey}
 
-// usage is what one chunk of an answer says of each usage key: usageCount's answer for it.
+// usageTail ends every usage key.
+const usageTail = `_tokens"`
+
+// usage is what one chunk of an answer says of each usage key: for each, the number after
+// the key's last occurrence, if a number follows it.
 type usage struct {
 	n  [usageKeys]int
 	ok [usageKeys]bool
 }
 
-// scanUsage reads every usage key of b in one pass: for each key, usageCount(b, key). Each
-// key ends in `_tokens"`, so one search for that finds every occurrence of every key, where
-// usageCount searches the whole chunk once per key.
+// scanUsage finds the last `key: N` of each usage key in b (a whole answer, or one read of a
+// stream, where the usage chunk comes last). It is a scan, not a parse: the numbers only feed
+// a metric and the index's estimate of what the worker caches. Each key ends in `_tokens"`,
+// so one forward search for that finds every occurrence of every key, where a search per key
+// would read the chunk four times.
 func scanUsage(b []byte) usage {
 	var last [usageKeys]int
 	for k := range last {
@@ -33,13 +36,14 @@ func scanUsage(b []byte) usage {
 	}
 	// Each pass finds a later occurrence of the tail or ends.
 	for off := 0; ; {
-		i := bytes.Index(b[off:], usageTail)
+		i := bytes.Index(b[off:], []byte(usageTail))
 		if i < 0 {
 			break
 		}
 		end := off + i // where the tail starts
-		for k, pre := range usagePrefixes {
-			if end >= len(pre) && bytes.Equal(b[end-len(pre):end], pre) {
+		for k, key := range usageKeyNames {
+			pre := key[:len(key)-len(usageTail)]
+			if end >= len(pre) && string(b[end-len(pre):end]) == pre {
 				last[k] = end - len(pre)
 				break
 			}
@@ -49,13 +53,13 @@ func scanUsage(b []byte) usage {
 	var u usage
 	for k, at := range last {
 		if at >= 0 {
-			u.n[k], u.ok[k] = usageValue(b[at+len(usagePrefixes[k])+len(usageTail):])
+			u.n[k], u.ok[k] = usageValue(b[at+len(usageKeyNames[k]):])
 		}
 	}
 	return u
 }
 
-// usageValue reads ": N" at the start of rest, as usageCount does after its key.
+// usageValue reads ": N" at the start of rest, the text after a usage key.
 func usageValue(rest []byte) (int, bool) {
 	rest = bytes.TrimLeft(rest, " \t\r\n")
 	if len(rest) == 0 || rest[0] != ':' {

@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"bytes"
 	"math/rand/v2"
 	"strings"
 	"testing"
@@ -31,12 +32,21 @@ func FuzzScanUsage(f *testing.F) {
 	f.Fuzz(func(t *testing.T, chunk []byte) { checkScanUsage(t, chunk) })
 }
 
+// usageCount is the reference scanUsage is checked against: the last key: N in b, found by
+// bytes.LastIndex, one key at a time.
+func usageCount(b []byte, key string) (int, bool) {
+	i := bytes.LastIndex(b, []byte(key))
+	if i < 0 {
+		return 0, false
+	}
+	return usageValue(b[i+len(key):])
+}
+
 // checkScanUsage fails t where scanUsage and usageCount disagree on a key of chunk.
 func checkScanUsage(t *testing.T, chunk []byte) {
 	t.Helper()
-	keys := [usageKeys]string{completionTokensKey, outputTokensKey, cachedTokensKey, cacheReadTokensKey}
 	u := scanUsage(chunk)
-	for k, key := range keys {
+	for k, key := range usageKeyNames {
 		if n, ok := usageCount(chunk, key); n != u.n[k] || ok != u.ok[k] {
 			t.Fatalf("%q: scanUsage says %s is %d, %v; usageCount says %d, %v", chunk, key, u.n[k], u.ok[k], n, ok)
 		}

@@ -1,6 +1,6 @@
 //go:build kvrouter_pprof
 
-package openai
+package main
 
 import (
 	"log/slog"
