@@ -2,6 +2,8 @@ package jepsen
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -119,6 +121,40 @@ const (
 	portLB     = 8000
 )
 
+// adminToken makes a random admin token and writes it to dir/admin.token for the replicas.
+func adminToken(dir string) (token, path string, err error) {
+	raw := make([]byte, 24)
+	if _, err := rand.Read(raw); err != nil {
+		return "", "", fmt.Errorf("admin token: %w", err)
+	}
+	token = hex.EncodeToString(raw)
+	path = filepath.Join(dir, "admin.token")
+	if err := os.WriteFile(path, []byte(token+"\n"), 0o600); err != nil {
+		return "", "", fmt.Errorf("admin token: %w", err)
+	}
+	return token, path, nil
+}
+
+// bearer adds the admin token to every request the harness makes.
+type bearer struct {
+	token string
+	next  http.RoundTripper
+}
+
+// RoundTrip sends req with the token.
+func (b bearer) RoundTrip(req *http.Request) (*http.Response, error) {
+	req = req.Clone(req.Context())
+	req.Header.Set("Authorization", "Bearer "+b.token)
+	return b.next.RoundTrip(req)
+}
+
+// CloseIdleConnections lets http.Client.CloseIdleConnections reach the transport.
+func (b bearer) CloseIdleConnections() {
+	if c, ok := b.next.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
+
 func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 	f := &fleet{cfg: cfg, net: nw, log: cfg.Logger}
 	tr := &http.Transport{
@@ -128,9 +164,15 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 		DisableCompression:  true,
 	}
 	f.client = &http.Client{Transport: tr}
-	f.admin = &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{
+	// The replicas' admin APIs listen beyond loopback in the namespaces, where they require a
+	// token: the harness gives every replica one and sends it.
+	token, tokenFile, err := adminToken(dir)
+	if err != nil {
+		return nil, err
+	}
+	f.admin = &http.Client{Timeout: 3 * time.Second, Transport: bearer{token: token, next: &http.Transport{
 		DialContext: nw.dial, MaxIdleConnsPerHost: 8, IdleConnTimeout: 30 * time.Second,
-	}}
+	}}}
 	logs := filepath.Join(dir, "logs")
 	if err := os.MkdirAll(logs, 0o755); err != nil {
 		return nil, fmt.Errorf("log dir: %w", err)
@@ -171,7 +213,11 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 		argv := m.ServeArgv(cfg.Binary, members, specs,
 			"--consistency", cfg.Consistency, "--stale-bound", cfg.StaleBound.String(),
 			"--bind-wait", cfg.BindWait.String(), "--session-ttl", cfg.SessionTTL.String(),
-			"--health-interval", cfg.HealthInterval.String(), "--log-level", "info")
+			"--health-interval", cfg.HealthInterval.String(), "--log-level", "info",
+			"--admin-token-file", tokenFile,
+			// The namespaces' subnet is the harness's own, reachable from nowhere else: the
+			// replicas' cluster ports there need neither peer TLS nor a gossip key.
+			"--insecure-open-cluster")
 		f.replicas = append(f.replicas, &replica{Replica: m, index: i, proc: proc.New(proc.Spec{
 			Name:    m.ID,
 			Argv:    append(argv, cfg.ServeArgs...),

@@ -4,8 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"strings"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/admin"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
@@ -58,9 +63,16 @@ type Config struct {
 	// NoGossip keeps this replica's decisions and load to itself (comparison runs); bindings
 	// are shared through Raft regardless.
 	NoGossip bool
-	// AdminToken guards /admin/* on the admin listener ("" leaves it open: loopback only).
+	// AdminToken guards /admin/* on the admin listener. Empty: on a loopback AdminListen the
+	// API stays open (with a warning at every start); beyond loopback Start makes a token in
+	// the data directory (admin.TokenFileName) at first start, reuses it later, and requires it.
 	AdminToken string
-	TLS        TLSFiles
+	// InsecureOpenCluster lets a replica whose Raft, peer or gossip port reaches beyond
+	// loopback start without peer mutual TLS or a gossip key: anyone who reaches those ports
+	// is then a full member. Without it such a start is refused; with it, every start logs a
+	// warning per open port.
+	InsecureOpenCluster bool
+	TLS                 TLSFiles
 	// ShutdownDelay is how long a stopping replica keeps serving with /readyz failing, so a
 	// load balancer's health checks take it out before its port closes (0: no wait).
 	ShutdownDelay time.Duration
@@ -114,6 +126,14 @@ type GossipConfig struct {
 	JoinWait          time.Duration
 }
 
+// listenAddr is the gossip listen address: Listen, or a free loopback port when empty.
+func (g GossipConfig) listenAddr() string {
+	if g.Listen == "" {
+		return "127.0.0.1:0"
+	}
+	return g.Listen
+}
+
 // DefaultGossipBudget is a replica's outbound gossip budget: decisions dominate it (about
 // 8 bytes per new prompt or generated block per peer), and a slice of the bundled trace at ten
 // times its rate needs about 260 KB/s, so 1 MiB/s leaves room on any LAN.
@@ -141,5 +161,144 @@ func (c *Config) check() error {
 	default:
 		errs = append(errs, fmt.Errorf("gossip key: %d bytes, want 16, 24 or 32", n))
 	}
+	if err := c.checkOpenCluster(); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
+}
+
+// clusterPort is one of the ports replicas talk to each other on, as the flags set it.
+type clusterPort struct {
+	name                  string // raft, peer or gossip
+	listen, advertise     string
+	listenFlag, advFlag   string
+	protected             bool   // mutual TLS (raft, peer) or the gossip key (gossip)
+	protection, anyoneCan string // what protects it; what anyone who reaches it unprotected can do
+}
+
+// beyond reports whether the port is reachable from other hosts: its listen or advertise
+// address is not loopback.
+func (p clusterPort) beyond() bool {
+	return beyondLoopback(p.listen) || (p.advertise != "" && beyondLoopback(p.advertise))
+}
+
+// addresses names the port's listen and advertise addresses for a message.
+func (p clusterPort) addresses() string {
+	s := fmt.Sprintf("%s %s", p.listenFlag, p.listen)
+	if p.advertise != "" {
+		s += fmt.Sprintf(", %s %s", p.advFlag, p.advertise)
+	}
+	return s
+}
+
+// clusterPorts are the replica's Raft and peer ports, and its gossip port unless NoGossip.
+func (c *Config) clusterPorts() []clusterPort {
+	cc := c.Cluster
+	mtls := c.TLS.PeerCertFile != "" && c.TLS.PeerKeyFile != "" && c.TLS.PeerCAFile != ""
+	ports := []clusterPort{
+		{name: "raft", listen: cc.RaftListen, advertise: cc.RaftAdvert, listenFlag: "--raft-listen", advFlag: "--raft-advertise",
+			protected: mtls, protection: "peer mutual TLS",
+			anyoneCan: "send Raft messages as a member: forged AppendEntries are applied, votes split or stall the cluster"},
+		{name: "peer", listen: cc.PeerListen, advertise: cc.PeerAdvert, listenFlag: "--peer-listen", advFlag: "--peer-advertise",
+			protected: mtls, protection: "peer mutual TLS",
+			anyoneCan: "forward commands to the leader: bind and invalidate sessions, join and remove replicas, read the index"},
+	}
+	if !c.NoGossip {
+		g := cc.Gossip
+		ports = append(ports, clusterPort{name: "gossip", listen: g.listenAddr(), advertise: g.Advertise, listenFlag: "--gossip-listen", advFlag: "--gossip-advertise",
+			protected: len(g.Key) > 0, protection: "a gossip key",
+			anyoneCan: "join gossip as a member: report workers down, announce Raft addresses that become voters, inject routing hints"})
+	}
+	return ports
+}
+
+// checkOpenCluster refuses a replica whose cluster ports reach beyond loopback while one of
+// them is unprotected, unless InsecureOpenCluster says the operator accepts that.
+func (c *Config) checkOpenCluster() error {
+	if c.InsecureOpenCluster {
+		return nil
+	}
+	var exposed, missing []string
+	open := false
+	for _, p := range c.clusterPorts() {
+		if p.beyond() {
+			exposed = append(exposed, p.addresses())
+		}
+		open = open || !p.protected
+	}
+	if len(exposed) == 0 || !open {
+		return nil
+	}
+	mtls := c.TLS.PeerCertFile != "" && c.TLS.PeerKeyFile != "" && c.TLS.PeerCAFile != ""
+	if !mtls {
+		missing = append(missing, "peer mutual TLS (--peer-tls-cert-file, --peer-tls-key-file and --peer-tls-ca-file)")
+	}
+	if !c.NoGossip && len(c.Cluster.Gossip.Key) == 0 {
+		missing = append(missing, "gossip key (--gossip-key-file or KVROUTER_GOSSIP_KEY)")
+	}
+	return fmt.Errorf("refusing to start an open cluster: cluster ports beyond loopback (%s) and no %s, so anyone who reaches them is a full member; "+
+		"give them, keep every cluster port on loopback, or pass --insecure-open-cluster to accept an open cluster",
+		strings.Join(exposed, "; "), strings.Join(missing, " and no "))
+}
+
+// warnOpenCluster logs, at every start of an accepted open cluster, one warning per cluster
+// port that reaches beyond loopback unprotected.
+func (c *Config) warnOpenCluster(log *slog.Logger) {
+	if !c.InsecureOpenCluster {
+		return
+	}
+	for _, p := range c.clusterPorts() {
+		if p.protected || !p.beyond() {
+			continue
+		}
+		log.Warn("--insecure-open-cluster: the "+p.name+" port is open to anyone who reaches it, without "+p.protection,
+			"port", p.name, "addresses", p.addresses(), "anyone_can", p.anyoneCan)
+	}
+}
+
+// secure applies the safe defaults at start, before anything listens: the warnings of an
+// accepted open cluster, and the admin token. An admin API beyond loopback without a given
+// token requires the one in dataDir/admin.token, made at its first start; on loopback it
+// stays open, with a warning at every start.
+func (c *Config) secure(log *slog.Logger, dataDir string) error {
+	c.warnOpenCluster(log)
+	if c.AdminToken != "" {
+		return nil
+	}
+	if !beyondLoopback(c.AdminListen) {
+		log.Warn("no admin token: the admin API on loopback is open to every process on this host; give --admin-token-file to require one",
+			"admin_listen", c.AdminListen)
+		return nil
+	}
+	path := filepath.Join(dataDir, admin.TokenFileName)
+	token, created, err := admin.LoadOrCreateToken(path)
+	if err != nil {
+		return fmt.Errorf("the admin API listens beyond loopback (--admin-listen %s) without --admin-token-file: %w", c.AdminListen, err)
+	}
+	c.AdminToken = token
+	verb := "reused"
+	if created {
+		verb = "made"
+	}
+	log.Info("the admin API requires the token "+verb+" in the data directory (kvrouter-ha ctl --token-file)",
+		"admin_listen", c.AdminListen, "token_file", path)
+	return nil
+}
+
+// beyondLoopback reports whether addr (host:port) may be reached from another host: an
+// unspecified host (0.0.0.0, ::, empty), any address outside 127.0.0.0/8 and ::1, and any
+// name but localhost (names are not resolved here; a name is taken to reach beyond).
+func beyondLoopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return true
+	}
+	if strings.EqualFold(host, "localhost") {
+		return false
+	}
+	ip, err := netip.ParseAddr(host)
+	if err != nil {
+		return true
+	}
+	return !ip.Unmap().IsLoopback()
 }

@@ -89,7 +89,11 @@ func Start(ctx context.Context, cfg Config) (_ *Replica, err error) {
 			r.unwind()
 		}
 	}()
-	// Certificates first: a bad file must stop the start before anything listens.
+	// The safe defaults (open-cluster warnings, the admin token) and the certificates
+	// first: a refusal must stop the start before anything listens.
+	if err = r.cfg.secure(r.log, r.dataDir()); err != nil {
+		return nil, err
+	}
 	if r.cfg.TLS, err = cfg.TLS.load(r.log); err != nil {
 		return nil, err
 	}

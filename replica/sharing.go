@@ -71,10 +71,7 @@ func (r *Replica) openSharing(context.Context) error {
 	}
 	cc := r.cfg.Cluster
 	gc := cc.Gossip
-	listen := gc.Listen
-	if listen == "" {
-		listen = "127.0.0.1:0"
-	}
+	listen := gc.listenAddr()
 	clusterID, err := cluster.DataDirClusterID(r.dataDir())
 	if err != nil {
 		return err

@@ -160,9 +160,9 @@ func documentedCommands() []docCommand {
 					[]string{"no-gossip", "gossip-listen", "gossip-advertise", "gossip-join", "gossip-join-wait", "gossip-max-bytes-per-second",
 						"min-quorum", "cleanup-interval", "load-share-interval", "decision-flush-interval", "health-gossip-interval",
 						"index-snapshot-discovery", "index-snapshot-max-bytes"}},
-				{"TLS and secrets", "All optional. Certificate files are read at start (a new certificate takes a restart), and a bad one stops the start with a message naming the flag. Secrets are never logged; give them through the `-file` flags or the environment, since flags show in `ps`.",
+				{"TLS and secrets", "Safe by default: a replica whose Raft, peer or gossip listen or advertise address reaches beyond loopback (anything but 127.0.0.0/8, ::1 and localhost; 0.0.0.0, :: and host names count as beyond) refuses to start without peer mutual TLS (the three `--peer-tls-*` files) and a gossip key, unless `--insecure-open-cluster` accepts an open cluster, which then warns at every start, port by port. An admin API beyond loopback without a token makes one at first start in `<data-dir>/admin.token` (0600), reuses it later and requires it; on loopback it stays open, with a warning at every start. Certificate files are read at start (a new certificate takes a restart), and a bad one stops the start with a message naming the flag. Secrets are never logged; give them through the `-file` flags or the environment, since flags show in `ps`.",
 					[]string{"tls-cert-file", "tls-key-file", "peer-tls-cert-file", "peer-tls-key-file", "peer-tls-ca-file",
-						"gossip-key", "gossip-key-file", "admin-token", "admin-token-file"}},
+						"gossip-key", "gossip-key-file", "admin-token", "admin-token-file", "insecure-open-cluster"}},
 				{"Worker health", "Each replica probes every worker; with gossip the replicas' views are merged (see `cluster/hints/health.go`).",
 					[]string{"health-interval", "health-timeout", "health-fail-threshold", "health-rise-threshold"}},
 				{"Shutdown", "On SIGTERM or SIGINT: `/readyz` fails at once, the port keeps serving for `--shutdown-delay`, leadership moves to a follower if this replica leads, then in-flight requests get `--shutdown-timeout` to finish. A second signal cuts the delay short.",
@@ -174,7 +174,7 @@ func documentedCommands() []docCommand {
 		{cmd: simWorkerCommand(d), intro: "For demos and tests: the OpenAI API with simulated prefill and decode timing, injected faults, and optional vLLM-format KV events over ZMQ."},
 		{cmd: replayCommand(d, d), intro: "Give `--target` (a router) or `--workers` (round-robin straight at the workers, a baseline without a router); the summary gives hit rate, TTFT percentiles and load imbalance."},
 		{cmd: demoCommand(d, d), intro: "`make demo` runs the `ha` scenario; `compare` runs side-by-side comparisons in one process."},
-		{cmd: ctlCommand(d, d), intro: "Subcommands: `workers list|add|drain|remove`, `sessions get|invalidate`, `cluster status|transfer-leadership|remove|snapshot`; the flags go before them (`kvrouter-ha ctl --addr 127.0.0.1:9090 cluster status`)."},
+		{cmd: ctlCommand(d, d), intro: "Subcommands: `workers list|add|drain|remove`, `sessions get|invalidate`, `cluster status|transfer-leadership|remove|snapshot`; the flags go before them (`kvrouter-ha ctl --addr 127.0.0.1:9090 cluster status`). The token: `--token-file` (a replica that made its own keeps it in `<data-dir>/admin.token`), `--token`, or `KVROUTER_TOKEN`."},
 		{cmd: jepsenCommand(d, d), intro: "A test harness, not an operations tool (`make jepsen`)."},
 	}
 }

@@ -176,7 +176,8 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	registerGossipFlags(fs, &cfg.Cluster.Gossip, &cfg.NoGossip, &gossipJoin, &key)
 	registerTLSFlags(fs, &cfg.TLS)
 	fs.StringVar(&cfg.AdminToken, "admin-token", "", "bearer token for the admin API (prefer --admin-token-file or KVROUTER_ADMIN_TOKEN: flags show in ps)")
-	adminTokenFile := fs.String("admin-token-file", "", "file holding the admin API bearer token")
+	adminTokenFile := fs.String("admin-token-file", "", "file holding the admin API bearer token; without a token, an --admin-listen beyond loopback requires one made at first start in --data-dir/admin.token (mode 0600; kvrouter-ha ctl --token-file reads it), and one on loopback stays open")
+	fs.BoolVar(&cfg.InsecureOpenCluster, "insecure-open-cluster", false, "INSECURE: start even though a Raft, peer or gossip listen or advertise address reaches beyond loopback without peer mutual TLS (--peer-tls-*) and a gossip key; anyone who reaches those ports is then a full member of the cluster (every start warns, port by port)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	return &ffcli.Command{
 		Name:       "serve",
@@ -198,9 +199,6 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 			}
 			if cfg.AdminToken, err = readSecret(cfg.AdminToken, *adminTokenFile, "", "admin token"); err != nil {
 				return err
-			}
-			if cfg.AdminToken == "" {
-				log.Warn("no admin token: the admin API is open to anyone who reaches the admin listener")
 			}
 			cfg.Cluster.Join, cfg.Cluster.Gossip.Join = splitList(join), splitList(gossipJoin)
 			if cfg.Cluster.Gossip.Key, err = key.decode(); err != nil {
