@@ -435,7 +435,7 @@ func TestComposeMatchesTheBinary(t *testing.T) {
 		}
 		seenVolumes[vol] = name
 		// Secrets and the workers file come from files that exist or that the README makes.
-		for _, f := range []string{"gossip-key-file", "admin-token-file"} {
+		for _, f := range []string{"gossip-key-file", "admin-token-file", "peer-tls-ca-file", "peer-tls-cert-file", "peer-tls-key-file"} {
 			p := b.value(t, r, f)
 			secret, ok := strings.CutPrefix(p, "/run/secrets/")
 			if !ok || !contains(strList(ylist(svc, "secrets")), secret) || ystr(topSecrets, secret, "file") == "" {

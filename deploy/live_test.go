@@ -68,16 +68,7 @@ func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 		ports       listeners
 		proc        *proc
 	}
-	kubeSpec := k.spec
-	kubeSpec.env = map[string]string{}
-	for name, v := range k.spec.env {
-		kubeSpec.env[name] = v
-	}
-	// What the downward API would give the pod.
-	for name, fp := range k.envFrom {
-		kubeSpec.env[name] = map[string]string{"metadata.name": "kvrouter-ha-0", "metadata.namespace": "kvrouter", "status.podIP": "127.0.0.1"}[fp]
-	}
-	kubeSpec.args = expandKubeVars(kubeSpec.args, kubeSpec.env)
+	kubeSpec := k.pod("127.0.0.1")
 	runs := []*run{
 		{name: "statefulset", spec: kubeSpec, workersFile: cmFile, wantWorkers: workerIDs(t, workersCM),
 			extra: []string{simWorker, "--kv-events-bind=tcp://" + kvBind}},
@@ -266,6 +257,21 @@ func overrides(t *testing.T, b *kvrBinary, s execSpec, l listeners, dir, name, w
 		out = append(out, "--admin-token-file="+f.adminToken)
 	}
 	return out
+}
+
+// pod is the StatefulSet's first pod's command line: the downward API's values (its name,
+// namespace and podIP) in the environment, and $(VAR) expanded in its arguments.
+func (k kube) pod(podIP string) execSpec {
+	s := k.spec
+	s.env = map[string]string{}
+	for name, v := range k.spec.env {
+		s.env[name] = v
+	}
+	for name, fp := range k.envFrom {
+		s.env[name] = map[string]string{"metadata.name": "kvrouter-ha-0", "metadata.namespace": "kvrouter", "status.podIP": podIP}[fp]
+	}
+	s.args = expandKubeVars(s.args, s.env)
+	return s
 }
 
 // expandKubeVars does Kubernetes' $(VAR) expansion of args from env.
