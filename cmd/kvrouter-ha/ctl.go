@@ -48,7 +48,7 @@ func ctlCommand(stdout, stderr io.Writer) *ffcli.Command {
 	c := &ctlClient{out: stdout, Client: admin.Client{HTTP: &http.Client{Timeout: 30 * time.Second}}}
 	fs.StringVar(&c.Addr, "addr", "127.0.0.1:9090", "admin address of any replica")
 	fs.StringVar(&c.Token, "token", "", "admin bearer token (or KVROUTER_TOKEN, or --token-file)")
-	tokenFile := fs.String("token-file", "", "file holding the admin bearer token")
+	tokenFile := fs.String("token-file", "", "file holding the admin bearer token (a replica whose admin API listens beyond loopback without --admin-token-file made its own: <its --data-dir>/admin.token)")
 	fs.BoolVar(&c.json, "json", false, "print the API's JSON instead of a table")
 	setup := func() (err error) {
 		c.Token, err = readSecret(c.Token, *tokenFile, "", "token")
