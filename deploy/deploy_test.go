@@ -184,6 +184,25 @@ func (b *kvrBinary) parse(s execSpec) ([]flagSetting, error) {
 	return out, nil
 }
 
+// setFlags is the set of flags the spec sets, in its arguments or its environment.
+func (b *kvrBinary) setFlags(t *testing.T, s execSpec) map[string]bool {
+	t.Helper()
+	settings, err := b.parse(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := map[string]bool{}
+	for _, f := range settings {
+		set[f.name] = true
+	}
+	for variable := range s.env {
+		if name, ok := b.flagOfEnv(s.sub, variable); ok {
+			set[name] = true
+		}
+	}
+	return set
+}
+
 // value is the flag's effective value for the spec: the last setting in the arguments, else
 // its environment variable, else the binary's default.
 func (b *kvrBinary) value(t *testing.T, s execSpec, name string) string {

@@ -229,19 +229,7 @@ func overrides(t *testing.T, b *kvrBinary, s execSpec, l listeners, dir, name, w
 		"tls-cert-file": f.cert, "tls-key-file": f.key,
 		"workers-file": workersFile,
 	}
-	settings, err := b.parse(s)
-	if err != nil {
-		t.Fatal(err)
-	}
-	set := map[string]bool{}
-	for _, fs := range settings {
-		set[fs.name] = true
-	}
-	for variable := range s.env {
-		if name, ok := b.flagOfEnv(s.sub, variable); ok {
-			set[name] = true
-		}
-	}
+	set := b.setFlags(t, s)
 	for name := range set {
 		if !strings.HasSuffix(name, "-file") || name == "workers-file" {
 			continue

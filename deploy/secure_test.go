@@ -41,19 +41,7 @@ func TestShippedReplicasAreNoOpenCluster(t *testing.T) {
 	specs := append([]execSpec{k.pod("10.1.2.3"), sysReplica}, c.replicas...)
 	for _, s := range specs {
 		t.Run(s.source, func(t *testing.T) {
-			settings, err := b.parse(s)
-			if err != nil {
-				t.Fatal(err)
-			}
-			set := map[string]bool{}
-			for _, f := range settings {
-				set[f.name] = true
-			}
-			for variable := range s.env {
-				if name, ok := b.flagOfEnv(s.sub, variable); ok {
-					set[name] = true
-				}
-			}
+			set := b.setFlags(t, s)
 			// The secrets the command line reads before the check are real; the
 			// certificates, read after it, are missing.
 			args := append(append([]string{}, s.args...), "--data-dir="+filepath.Join(dir, "data"), "--workers-file="+workersFile)
