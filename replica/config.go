@@ -191,10 +191,16 @@ func (p clusterPort) addresses() string {
 	return s
 }
 
+// peerMTLS reports whether the peer and Raft ports are configured for mutual TLS (all three
+// files given; TLSFiles.load checks them).
+func (c *Config) peerMTLS() bool {
+	return c.TLS.PeerCertFile != "" && c.TLS.PeerKeyFile != "" && c.TLS.PeerCAFile != ""
+}
+
 // clusterPorts are the replica's Raft and peer ports, and its gossip port unless NoGossip.
 func (c *Config) clusterPorts() []clusterPort {
 	cc := c.Cluster
-	mtls := c.TLS.PeerCertFile != "" && c.TLS.PeerKeyFile != "" && c.TLS.PeerCAFile != ""
+	mtls := c.peerMTLS()
 	ports := []clusterPort{
 		{name: "raft", listen: cc.RaftListen, advertise: cc.RaftAdvert, listenFlag: "--raft-listen", advFlag: "--raft-advertise",
 			protected: mtls, protection: "peer mutual TLS",
@@ -229,8 +235,7 @@ func (c *Config) checkOpenCluster() error {
 	if len(exposed) == 0 || !open {
 		return nil
 	}
-	mtls := c.TLS.PeerCertFile != "" && c.TLS.PeerKeyFile != "" && c.TLS.PeerCAFile != ""
-	if !mtls {
+	if !c.peerMTLS() {
 		missing = append(missing, "peer mutual TLS (--peer-tls-cert-file, --peer-tls-key-file and --peer-tls-ca-file)")
 	}
 	if !c.NoGossip && len(c.Cluster.Gossip.Key) == 0 {
