@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster"
@@ -29,6 +30,17 @@ type sharing struct {
 	seeds     []string
 	metrics   *hints.Metrics
 	cfg       GossipConfig
+	// node is the Raft node once it is open: a gossip member's word on worker health, and
+	// its index snapshot, count only when it is a voter of the Raft configuration (under
+	// mutual TLS, one admitted by its certificate); the gossip key alone proves nothing.
+	node atomic.Pointer[cluster.Node]
+}
+
+// voter reports whether gossip member id is a voter of the Raft configuration, so that its
+// reports may count here (false before the node is open).
+func (s *sharing) voter(id string) bool {
+	n := s.node.Load()
+	return n != nil && n.IsServer(id)
 }
 
 // SharingStats are the gossip counters of a replica (the demo's summary).
@@ -106,7 +118,8 @@ func (r *Replica) openSharing(context.Context) error {
 		return ok && int(w.DPRank) < max(spec.DPSize, 1)
 	}
 	s.health = hints.NewHealthView(r.cfg.ID, hints.HealthViewOptions{
-		FailThreshold: r.cfg.Health.FailThreshold, RiseThreshold: r.cfg.Health.RiseThreshold, Alive: g.IsAlive,
+		FailThreshold: r.cfg.Health.FailThreshold, RiseThreshold: r.cfg.Health.RiseThreshold,
+		Alive: func(id string) bool { return g.IsAlive(id) && s.voter(id) },
 	})
 	s.decisions, err = hints.NewDecisions(hints.DecisionsConfig{
 		Messenger: g, Index: r.approx, TTL: r.approxTTL(), Known: known, FlushInterval: gc.DecisionFlush,
@@ -138,7 +151,7 @@ func (r *Replica) openSharing(context.Context) error {
 	}
 	s.sync, err = hints.NewIndexSync(hints.IndexSyncConfig{
 		Self: r.cfg.ID, Approx: r.approx, Precise: r.precise, EngineMaps: engine,
-		Peers: hints.GossipPeers(g), Fetch: hints.PoolFetcher(r.pool, r.cfg.ID, gc.SnapshotMaxBytes),
+		Peers: voterPeers(hints.GossipPeers(g), s.voter), Fetch: hints.PoolFetcher(r.pool, r.cfg.ID, gc.SnapshotMaxBytes),
 		DiscoveryWait: discovery, Metrics: s.metrics, Logger: r.log.With("part", "index-sync"),
 	})
 	if err != nil {
@@ -160,6 +173,21 @@ func (r *Replica) openSharing(context.Context) error {
 	})
 	r.share = s
 	return nil
+}
+
+// voterPeers is peers less the members that are no voter: an index snapshot is pulled only
+// from a replica of the Raft configuration, never from whoever holds the gossip key.
+func voterPeers(peers func() []hints.SnapshotPeer, voter func(string) bool) func() []hints.SnapshotPeer {
+	return func() []hints.SnapshotPeer {
+		all := peers()
+		out := all[:0]
+		for _, p := range all {
+			if voter(p.ID) {
+				out = append(out, p)
+			}
+		}
+		return out
+	}
 }
 
 // joinSharing waits (bounded by JoinWait) for a first gossip seed. A key that does not match
