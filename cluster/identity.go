@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 
 	"github.com/hashicorp/raft"
@@ -14,9 +15,10 @@ import (
 )
 
 // A certificate names a replica (DESIGN.md, "A certificate names its replica") when one of
-// its SANs is the replica's id as a DNS name, or the host of an address the replica
-// advertises (its Raft address in the configuration, its peer address in the FSM's member
-// record) as an IP or DNS SAN. The CA vouches for the certificate; the name ties it to one
+// its DNS SANs is the replica's id, or when it is valid, as a server certificate would be,
+// for the host of an address the replica advertises: its Raft address in the
+// configuration, its peer address in the FSM's member record (an IP SAN, a DNS SAN, or a
+// wildcard DNS SAN covering it). The CA vouches for the certificate; the name ties it to a
 // replica, so a certificate the same CA issued to some other host is no replica's.
 
 // errNotReplica is the refusal of a certificate that names no replica allowed to make the call.
@@ -27,7 +29,7 @@ func certNames(cert *x509.Certificate, id string, addrs ...string) bool {
 	if cert == nil {
 		return false
 	}
-	if id != "" && sanDNS(cert, id) {
+	if id != "" && slices.ContainsFunc(cert.DNSNames, func(d string) bool { return strings.EqualFold(d, id) }) {
 		return true
 	}
 	for _, a := range addrs {
@@ -35,29 +37,7 @@ func certNames(cert *x509.Certificate, id string, addrs ...string) bool {
 		if h, _, err := net.SplitHostPort(a); err == nil {
 			host = h
 		}
-		if host == "" {
-			continue
-		}
-		if ip := net.ParseIP(host); ip != nil {
-			for _, c := range cert.IPAddresses {
-				if c.Equal(ip) {
-					return true
-				}
-			}
-			continue
-		}
-		if sanDNS(cert, host) {
-			return true
-		}
-	}
-	return false
-}
-
-// sanDNS reports whether cert carries name as a DNS SAN (exactly, case aside: a wildcard
-// SAN would name every replica at once, so it names none here).
-func sanDNS(cert *x509.Certificate, name string) bool {
-	for _, d := range cert.DNSNames {
-		if strings.EqualFold(d, name) {
+		if host != "" && cert.VerifyHostname(host) == nil {
 			return true
 		}
 	}

@@ -28,7 +28,8 @@ func TestCertNamesItsReplicaByIDOrAdvertisedHost(t *testing.T) {
 		{"DNS SAN of the peer address's host", leaf("r1.kvrouter.svc"), "r1", []string{"127.0.0.7:7000", "r1.kvrouter.svc:7001"}, true},
 		{"another replica's id", leaf("r2"), "r1", []string{"127.0.0.7:7000"}, false},
 		{"another host", leaf("intruder.example", "127.0.0.8"), "r1", []string{"127.0.0.7:7000", "r1.kvrouter.svc:7001"}, false},
-		{"a wildcard names nobody", leaf("*.kvrouter.svc"), "r1", []string{"r1.kvrouter.svc:7001"}, false},
+		{"a wildcard covers the advertised host", leaf("*.kvrouter.svc"), "r1", []string{"r1.kvrouter.svc:7001"}, true},
+		{"a wildcard is no id", leaf("*.kvrouter.svc"), "r1", []string{"127.0.0.7:7000"}, false},
 		{"empty id and address", leaf("intruder.example"), "", []string{""}, false},
 		{"no certificate", nil, "r1", []string{"127.0.0.7:7000"}, false},
 	} {

@@ -121,8 +121,11 @@ func (r *Replica) openSharing(context.Context) error {
 		FailThreshold: r.cfg.Health.FailThreshold, RiseThreshold: r.cfg.Health.RiseThreshold,
 		Alive: func(id string) bool { return g.IsAlive(id) && s.voter(id) },
 	})
+	// Decisions, load and index snapshots are taken from (and sent to) the replicas of the
+	// Raft configuration only: the gossip key alone makes a member, not a replica.
+	voters := hints.FromVoters(g, s.voter)
 	s.decisions, err = hints.NewDecisions(hints.DecisionsConfig{
-		Messenger: g, Index: r.approx, TTL: r.approxTTL(), Known: known, FlushInterval: gc.DecisionFlush,
+		Messenger: voters, Index: r.approx, TTL: r.approxTTL(), Known: known, FlushInterval: gc.DecisionFlush,
 		Metrics: s.metrics, Logger: r.log.With("part", "decisions"),
 	})
 	if err != nil {
@@ -134,7 +137,7 @@ func (r *Replica) openSharing(context.Context) error {
 	}
 	s.remote = routing.NewRemoteLoad(r.tracker, 3*interval)
 	s.load, err = hints.NewLoadShare(hints.LoadShareConfig{
-		Messenger: g, Local: r.tracker, Remote: s.remote, Interval: interval, Known: known, Metrics: s.metrics, Logger: r.log.With("part", "load"),
+		Messenger: voters, Local: r.tracker, Remote: s.remote, Interval: interval, Known: known, Metrics: s.metrics, Logger: r.log.With("part", "load"),
 	})
 	if err != nil {
 		return err
@@ -151,7 +154,7 @@ func (r *Replica) openSharing(context.Context) error {
 	}
 	s.sync, err = hints.NewIndexSync(hints.IndexSyncConfig{
 		Self: r.cfg.ID, Approx: r.approx, Precise: r.precise, EngineMaps: engine,
-		Peers: voterPeers(hints.GossipPeers(g), s.voter), Fetch: hints.PoolFetcher(r.pool, r.cfg.ID, gc.SnapshotMaxBytes),
+		Peers: hints.GossipPeers(voters), Fetch: hints.PoolFetcher(r.pool, r.cfg.ID, gc.SnapshotMaxBytes),
 		DiscoveryWait: discovery, Metrics: s.metrics, Logger: r.log.With("part", "index-sync"),
 	})
 	if err != nil {
@@ -173,21 +176,6 @@ func (r *Replica) openSharing(context.Context) error {
 	})
 	r.share = s
 	return nil
-}
-
-// voterPeers is peers less the members that are no voter: an index snapshot is pulled only
-// from a replica of the Raft configuration, never from whoever holds the gossip key.
-func voterPeers(peers func() []hints.SnapshotPeer, voter func(string) bool) func() []hints.SnapshotPeer {
-	return func() []hints.SnapshotPeer {
-		all := peers()
-		out := all[:0]
-		for _, p := range all {
-			if voter(p.ID) {
-				out = append(out, p)
-			}
-		}
-		return out
-	}
 }
 
 // joinSharing waits (bounded by JoinWait) for a first gossip seed. A key that does not match

@@ -43,7 +43,7 @@ func hardenedCluster(t *testing.T, n int, fl *fleet, ca *testpki.CA, extra ...st
 	}
 	c := &cluster{t: t}
 	for _, m := range members {
-		cert, key := ca.IssueFiles(m.ID, testpki.ServerAndClient, m.ID, m.Raft, m.Peer)
+		cert, key := ca.IssueReplicaFiles(m.ID, m.Raft, m.Peer)
 		flags := append([]string{"--log-level", "info", "--health-interval", "200ms",
 			"--peer-tls-cert-file", cert, "--peer-tls-key-file", key, "--peer-tls-ca-file", ca.CAFile}, extra...)
 		r := &replica{Replica: m, logPath: filepath.Join(base, m.ID+".log")}
