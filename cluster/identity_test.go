@@ -1,13 +1,19 @@
 package cluster
 
 import (
+	"context"
+	"crypto/tls"
 	"crypto/x509"
 	"testing"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/raft"
 
+	"github.com/kvrouter-ha/kvrouter-ha/cluster/gossip"
+	"github.com/kvrouter-ha/kvrouter-ha/fsm"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/testpki"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
 func TestCertNamesItsReplicaByIDOrAdvertisedHost(t *testing.T) {
@@ -79,5 +85,44 @@ func TestANodeWithoutConfigurationTakesAnyCertificateOfItsCA(t *testing.T) {
 	n := &Node{} // no raft yet: no configuration
 	if err := n.verifyRaftPeer(ca.Issue("anyone", testpki.ServerAndClient, "anyone.example").Leaf); err != nil {
 		t.Fatalf("a node with no configuration refused a certificate of its CA: %v", err)
+	}
+}
+
+// certifiedMem is a Remote whose every replica answers Status as st, over a certificate
+// cert.
+type certifiedMem struct {
+	Remote
+	st   peer.Status
+	cert *x509.Certificate
+}
+
+func (r certifiedMem) CertifiedStatusOf(context.Context, string) (peer.Status, *x509.Certificate, error) {
+	return r.st, r.cert, nil
+}
+
+func TestReconcileMovesAServerOnlyForACertificateNamingIt(t *testing.T) {
+	ca := testpki.NewCA(t, "cluster CA")
+	r1 := raft.Server{ID: "r1", Address: "127.0.0.1:7000", Suffrage: raft.Voter}
+	// r1 "moves" to 127.0.0.9: gossip and its (new) peer port agree on it.
+	m := gossip.Member{Name: "r1", State: gossip.Alive, Meta: gossip.Meta{ID: "r1", RaftAddr: "127.0.0.9:7000", PeerAddr: "127.0.0.9:7001"}}
+	st := peer.Status{ID: "r1", RaftAddr: "127.0.0.9:7000", PeerAddr: "127.0.0.9:7001"}
+	for _, tc := range []struct {
+		name   string
+		cert   *x509.Certificate
+		server *raft.Server
+		moves  bool
+	}{
+		{"a certificate for the new host only", ca.Issue("intruder", testpki.ServerAndClient, "127.0.0.9").Leaf, &r1, false},
+		{"a certificate naming r1's id", ca.Issue("r1", testpki.ServerAndClient, "r1", "127.0.0.9").Leaf, &r1, true},
+		{"a certificate naming r1's address", ca.Issue("r1", testpki.ServerAndClient, "127.0.0.1", "127.0.0.9").Leaf, &r1, true},
+		{"a new member proves only its own host", ca.Issue("r1", testpki.ServerAndClient, "127.0.0.9").Leaf, nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := &Node{cfg: Config{RaftTLS: &tls.Config{}, Remote: certifiedMem{st: st, cert: tc.cert}}, fsm: fsm.New(fsm.Options{})}
+			why := n.confirmMember(t.Context(), m, tc.server)
+			if (why == "") != tc.moves {
+				t.Fatalf("confirmMember = %q, want admitted %v", why, tc.moves)
+			}
+		})
 	}
 }

@@ -188,7 +188,13 @@ func ClientCertificate(ctx context.Context) *x509.Certificate {
 	if !ok {
 		return nil
 	}
-	ti, ok := p.AuthInfo.(credentials.TLSInfo)
+	return verifiedLeaf(p.AuthInfo)
+}
+
+// verifiedLeaf is the other side's verified certificate of a connection (nil: plaintext, or
+// none presented).
+func verifiedLeaf(info credentials.AuthInfo) *x509.Certificate {
+	ti, ok := info.(credentials.TLSInfo)
 	if !ok || len(ti.State.VerifiedChains) == 0 || len(ti.State.VerifiedChains[0]) == 0 {
 		return nil
 	}
