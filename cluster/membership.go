@@ -310,6 +310,9 @@ func (h handler) Join(ctx context.Context, req peer.JoinRequest) error {
 	if req.ID == "" || req.RaftAddr == "" {
 		return fmt.Errorf("%w: join needs an id and a raft address", peer.ErrInvalid)
 	}
+	if err := h.n.authorizeJoin(ctx, req); err != nil {
+		return err
+	}
 	if req.ClusterID != "" && req.ClusterID != h.n.ClusterID() {
 		return fmt.Errorf("%w: replica %s belongs to cluster %s, this is cluster %s", peer.ErrInvalid, req.ID, req.ClusterID, h.n.ClusterID())
 	}

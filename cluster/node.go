@@ -171,10 +171,13 @@ func setDefault[T comparable](p *T, v T) {
 
 // Node is one replica's Raft node and the state machine it drives.
 type Node struct {
-	cfg   Config
-	log   *slog.Logger
-	fsm   *fsm.FSM
-	raft  *raft.Raft
+	cfg  Config
+	log  *slog.Logger
+	fsm  *fsm.FSM
+	raft *raft.Raft
+	// raftp is raft once it runs, for the transport's certificate check (identity.go),
+	// which a connection can reach before Open has set raft.
+	raftp atomic.Pointer[raft.Raft]
 	trans raft.Transport
 	store io.Closer // the bolt store, nil in memory
 	logs  raft.LogStore
@@ -245,6 +248,7 @@ func Open(ctx context.Context, cfg Config) (_ *Node, err error) {
 		return nil, fmt.Errorf("cluster: start raft (a corrupt snapshot or log refuses to start rather than serve partial state): %w", err)
 	}
 	n.raft = r
+	n.raftp.Store(r)
 	if n.cfg.Remote == nil && cfg.Peers != nil {
 		n.cfg.Remote = newPeerRemote(cfg.Peers, n.leaderPeerAddr, n.log)
 	}
@@ -358,9 +362,9 @@ func (n *Node) openTransport(logger hclog.Logger) error {
 		var tt *raft.NetworkTransport
 		var err error
 		if cfg.RaftListener != nil {
-			tt, err = newTransport(cfg.RaftListener, adv, cfg.RaftTLS, 4, 10*time.Second, logger)
+			tt, err = newTransport(cfg.RaftListener, adv, cfg.RaftTLS, n.verifyRaftPeer, 4, 10*time.Second, logger)
 		} else {
-			tt, err = listenTransport(cfg.RaftBind, adv, cfg.RaftTLS, 4, 10*time.Second, logger)
+			tt, err = listenTransport(cfg.RaftBind, adv, cfg.RaftTLS, n.verifyRaftPeer, 4, 10*time.Second, logger)
 		}
 		if err != nil {
 			return fmt.Errorf("cluster: raft port %s: %w", cfg.RaftBind, err)

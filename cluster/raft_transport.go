@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
@@ -23,10 +24,12 @@ const raftTLSHandshakeTimeout = 10 * time.Second
 // TLS: accepted connections must present a client certificate that verifies against
 // cfg.ClientCAs, and dials verify the server against cfg.RootCAs (ServerName defaults to the
 // dialled host, so certificates need a SAN for every address replicas advertise) while
-// presenting cfg's certificate. It takes ln over: closing the transport closes it, and so
-// does a failure here.
-func newTransport(ln net.Listener, advertise net.Addr, cfg *tls.Config, maxPool int, timeout time.Duration, logger hclog.Logger) (*raft.NetworkTransport, error) {
-	stream, err := newStreamLayer(ln, advertise, cfg)
+// presenting cfg's certificate. verify (nil: none) then checks the verified client
+// certificate of each accepted connection: an error closes the connection before Raft reads
+// a byte of it, so a certificate of the CA that names no replica gets no RPC applied. It
+// takes ln over: closing the transport closes it, and so does a failure here.
+func newTransport(ln net.Listener, advertise net.Addr, cfg *tls.Config, verify func(*x509.Certificate) error, maxPool int, timeout time.Duration, logger hclog.Logger) (*raft.NetworkTransport, error) {
+	stream, err := newStreamLayer(ln, advertise, cfg, verify)
 	if err != nil {
 		ln.Close()
 		return nil, err
@@ -37,12 +40,12 @@ func newTransport(ln net.Listener, advertise net.Addr, cfg *tls.Config, maxPool 
 }
 
 // listenTransport binds bind and returns newTransport on it.
-func listenTransport(bind string, advertise net.Addr, cfg *tls.Config, maxPool int, timeout time.Duration, logger hclog.Logger) (*raft.NetworkTransport, error) {
+func listenTransport(bind string, advertise net.Addr, cfg *tls.Config, verify func(*x509.Certificate) error, maxPool int, timeout time.Duration, logger hclog.Logger) (*raft.NetworkTransport, error) {
 	ln, err := net.Listen("tcp", bind)
 	if err != nil {
 		return nil, err
 	}
-	return newTransport(ln, advertise, cfg, maxPool, timeout, logger)
+	return newTransport(ln, advertise, cfg, verify, maxPool, timeout, logger)
 }
 
 // streamLayer is a raft.StreamLayer over TCP, with mutual TLS when server and client are set.
@@ -51,10 +54,11 @@ type streamLayer struct {
 	advertise net.Addr
 	server    *tls.Config
 	client    *tls.Config
+	verify    func(*x509.Certificate) error // nil: the CA's word is enough
 }
 
-func newStreamLayer(ln net.Listener, advertise net.Addr, cfg *tls.Config) (*streamLayer, error) {
-	s := &streamLayer{ln: ln, advertise: advertise}
+func newStreamLayer(ln net.Listener, advertise net.Addr, cfg *tls.Config, verify func(*x509.Certificate) error) (*streamLayer, error) {
+	s := &streamLayer{ln: ln, advertise: advertise, verify: verify}
 	if cfg != nil {
 		if len(cfg.Certificates) == 0 && cfg.GetCertificate == nil {
 			return nil, errors.New("cluster: raft TLS needs this replica's certificate")
@@ -86,7 +90,7 @@ func (s *streamLayer) Accept() (net.Conn, error) {
 	if err != nil || s.server == nil {
 		return c, err
 	}
-	return &tlsServerConn{Conn: tls.Server(c, s.server), timeout: raftTLSHandshakeTimeout}, nil
+	return &tlsServerConn{Conn: tls.Server(c, s.server), timeout: raftTLSHandshakeTimeout, verify: s.verify}, nil
 }
 
 // Close stops the listener.
@@ -117,10 +121,12 @@ func (s *streamLayer) Dial(address raft.ServerAddress, timeout time.Duration) (n
 	return c, nil
 }
 
-// tlsServerConn is an accepted connection whose handshake is bounded in time.
+// tlsServerConn is an accepted connection whose handshake is bounded in time, and whose
+// client certificate passes verify before a byte is read.
 type tlsServerConn struct {
 	*tls.Conn
 	timeout time.Duration
+	verify  func(*x509.Certificate) error
 	once    sync.Once
 	err     error
 }
@@ -131,6 +137,15 @@ func (c *tlsServerConn) handshake() error {
 		defer cancel()
 		if err := c.Conn.HandshakeContext(ctx); err != nil {
 			c.err = fmt.Errorf("raft TLS handshake with %s: %w", c.RemoteAddr(), err)
+			return
+		}
+		if c.verify == nil {
+			return
+		}
+		// RequireAndVerifyClientCert guarantees a verified certificate here.
+		if err := c.verify(c.ConnectionState().PeerCertificates[0]); err != nil {
+			c.err = fmt.Errorf("raft connection from %s refused: %w", c.RemoteAddr(), err)
+			_ = c.Conn.Close()
 		}
 	})
 	return c.err

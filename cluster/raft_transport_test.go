@@ -21,7 +21,7 @@ func replicaTLS(ca *testpki.CA, name string, trust *testpki.CA) *tls.Config {
 // tlsTestTransport is a Raft TLS transport on 127.0.0.1, closed at cleanup.
 func tlsTestTransport(t *testing.T, cfg *tls.Config) *raft.NetworkTransport {
 	t.Helper()
-	tr, err := listenTransport("127.0.0.1:0", nil, cfg, 2, 5*time.Second, hclog.NewNullLogger())
+	tr, err := listenTransport("127.0.0.1:0", nil, cfg, nil, 2, 5*time.Second, hclog.NewNullLogger())
 	if err != nil {
 		t.Fatalf("TLS transport: %v", err)
 	}
@@ -135,7 +135,7 @@ func TestRaftTLSRefusesUntrustedPeersBothWays(t *testing.T) {
 func TestRaftTLSTransportAdvertisesItsAdvertiseAddress(t *testing.T) {
 	ca := testpki.NewCA(t, "cluster CA")
 	adv := &net.TCPAddr{IP: net.ParseIP("127.0.0.1"), Port: 7999}
-	tr, err := listenTransport("127.0.0.1:0", adv, replicaTLS(ca, "a", ca), 1, time.Second, hclog.NewNullLogger())
+	tr, err := listenTransport("127.0.0.1:0", adv, replicaTLS(ca, "a", ca), nil, 1, time.Second, hclog.NewNullLogger())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -143,10 +143,10 @@ func TestRaftTLSTransportAdvertisesItsAdvertiseAddress(t *testing.T) {
 	if got := tr.LocalAddr(); got != "127.0.0.1:7999" {
 		t.Fatalf("LocalAddr %s, want the advertised 127.0.0.1:7999", got)
 	}
-	if _, err := listenTransport("127.0.0.1:0", &net.TCPAddr{IP: net.IPv4zero, Port: 1}, replicaTLS(ca, "b", ca), 1, time.Second, hclog.NewNullLogger()); err == nil {
+	if _, err := listenTransport("127.0.0.1:0", &net.TCPAddr{IP: net.IPv4zero, Port: 1}, replicaTLS(ca, "b", ca), nil, 1, time.Second, hclog.NewNullLogger()); err == nil {
 		t.Fatal("an unspecified advertise address was accepted")
 	}
-	if _, err := listenTransport("127.0.0.1:0", nil, &tls.Config{}, 1, time.Second, hclog.NewNullLogger()); err == nil {
+	if _, err := listenTransport("127.0.0.1:0", nil, &tls.Config{}, nil, 1, time.Second, hclog.NewNullLogger()); err == nil {
 		t.Fatal("a TLS config without a certificate was accepted")
 	}
 }

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"sync"
@@ -10,6 +11,7 @@ import (
 	"github.com/hashicorp/raft"
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/gossip"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
 // MemberSource is the membership the leader reconciles the Raft configuration with
@@ -183,7 +185,11 @@ func (r *reconciler) once(ctx context.Context) error {
 			continue
 		}
 		if why == "" {
-			why = n.confirmMember(ctx, m)
+			var server *raft.Server
+			if known {
+				server = &s
+			}
+			why = n.confirmMember(ctx, m, server)
 		}
 		if why != "" {
 			if r.refused[m.Name] != why {
@@ -258,12 +264,22 @@ func (r *reconciler) addable(m gossip.Member) string {
 	return ""
 }
 
+// certifiedRemote is a Remote that also gives the certificate a replica presented on its
+// peer port (peerRemote is one).
+type certifiedRemote interface {
+	CertifiedStatusOf(ctx context.Context, addr string) (peer.Status, *x509.Certificate, error)
+}
+
 // confirmMember says why the leader must not make gossip member m a voter yet ("" when it
-// may). With RaftTLS on, the gossip key alone does not admit a replica: the leader asks
-// the member over its peer port, where it must present a certificate from the cluster's CA
-// (and accept ours), and the answer must name the member and its Raft address. Without
-// RaftTLS (or without a peer client) gossip membership is trusted as before.
-func (n *Node) confirmMember(ctx context.Context, m gossip.Member) string {
+// may); s is the server of that name in the configuration, nil when there is none. With
+// RaftTLS on, the gossip key alone does not admit a replica: the leader asks the member over
+// its peer port, where it must present a certificate from the cluster's CA (and accept
+// ours), and the answer must name the member and its Raft address. A member that is a
+// server already and would move to other addresses must present a certificate naming it
+// (its id, or the addresses it has), as a join must: a certificate of the CA for another
+// host cannot take a replica's place. Without RaftTLS (or without a peer client) gossip
+// membership is trusted as before.
+func (n *Node) confirmMember(ctx context.Context, m gossip.Member, s *raft.Server) string {
 	if n.cfg.RaftTLS == nil || n.cfg.Remote == nil {
 		return ""
 	}
@@ -272,13 +288,26 @@ func (n *Node) confirmMember(ctx context.Context, m gossip.Member) string {
 	}
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	st, err := n.cfg.Remote.StatusOf(cctx, m.Meta.PeerAddr)
+	var (
+		st   peer.Status
+		cert *x509.Certificate
+		err  error
+	)
+	if cr, ok := n.cfg.Remote.(certifiedRemote); ok {
+		st, cert, err = cr.CertifiedStatusOf(cctx, m.Meta.PeerAddr)
+	} else {
+		st, err = n.cfg.Remote.StatusOf(cctx, m.Meta.PeerAddr)
+	}
 	if err != nil {
 		return fmt.Sprintf("its peer port %s did not answer over mutual TLS: %v", m.Meta.PeerAddr, err)
 	}
 	if st.ID != m.Name || st.RaftAddr != m.Meta.RaftAddr {
 		return fmt.Sprintf("its peer port %s answers as %q with raft address %s, gossip says %q at %s",
 			m.Meta.PeerAddr, st.ID, st.RaftAddr, m.Name, m.Meta.RaftAddr)
+	}
+	if s != nil && cert != nil && !certNames(cert, string(s.ID), n.memberAddrs(*s)...) {
+		return fmt.Sprintf("it is server %s at %s, and the certificate on its peer port %s names neither that id nor its addresses (a replica moves with a certificate naming its id)",
+			s.ID, s.Address, m.Meta.PeerAddr)
 	}
 	return ""
 }

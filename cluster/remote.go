@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"crypto/x509"
 	"log/slog"
 	"time"
 
@@ -40,6 +41,15 @@ func (r *peerRemote) StatusOf(ctx context.Context, addr string) (peer.Status, er
 		return peer.Status{}, err
 	}
 	return c.Status(ctx)
+}
+
+// CertifiedStatusOf is StatusOf with the certificate the replica presented.
+func (r *peerRemote) CertifiedStatusOf(ctx context.Context, addr string) (peer.Status, *x509.Certificate, error) {
+	c, err := r.pool.Get(addr)
+	if err != nil {
+		return peer.Status{}, nil, err
+	}
+	return c.StatusCertified(ctx)
 }
 
 func (r *peerRemote) JoinAt(ctx context.Context, addr string, req peer.JoinRequest) error {

@@ -60,7 +60,9 @@ func TestUnhealthyWorkerLosesItsBindingsAfterTheGrace(t *testing.T) {
 	c := newRouterClient(t, rep)
 	a := c.complete(promptTokens(1, 2*blockTokens), 2, hdr("X-Session-ID", "grace")).mustOK(t)
 	bound := a.worker()
-	rep.registry.SetHealthy(bound, false, "test: down")
+	// The leader's own evidence (as when its proxy sees the worker answer garbage): the grace
+	// acts on that, never on what the merged view took from other replicas.
+	rep.share.health.MarkDown(bound, "test: down")
 	eventually(t, "the unhealthy worker's binding is invalidated", func() (bool, string) {
 		if b, ok := rep.node.FSM().Get("grace"); ok {
 			return false, fmt.Sprintf("still bound to %s", b.Worker)

@@ -224,10 +224,11 @@ func (r *Replica) openNode(ctx context.Context) error {
 	}
 	var snaps peer.SnapshotSource
 	if r.share != nil {
+		r.share.node.Store(n)
 		snaps = r.share.sync
 		n.ReconcileMembers(r.share.g, cluster.ReconcileConfig{MinQuorum: cc.Gossip.MinQuorum, CleanupInterval: cc.Gossip.CleanupInterval})
 	}
-	r.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: r.log, Snapshots: snaps, TLS: tc.peerConfig()})
+	r.peerSrv = peer.NewServer(n.PeerHandler(), peer.ServerOptions{Logger: r.log, Snapshots: snaps, TLS: tc.peerConfig(), Member: n.AuthorizeMember})
 	pln := r.pln
 	done := make(chan struct{})
 	go func() {
@@ -241,11 +242,22 @@ func (r *Replica) openNode(ctx context.Context) error {
 	return nil
 }
 
+// ownHealthy is this replica's own verdict on a worker, for the grace duty: with gossip, its
+// health view's own probes (the merged view also counts what others say); without, nil, and
+// the registry's health is this replica's own probes already.
+func (r *Replica) ownHealthy() func(worker string) bool {
+	if r.share == nil {
+		return nil
+	}
+	return r.share.health.OwnHealthy
+}
+
 // openRouting makes the worker lifecycle, the router, the OpenAI front and the admin API.
 func (r *Replica) openRouting(context.Context) error {
 	cfg := r.cfg
 	lc, err := workers.New(workers.Config{
 		Registry: r.registry, Cluster: r.node, Grace: cfg.Cluster.WorkerGrace, Forget: r.forgetWorker, Logger: r.log,
+		OwnHealthy: r.ownHealthy(),
 	})
 	if err != nil {
 		return err

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster"
@@ -29,6 +30,17 @@ type sharing struct {
 	seeds     []string
 	metrics   *hints.Metrics
 	cfg       GossipConfig
+	// node is the Raft node once it is open: a gossip member's word on worker health, and
+	// its index snapshot, count only when it is a voter of the Raft configuration (under
+	// mutual TLS, one admitted by its certificate); the gossip key alone proves nothing.
+	node atomic.Pointer[cluster.Node]
+}
+
+// voter reports whether gossip member id is a voter of the Raft configuration, so that its
+// reports may count here (false before the node is open).
+func (s *sharing) voter(id string) bool {
+	n := s.node.Load()
+	return n != nil && n.IsServer(id)
 }
 
 // SharingStats are the gossip counters of a replica (the demo's summary).
@@ -103,10 +115,14 @@ func (r *Replica) openSharing(context.Context) error {
 		return ok && int(w.DPRank) < max(spec.DPSize, 1)
 	}
 	s.health = hints.NewHealthView(r.cfg.ID, hints.HealthViewOptions{
-		FailThreshold: r.cfg.Health.FailThreshold, RiseThreshold: r.cfg.Health.RiseThreshold, Alive: g.IsAlive,
+		FailThreshold: r.cfg.Health.FailThreshold, RiseThreshold: r.cfg.Health.RiseThreshold,
+		Alive: func(id string) bool { return g.IsAlive(id) && s.voter(id) },
 	})
+	// Decisions, load and index snapshots are taken from (and sent to) the replicas of the
+	// Raft configuration only: the gossip key alone makes a member, not a replica.
+	voters := hints.FromVoters(g, s.voter)
 	s.decisions, err = hints.NewDecisions(hints.DecisionsConfig{
-		Messenger: g, Index: r.approx, TTL: r.approxTTL(), Known: known, FlushInterval: gc.DecisionFlush,
+		Messenger: voters, Index: r.approx, TTL: r.approxTTL(), Known: known, FlushInterval: gc.DecisionFlush,
 		Metrics: s.metrics, Logger: r.log.With("part", "decisions"),
 	})
 	if err != nil {
@@ -118,7 +134,7 @@ func (r *Replica) openSharing(context.Context) error {
 	}
 	s.remote = routing.NewRemoteLoad(r.tracker, 3*interval)
 	s.load, err = hints.NewLoadShare(hints.LoadShareConfig{
-		Messenger: g, Local: r.tracker, Remote: s.remote, Interval: interval, Known: known, Metrics: s.metrics, Logger: r.log.With("part", "load"),
+		Messenger: voters, Local: r.tracker, Remote: s.remote, Interval: interval, Known: known, Metrics: s.metrics, Logger: r.log.With("part", "load"),
 	})
 	if err != nil {
 		return err
@@ -135,7 +151,7 @@ func (r *Replica) openSharing(context.Context) error {
 	}
 	s.sync, err = hints.NewIndexSync(hints.IndexSyncConfig{
 		Self: r.cfg.ID, Approx: r.approx, Precise: r.precise, EngineMaps: engine,
-		Peers: hints.GossipPeers(g), Fetch: hints.PoolFetcher(r.pool, r.cfg.ID, gc.SnapshotMaxBytes),
+		Peers: hints.GossipPeers(voters), Fetch: hints.PoolFetcher(r.pool, r.cfg.ID, gc.SnapshotMaxBytes),
 		DiscoveryWait: discovery, Metrics: s.metrics, Logger: r.log.With("part", "index-sync"),
 	})
 	if err != nil {

@@ -21,10 +21,10 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
-// peerTLS gives the replica of cfg a certificate from ca for the addresses other replicas
-// dial, and ca's CA file to verify them with.
+// peerTLS gives the replica of cfg a certificate from ca naming it (its id) and the
+// addresses other replicas dial, and ca's CA file to verify them with.
 func peerTLS(ca *testpki.CA, cfg *Config) TLSFiles {
-	cert, key := ca.IssueFiles(cfg.ID, testpki.ServerAndClient, cfg.Cluster.RaftListen, cfg.Cluster.PeerListen)
+	cert, key := ca.IssueReplicaFiles(cfg.ID, cfg.Cluster.RaftListen, cfg.Cluster.PeerListen)
 	return TLSFiles{CertFile: cfg.TLS.CertFile, KeyFile: cfg.TLS.KeyFile, PeerCertFile: cert, PeerKeyFile: key, PeerCAFile: ca.CAFile}
 }
 

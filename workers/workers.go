@@ -50,6 +50,10 @@ type Config struct {
 	// Grace is how long a worker stays unhealthy before the leader drops its bindings
 	// (0: never).
 	Grace time.Duration
+	// OwnHealthy, when set, is this replica's own verdict on a worker (its own probes, not
+	// what other replicas report): the grace duty drops bindings only on evidence the leader
+	// itself holds. Nil: the registry's health, which must then be this replica's own.
+	OwnHealthy func(worker string) bool
 	// Forget, when set, is told of every worker that leaves the routing registry.
 	Forget func(spec routing.WorkerSpec)
 	Logger *slog.Logger
@@ -182,7 +186,8 @@ func (l *Lifecycle) invalidate(ctx context.Context, id string) (int, bool) {
 }
 
 // watchHealth is the leader duty: it drops the bindings of a worker unhealthy for longer
-// than the grace, once per unhealthy spell. A new term starts every clock afresh, which
+// than the grace, once per unhealthy spell. Unhealthy means by the leader's own probes
+// (Config.OwnHealthy): what gossip says may take a worker out of rotation, never a binding. A new term starts every clock afresh, which
 // only ever lengthens a grace.
 func (l *Lifecycle) watchHealth(ctx context.Context) {
 	grace := l.cfg.Grace
@@ -199,7 +204,11 @@ func (l *Lifecycle) watchHealth(ctx context.Context) {
 		now := time.Now()
 		for _, st := range l.reg.List() {
 			id := st.Spec.ID
-			if st.Healthy {
+			healthy := st.Healthy
+			if l.cfg.OwnHealthy != nil {
+				healthy = l.cfg.OwnHealthy(id)
+			}
+			if healthy {
 				delete(since, id)
 				delete(done, id)
 				continue

@@ -90,12 +90,18 @@ func (f *forgotten) count() int {
 // start runs a lifecycle over a registry holding the flag workers, until the test ends.
 func start(t *testing.T, c *memCluster, grace time.Duration, flags ...routing.WorkerSpec) (*Lifecycle, *routing.Registry, *forgotten) {
 	t.Helper()
+	return startWith(t, c, Config{Grace: grace}, flags...)
+}
+
+// startWith is start with cfg's Grace and OwnHealthy.
+func startWith(t *testing.T, c *memCluster, cfg Config, flags ...routing.WorkerSpec) (*Lifecycle, *routing.Registry, *forgotten) {
+	t.Helper()
 	reg, err := routing.NewRegistry(flags)
 	if err != nil {
 		t.Fatal(err)
 	}
 	forgot := &forgotten{}
-	l, err := New(Config{Registry: reg, Cluster: c, Grace: grace, Forget: func(s routing.WorkerSpec) {
+	l, err := New(Config{Registry: reg, Cluster: c, Grace: cfg.Grace, OwnHealthy: cfg.OwnHealthy, Forget: func(s routing.WorkerSpec) {
 		forgot.mu.Lock()
 		forgot.ids = append(forgot.ids, s.ID)
 		forgot.mu.Unlock()
@@ -229,6 +235,32 @@ func TestUnhealthyWorkerPastTheGraceLosesItsBindingsOncePerSpell(t *testing.T) {
 	time.Sleep(2 * grace)
 	reg.SetHealthy("w1", false, "again")
 	poll.Holds(t, 5*time.Second, "a second spell's invalidation", func() bool { return c.invalidations() == 2 })
+}
+
+func TestGraceActsOnTheLeadersOwnProbesNotOnWhatOthersSay(t *testing.T) {
+	c := newMemCluster()
+	const grace = 200 * time.Millisecond
+	var ownDown sync.Map // worker id -> true while the leader's own probes hold it down
+	own := func(id string) bool { _, down := ownDown.Load(id); return !down }
+	_, reg, _ := startWith(t, c, Config{Grace: grace, OwnHealthy: own}, spec("w1", "http://127.0.0.1:1"), spec("w2", "http://127.0.0.1:2"))
+	for i := range 4 {
+		if _, err := c.Apply(context.Background(), &fsm.Bind{Session: fmt.Sprint("s", i), Worker: fmt.Sprint("w", 1+i%2)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// w1 is out of rotation on gossip's word (the merged view), yet the leader's own probes
+	// pass; w2 is down by the leader's own probes, though the merged view still routes to it.
+	reg.SetHealthy("w1", false, "two other replicas say so")
+	ownDown.Store("w2", true)
+	poll.Holds(t, 5*time.Second, "w2's bindings invalidated", func() bool { return c.invalidations() == 1 })
+	// Several graces more are the assertion here, not a stand-in for a condition.
+	time.Sleep(3 * grace)
+	if n := c.invalidations(); n != 1 {
+		t.Fatalf("%d invalidations, want only w2's: w1 was down on others' word alone", n)
+	}
+	if c.f.Len() != 2 {
+		t.Fatalf("%d bindings left, want w1's 2", c.f.Len())
+	}
 }
 
 func TestOnlyTheLeaderProposesAURLChangeInvalidation(t *testing.T) {

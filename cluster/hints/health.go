@@ -148,6 +148,16 @@ func (v *HealthView) Routable(worker string) (bool, string) {
 	return !out, reason
 }
 
+// OwnHealthy reports this replica's own verdict on worker: false only while its own checker
+// holds it down (FailThreshold failed probes in a row, or MarkDown), whatever the other
+// replicas say. A worker this replica has not probed is healthy by its own evidence.
+func (v *HealthView) OwnHealthy(worker string) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	o := v.own[worker]
+	return o == nil || !o.down
+}
+
 // healthChange is one decided transition.
 type healthChange struct {
 	worker   string

@@ -41,6 +41,43 @@ type Messenger interface {
 
 var _ Messenger = (*gossip.Gossip)(nil)
 
+// FromVoters is m seen through voter: the members it lists are this replica and those voter
+// admits, and handlers receive only their messages. Whoever holds the gossip key can join
+// gossip, but only a replica of the Raft configuration (voter) may feed decisions, load or
+// index snapshots here, or be sent them.
+func FromVoters(m Messenger, voter func(name string) bool) Messenger {
+	return voterMessenger{Messenger: m, voter: voter}
+}
+
+// voterMessenger is FromVoters' Messenger.
+type voterMessenger struct {
+	Messenger
+	voter func(string) bool
+}
+
+// Members lists this replica and the members voter admits.
+func (v voterMessenger) Members() []gossip.Member {
+	all := v.Messenger.Members()
+	out := all[:0:0]
+	self := v.Name()
+	for _, m := range all {
+		if m.Name == self || v.voter(m.Name) {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// Handle registers fn for the messages of kind that members voter admits send; the others
+// are dropped unread.
+func (v voterMessenger) Handle(kind gossip.Kind, fn func(from string, payload []byte)) {
+	v.Messenger.Handle(kind, func(from string, payload []byte) {
+		if v.voter(from) {
+			fn(from, payload)
+		}
+	})
+}
+
 // alivePeers returns the alive members other than self.
 func alivePeers(m Messenger) []gossip.Member {
 	self := m.Name()

@@ -92,7 +92,7 @@ func TestTLSReplicaLogsNoSecrets(t *testing.T) {
 	ca := testpki.NewCA(t, "cluster CA")
 	listen, raftAddr, peerAddr := loopbacktest.Addr(t), loopbacktest.Addr(t), loopbacktest.Addr(t)
 	clientCert, clientKey := ca.IssueFiles("router", testpki.ServerAndClient, listen)
-	peerCert, peerKey := ca.IssueFiles("r0", testpki.ServerAndClient, raftAddr, peerAddr)
+	peerCert, peerKey := ca.IssueReplicaFiles("r0", raftAddr, peerAddr)
 	const token = "admin-token-that-must-not-leak"
 	tokenFile := filepath.Join(t.TempDir(), "token")
 	if err := os.WriteFile(tokenFile, []byte(token+"\n"), 0o600); err != nil {

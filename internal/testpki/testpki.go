@@ -4,8 +4,9 @@
 //
 // It lives outside a _test.go file because test files cannot be imported across packages,
 // and the TLS tests of the cluster, the peer transport, the binary and the deploy files all
-// need the same kind of certificates: ECDSA P-256, IP SANs for loopback addresses, and a
-// second CA to play a replica from another cluster.
+// need the same kind of certificates: ECDSA P-256, IP SANs for loopback addresses, a DNS
+// SAN naming the replica's id (IssueReplicaFiles: the cluster checks that a certificate
+// names the replica it speaks for), and a second CA to play a replica from another cluster.
 package testpki
 
 import (
@@ -134,6 +135,14 @@ func (ca *CA) IssueFiles(name string, u Usage, hosts ...string) (certFile, keyFi
 		ca.t.Fatalf("testpki: key for %s: %v", name, err)
 	}
 	return ca.write(name+".pem", "CERTIFICATE", c.Certificate[0]), ca.write(name+"-key.pem", "PRIVATE KEY", kder)
+}
+
+// IssueReplicaFiles is a replica's certificate as the cluster checks it: server and client
+// auth, a DNS SAN naming the replica's id, and SANs for the addresses (host:port) it
+// advertises, written as IssueFiles writes them.
+func (ca *CA) IssueReplicaFiles(id string, addrs ...string) (certFile, keyFile string) {
+	ca.t.Helper()
+	return ca.IssueFiles(id, ServerAndClient, append([]string{id}, addrs...)...)
 }
 
 func (ca *CA) write(name, typ string, der []byte) string {

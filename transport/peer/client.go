@@ -3,6 +3,7 @@ package peer
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"sync"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
+	grpcpeer "google.golang.org/grpc/peer"
 
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer/peerpb"
 )
@@ -134,11 +136,20 @@ func (c *Client) Touch(ctx context.Context, touches []Touch) error {
 
 // Status asks the replica to describe itself.
 func (c *Client) Status(ctx context.Context) (Status, error) {
-	resp, err := c.rpc.Status(ctx, &peerpb.StatusRequest{})
+	st, _, err := c.StatusCertified(ctx)
+	return st, err
+}
+
+// StatusCertified is Status with the certificate the replica presented (nil over
+// plaintext). The handshake verified it against the CA and the dialled host; whether it
+// names the replica the answer describes is for the caller to check.
+func (c *Client) StatusCertified(ctx context.Context) (Status, *x509.Certificate, error) {
+	var p grpcpeer.Peer
+	resp, err := c.rpc.Status(ctx, &peerpb.StatusRequest{}, grpc.Peer(&p))
 	if err != nil {
-		return Status{}, fromStatus(c.addr, "Status", err)
+		return Status{}, nil, fromStatus(c.addr, "Status", err)
 	}
-	return statusFromPB(resp), nil
+	return statusFromPB(resp), verifiedLeaf(p.AuthInfo), nil
 }
 
 // Join asks the leader to add a replica.

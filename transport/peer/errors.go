@@ -12,7 +12,7 @@ import (
 )
 
 // CallError is a failed peer call other than a redirect (a redirect is *NotLeaderError).
-// It unwraps to ErrInvalid, ErrUnavailable, ErrNotWarm (IndexSnapshot only),
+// It unwraps to ErrInvalid, ErrUnavailable, ErrPermission, ErrNotWarm (IndexSnapshot only),
 // context.Canceled or context.DeadlineExceeded when its code means one of those, so callers
 // test it with errors.Is and need not know gRPC codes.
 type CallError struct {
@@ -34,6 +34,8 @@ func (e *CallError) Unwrap() error {
 		return ErrInvalid
 	case codes.Unavailable:
 		return ErrUnavailable
+	case codes.PermissionDenied:
+		return ErrPermission
 	case codes.Canceled:
 		return context.Canceled
 	case codes.DeadlineExceeded:
@@ -66,6 +68,8 @@ func toStatus(err error) error {
 		return st.Err()
 	case errors.Is(err, ErrInvalid):
 		return status.Error(codes.InvalidArgument, err.Error())
+	case errors.Is(err, ErrPermission):
+		return status.Error(codes.PermissionDenied, err.Error())
 	case errors.Is(err, ErrNotWarm):
 		return status.Error(codes.FailedPrecondition, err.Error())
 	case errors.Is(err, ErrUnavailable):

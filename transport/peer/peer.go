@@ -27,6 +27,11 @@ var ErrInvalid = errors.New("invalid peer request")
 // caller gets gRPC Unavailable, which Forwarder retries with backoff.
 var ErrUnavailable = errors.New("peer unavailable")
 
+// ErrPermission marks a call the caller may not make (its certificate names no replica
+// allowed to); wrap it and the caller gets gRPC PermissionDenied, seen again as
+// ErrPermission on the client side. A retry cannot help.
+var ErrPermission = errors.New("peer call not permitted")
+
 // ErrClosed is returned by a Pool or Client used after Close.
 var ErrClosed = errors.New("peer client closed")
 

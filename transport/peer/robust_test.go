@@ -175,3 +175,51 @@ func TestForwarderReconnectsToARestartedLeader(t *testing.T) {
 		t.Fatalf("restarted leader applied %d, want 1", n)
 	}
 }
+
+func TestMemberOnlyCallsNeedACertificateTheMemberCheckAdmits(t *testing.T) {
+	ca := testpki.NewCA(t, "cluster CA")
+	serverTLS := testpki.MutualConfig(ca.Issue("replica-1", testpki.ServerAndClient, "127.0.0.1"), ca)
+	serverTLS.ClientAuth = tls.RequireAndVerifyClientCert
+	h := &fakeHandler{}
+	// The check admits the certificate of CN replica-2 only, as the cluster admits only
+	// certificates that name a configured replica.
+	member := func(ctx context.Context) error {
+		if c := ClientCertificate(ctx); c == nil || c.Subject.CommonName != "replica-2" {
+			return errors.New("not a member")
+		}
+		return nil
+	}
+	addr := serve(t, h, ServerOptions{TLS: serverTLS, Member: member})
+	ctx := testCtx(t)
+
+	good := dial(t, addr, ClientOptions{TLS: testpki.ClientConfig(ca, ca.Issue("replica-2", testpki.ServerAndClient, "127.0.0.1"))})
+	if _, _, err := good.Apply(ctx, []byte("from a member")); err != nil {
+		t.Fatalf("a member's Apply: %v", err)
+	}
+	stranger := dial(t, addr, ClientOptions{TLS: testpki.ClientConfig(ca, ca.Issue("intruder", testpki.ServerAndClient, "127.0.0.1"))})
+	for _, tc := range []struct {
+		call string
+		err  error
+	}{
+		{"Apply", func() error { _, _, err := stranger.Apply(ctx, []byte("forged")); return err }()},
+		{"ReadIndex", func() error { _, err := stranger.ReadIndex(ctx); return err }()},
+		{"Touch", stranger.Touch(ctx, []Touch{{Session: "s", Revision: 1}})},
+		{"Leave", stranger.Leave(ctx, "replica-1")},
+		{"IndexSnapshot", func() error { _, err := stranger.IndexSnapshot(ctx, "intruder", 0); return err }()},
+	} {
+		if !errors.Is(tc.err, ErrPermission) {
+			t.Errorf("%s from a non-member: %v, want PermissionDenied", tc.call, tc.err)
+		}
+	}
+	// Status and Join stay open to any certificate of the CA: a joiner asks before it is
+	// a member, and the handler checks that a join names its caller.
+	if _, err := stranger.Status(ctx); err != nil {
+		t.Errorf("Status from a certificate of the CA: %v", err)
+	}
+	if err := stranger.Join(ctx, JoinRequest{ID: "intruder", RaftAddr: "127.0.0.1:1"}); err != nil {
+		t.Errorf("Join reached the handler's own check: %v", err)
+	}
+	if n := h.appliedCount(); n != 1 {
+		t.Fatalf("handler applied %d commands, want only the member's", n)
+	}
+}

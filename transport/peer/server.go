@@ -3,6 +3,8 @@ package peer
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -13,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
+	grpcpeer "google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer/peerpb"
@@ -41,6 +44,11 @@ type ServerOptions struct {
 	HandshakeTimeout time.Duration
 	// Snapshots, when set, serves IndexSnapshot; nil answers it Unimplemented.
 	Snapshots SnapshotSource
+	// Member, when set, is asked before every call that only a member of the cluster may
+	// make (Apply, ReadIndex, Touch, Leave, IndexSnapshot; not Status, which any replica may
+	// ask, nor Join, whose handler checks the joiner): an error refuses the call with
+	// PermissionDenied. It reads the caller's certificate with ClientCertificate.
+	Member func(ctx context.Context) error
 }
 
 // Server serves a Handler on the peer port.
@@ -68,7 +76,8 @@ func NewServer(h Handler, opts ServerOptions) *Server {
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
 		grpc.ConnectionTimeout(handshake),
-		grpc.ChainUnaryInterceptor(recoverInterceptor(log)),
+		grpc.ChainUnaryInterceptor(recoverInterceptor(log), memberUnaryInterceptor(opts.Member, log)),
+		grpc.ChainStreamInterceptor(memberStreamInterceptor(opts.Member, log)),
 	}
 	if opts.TLS != nil {
 		gopts = append(gopts, grpc.Creds(credentials.NewTLS(opts.TLS)))
@@ -124,6 +133,72 @@ func recoverInterceptor(log *slog.Logger) grpc.UnaryServerInterceptor {
 		}
 		return resp, err
 	}
+}
+
+// openMethod reports whether any caller the transport admits may make method: Status (a
+// joiner asks the seeds before it is anyone's member) and Join (the handler checks that the
+// caller's certificate names the joiner).
+func openMethod(method string) bool {
+	return method == peerpb.Peer_Status_FullMethodName || method == peerpb.Peer_Join_FullMethodName
+}
+
+// refuseNonMember asks member (nil: everyone is one) whether the caller may make method.
+func refuseNonMember(ctx context.Context, member func(context.Context) error, method string, log *slog.Logger) error {
+	if member == nil || openMethod(method) {
+		return nil
+	}
+	if err := member(ctx); err != nil {
+		addr := "unknown"
+		if p, ok := grpcpeer.FromContext(ctx); ok && p.Addr != nil {
+			addr = p.Addr.String()
+		}
+		log.Warn("peer call refused", "method", method, "from", addr, "err", err)
+		if !errors.Is(err, ErrPermission) {
+			err = fmt.Errorf("%w: %w", ErrPermission, err)
+		}
+		return toStatus(err)
+	}
+	return nil
+}
+
+// memberUnaryInterceptor refuses member-only unary calls of non-members.
+func memberUnaryInterceptor(member func(context.Context) error, log *slog.Logger) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
+		if err := refuseNonMember(ctx, member, info.FullMethod, log); err != nil {
+			return nil, err
+		}
+		return next(ctx, req)
+	}
+}
+
+// memberStreamInterceptor refuses member-only streams (index snapshots) of non-members.
+func memberStreamInterceptor(member func(context.Context) error, log *slog.Logger) grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, next grpc.StreamHandler) error {
+		if err := refuseNonMember(ss.Context(), member, info.FullMethod, log); err != nil {
+			return err
+		}
+		return next(srv, ss)
+	}
+}
+
+// ClientCertificate is the verified client certificate of the peer call ctx belongs to
+// (nil: plaintext, or no certificate).
+func ClientCertificate(ctx context.Context) *x509.Certificate {
+	p, ok := grpcpeer.FromContext(ctx)
+	if !ok {
+		return nil
+	}
+	return verifiedLeaf(p.AuthInfo)
+}
+
+// verifiedLeaf is the other side's verified certificate of a connection (nil: plaintext, or
+// none presented).
+func verifiedLeaf(info credentials.AuthInfo) *x509.Certificate {
+	ti, ok := info.(credentials.TLSInfo)
+	if !ok || len(ti.State.VerifiedChains) == 0 || len(ti.State.VerifiedChains[0]) == 0 {
+		return nil
+	}
+	return ti.State.VerifiedChains[0][0]
 }
 
 // service adapts a Handler to the generated gRPC interface.
