@@ -86,9 +86,13 @@ func (r *Replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger
 		c.TopicPattern = cfg.TopicPattern
 		c.URLs = map[string]string{}
 		c.Replays = map[string]string{}
+		// A worker's publishers connect from the host of its URL or of its kv_events
+		// endpoint; nothing else is admitted.
+		c.Hosts = map[string][]string{}
 		ranks := 1
 		for _, st := range r.registry.List() {
 			c.URLs[st.Spec.ID] = st.Spec.URL
+			c.Hosts[st.Spec.ID] = kvevents.PublisherHosts(st.Spec.URL, st.Spec.KVEvents)
 			if st.Spec.KVReplay != "" {
 				c.Replays[st.Spec.ID] = st.Spec.KVReplay
 			}

@@ -53,7 +53,7 @@ func TestGuardFollowsFramingAcrossReads(t *testing.T) {
 	stream = append(stream, frameHeader(0, maxFrame+1)...)
 	for _, chunk := range []int{1, 3, 7, 64, 4096, len(stream)} {
 		dc := &deadlineConn{}
-		g := newGuardConnTimeout(dc, time.Hour)
+		g := newGuardConnTimeout(dc, nil, time.Hour)
 		var err error
 		at := 0
 		for at < len(stream) && err == nil {
@@ -77,7 +77,7 @@ func TestGuardFollowsFramingAcrossReads(t *testing.T) {
 func TestGuardFailsASilentHandshake(t *testing.T) {
 	a, b := net.Pipe()
 	defer func() { _ = b.Close() }()
-	g := newGuardConnTimeout(a, 20*time.Millisecond)
+	g := newGuardConnTimeout(a, nil, 20*time.Millisecond)
 	_, err := g.Read(make([]byte, 64))
 	var ne net.Error
 	if !errors.As(err, &ne) || !ne.Timeout() {
