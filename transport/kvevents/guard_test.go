@@ -42,6 +42,8 @@ func (c *deadlineConn) SetReadDeadline(t time.Time) error {
 
 func (c *deadlineConn) RemoteAddr() net.Addr { return &net.TCPAddr{} }
 
+func (c *deadlineConn) Close() error { return nil }
+
 func TestGuardFollowsFramingAcrossReads(t *testing.T) {
 	var stream []byte
 	stream = append(stream, zmtpGreetingBytes()...)
