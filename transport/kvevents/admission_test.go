@@ -317,3 +317,66 @@ func TestBoundSocketTakesAWorkersEventsOnlyFromItsHost(t *testing.T) {
 		t.Fatalf("restarts %v", got)
 	}
 }
+
+func TestBoundSocketCapsPublisherConnections(t *testing.T) {
+	sub := startSub(t, Config{Endpoint: "tcp://127.0.0.1:0", Mode: Bind, Sink: newSink(),
+		Topics: map[string]indexer.Worker{"t0": w0}, MaxPublishers: 2})
+	poll.Holds(t, 15*time.Second, "the bind", func() bool { return sub.Addr() != nil })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	addr := sub.Addr().String()
+	var open []*zmtptest.Conn
+	defer func() {
+		for _, c := range open {
+			_ = c.Close()
+		}
+	}()
+	for range 2 {
+		c, err := zmtptest.Dial(ctx, "", addr, "PUB")
+		if err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, c)
+	}
+	if c, err := zmtptest.Dial(ctx, "", addr, "PUB"); err == nil {
+		_ = c.Close()
+		t.Fatal("a third publisher got in past a limit of two")
+	}
+	if got := value(t, sub.m.refused.WithLabelValues(reasonTooMany)); got != 1 {
+		t.Fatalf("refused as too many: %v", got)
+	}
+	// A slot comes back when its publisher leaves.
+	_ = open[0].Close()
+	poll.Until(t, 15*time.Second, func() error {
+		c, err := zmtptest.Dial(ctx, "", addr, "PUB")
+		if err == nil {
+			open = append(open, c)
+		}
+		return err
+	})
+}
+
+func TestBoundSocketClosesAConnectionZMQForgot(t *testing.T) {
+	sub := startSub(t, Config{Endpoint: "tcp://127.0.0.1:0", Mode: Bind, Sink: newSink(),
+		Topics: map[string]indexer.Worker{"t0": w0}, MaxPublishers: 1})
+	poll.Holds(t, 15*time.Second, "the bind", func() bool { return sub.Addr() != nil })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// A REQ socket is no match for a SUB: zmq4 drops it after the handshake without closing
+	// it, and without the guard it would hold the only slot for ever.
+	c, err := zmtptest.Dial(ctx, "", sub.Addr().String(), "REQ")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if !closedByPeer(c) {
+		t.Fatal("the forgotten connection is still open")
+	}
+	poll.Until(t, 15*time.Second, func() error {
+		p, err := zmtptest.Dial(ctx, "", sub.Addr().String(), "PUB")
+		if err == nil {
+			_ = p.Close()
+		}
+		return err
+	})
+}
