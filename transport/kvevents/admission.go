@@ -38,6 +38,7 @@ const (
 	reasonWrongWorker = "wrong_worker"
 	reasonTooLarge    = "too_large"
 	reasonHandshake   = "handshake"
+	reasonSlow        = "slow_message"
 )
 
 // admission is what one subscriber's socket admits: its budget of bytes in flight and, on a
@@ -128,6 +129,8 @@ func reasonOf(err error) string {
 		return reasonWrongWorker
 	case errors.Is(err, ErrTooLarge):
 		return reasonTooLarge
+	case errors.Is(err, errSlowMessage):
+		return reasonSlow
 	default:
 		return reasonHandshake
 	}

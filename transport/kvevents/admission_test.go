@@ -257,7 +257,7 @@ func sendBatch(t *testing.T, c *zmtptest.Conn, topic string, seq uint64, evs ...
 // closedByPeer reports whether the peer closed c within a bound (an end of file, or a reset
 // where it closed with our bytes unread).
 func closedByPeer(c net.Conn) bool {
-	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
 	_, err := io.Copy(io.Discard, c)
 	return err == nil || errors.Is(err, syscall.ECONNRESET)
 }
@@ -379,4 +379,32 @@ func TestBoundSocketClosesAConnectionZMQForgot(t *testing.T) {
 		}
 		return err
 	})
+}
+
+func TestAStalledMessageGivesBackItsBudget(t *testing.T) {
+	m, _ := NewMetrics(nil)
+	adm := &admission{budget: newBudget(maxMessage), maxConns: 10, m: m, log: testLogger(t),
+		logged: map[string]time.Time{}, pending: map[string]int{}}
+	a, b := net.Pipe()
+	defer b.Close()
+	g := newGuardConnTimeout(a, adm, time.Hour)
+	g.msgTimeout = 50 * time.Millisecond
+	// A handshake, then a message begun (a topic under MORE) that never goes on.
+	go func() { _, _ = b.Write(frames(handshake(), zmtptest.More, 8)) }()
+	buf := make([]byte, 4096)
+	var err error
+	for range 100 {
+		if _, err = g.Read(buf); err != nil {
+			break
+		}
+	}
+	if !errors.Is(err, errSlowMessage) {
+		t.Fatalf("a stalled message gave %v", err)
+	}
+	if got := adm.budget.free; got != maxMessage {
+		t.Fatalf("budget free %d after the stalled connection failed, want %d", got, maxMessage)
+	}
+	if got := value(t, m.refused.WithLabelValues(reasonSlow)); got != 1 {
+		t.Fatalf("counted %v slow messages", got)
+	}
 }

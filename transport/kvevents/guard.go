@@ -147,6 +147,9 @@ type guardConn struct {
 	held    int64  // budget held by the current message
 	shaking bool   // the handshake's message is not in yet
 	timeout time.Duration
+	// msgTimeout bounds how long a message, once begun, may take to be whole while it holds
+	// the budget.
+	msgTimeout time.Duration
 
 	mu     sync.Mutex // err, closed
 	err    error
@@ -155,8 +158,14 @@ type guardConn struct {
 	once   sync.Once
 }
 
-// handshakeTimeout bounds the ZMTP greeting and handshake of one connection.
-const handshakeTimeout = 5 * time.Second
+const (
+	// handshakeTimeout bounds the ZMTP greeting and handshake of one connection.
+	handshakeTimeout = 5 * time.Second
+	// messageTimeout bounds how long one message may take from its first byte to its last
+	// where it holds a budget: a peer that begins messages and stalls must not hold the budget
+	// for ever.
+	messageTimeout = 30 * time.Second
+)
 
 func newGuardConn(c net.Conn, adm *admission) *guardConn {
 	return newGuardConnTimeout(c, adm, handshakeTimeout)
@@ -164,7 +173,8 @@ func newGuardConn(c net.Conn, adm *admission) *guardConn {
 
 func newGuardConnTimeout(c net.Conn, adm *admission, timeout time.Duration) *guardConn {
 	_ = c.SetReadDeadline(time.Now().Add(timeout))
-	return &guardConn{Conn: c, adm: adm, skip: zmtpGreeting, shaking: true, timeout: timeout, closed: make(chan struct{})}
+	return &guardConn{Conn: c, adm: adm, skip: zmtpGreeting, shaking: true, timeout: timeout, msgTimeout: messageTimeout,
+		closed: make(chan struct{})}
 }
 
 // Close closes the connection and gives back what it holds: its slot and the budget of a
@@ -200,10 +210,12 @@ func (c *guardConn) Read(p []byte) (int, error) {
 	}
 	n, err := c.Conn.Read(p)
 	ferr := c.follow(p[:n])
-	if ferr == nil && err != nil && c.shaking {
-		var ne net.Error
-		if errors.As(err, &ne) && ne.Timeout() {
+	if ne := net.Error(nil); ferr == nil && errors.As(err, &ne) && ne.Timeout() {
+		switch {
+		case c.shaking:
 			ferr = fmt.Errorf("kvevents: no ZMTP handshake from %s within %v: %w", c.RemoteAddr(), c.timeout, err)
+		case c.held > 0:
+			ferr = fmt.Errorf("kvevents: message from %s not whole within %v: %w", c.RemoteAddr(), c.msgTimeout, errSlowMessage)
 		}
 	}
 	if ferr != nil {
@@ -242,6 +254,7 @@ var (
 	errTooManyFrames   = fmt.Errorf("too many frames in one message: %w", ErrTooLarge)
 	errRefused         = errors.New("refused")
 	errWrongWorker     = fmt.Errorf("topic of a worker at another address: %w", errRefused)
+	errSlowMessage     = errors.New("message too slow")
 )
 
 // follow advances the framing state over b: it fails on a frame, message or handshake over
@@ -275,6 +288,7 @@ func (c *guardConn) follow(b []byte) error {
 				return err
 			}
 			c.held = maxMessage
+			_ = c.Conn.SetReadDeadline(time.Now().Add(c.msgTimeout))
 		}
 		c.hdr[c.hdrLen] = b[0]
 		c.hdrLen++
@@ -350,6 +364,7 @@ func (c *guardConn) frameDone() error {
 		// once it has handled it. What the message did not use goes back now.
 		c.adm.budget.release(c.held - int64(c.msgSize))
 		c.held = 0
+		_ = c.Conn.SetReadDeadline(time.Time{})
 	}
 	c.msgSize, c.frames, c.cmd = 0, 0, false
 	return nil

@@ -61,7 +61,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Messages on a shared socket whose topic names no configured worker.",
 		}),
 		refused: counter("refused_connections_total",
-			"Publisher connections refused at accept or failed later, by reason (not_a_worker, too_many_connections, wrong_worker, too_large, handshake).", "reason"),
+			"Publisher connections refused at accept or failed later, by reason (not_a_worker, too_many_connections, wrong_worker, too_large, slow_message, handshake).", "reason"),
 		events:   counter("events_applied_total", "KV events applied to the index.", "worker"),
 		blocks:   counter("blocks_applied_total", "Blocks stored or removed in the index by KV events.", "worker"),
 		connects: counter("connects_total", "Connections (or binds) to an event endpoint, by result (ok, error, lost).", "endpoint", "result"),
