@@ -16,6 +16,7 @@ FUZZ_TARGETS := \
 	./sim/trace:FuzzRead \
 	./indexer:FuzzChain \
 	./transport/kvevents:FuzzDecode \
+	./transport/kvevents:FuzzGuardFraming \
 	./fsm:FuzzDecode \
 	./fsm:FuzzRestore \
 	./transport/openai:FuzzParseMatchesEncodingJSON \

@@ -45,7 +45,11 @@ type Config struct {
 	// apart by TopicPattern. Workers whose spec names kv_events get their own connecting
 	// subscriber either way.
 	KVEventsBind string
-	TopicPattern string
+	// KVEventsPublisherHosts (comma-separated) are hosts from which any worker's publisher may
+	// connect to KVEventsBind, beyond the hosts of each worker's URL and kv_events endpoint
+	// (for NAT or multi-homed workers); "*" admits any address.
+	KVEventsPublisherHosts string
+	TopicPattern           string
 	// OverlayTTL is how long the replica's own decisions count in precise mode, on top of the
 	// events (a burst of siblings must not all land before the first BlockStored arrives).
 	OverlayTTL time.Duration

@@ -68,7 +68,13 @@ func startDPEventWorker(t *testing.T, id string, size int) *dpEventWorker {
 func startDPEventWorkerTo(t *testing.T, id string, size int, routerBind string) *dpEventWorker {
 	t.Helper()
 	pubAddr, replayAddr := rankedAddr(t, size), rankedAddr(t, size)
-	ln, err := net.Listen("tcp", loopbacktest.Addr(t))
+	listen := loopbacktest.Addr(t)
+	if routerBind != "" {
+		// The router takes a worker's events only from its URL's host, and the ranks'
+		// publishers connect from 127.0.0.1.
+		listen = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -86,13 +86,23 @@ func (r *Replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger
 		c.TopicPattern = cfg.TopicPattern
 		c.URLs = map[string]string{}
 		c.Replays = map[string]string{}
+		// A worker's publishers connect from the host of its URL or of its kv_events
+		// endpoint, or from the hosts the operator adds; nothing else is admitted.
+		extra, anyHost := publisherHosts(cfg.KVEventsPublisherHosts)
+		c.Hosts = map[string][]string{}
 		ranks := 1
 		for _, st := range r.registry.List() {
 			c.URLs[st.Spec.ID] = st.Spec.URL
+			c.Hosts[st.Spec.ID] = append(kvevents.PublisherHosts(st.Spec.URL, st.Spec.KVEvents), extra...)
 			if st.Spec.KVReplay != "" {
 				c.Replays[st.Spec.ID] = st.Spec.KVReplay
 			}
 			ranks = max(ranks, st.Spec.DPSize)
+		}
+		if anyHost {
+			c.Hosts = nil
+			log.Warn("--kv-events-publisher-hosts=*: KV events are accepted from any address; anyone who reaches " +
+				cfg.KVEventsBind + " can forge or purge every worker's events")
 		}
 		if strings.HasSuffix(cfg.KVEventsBind, ":0") {
 			ranks = 1 // an ephemeral port has no neighbours a worker could know
@@ -114,6 +124,20 @@ func (r *Replica) kvEventSubscribers(reg prometheus.Registerer, log *slog.Logger
 		}
 	}
 	return subs, nil
+}
+
+// publisherHosts splits --kv-events-publisher-hosts, and reports whether it names "*".
+func publisherHosts(flag string) (hosts []string, anyHost bool) {
+	for h := range strings.SplitSeq(flag, ",") {
+		switch h = strings.TrimSpace(h); h {
+		case "":
+		case "*":
+			anyHost = true
+		default:
+			hosts = append(hosts, h)
+		}
+	}
+	return hosts, anyHost
 }
 
 // blockSize is the block size the router will use (its config's, or the default); the KV event

@@ -150,7 +150,7 @@ func documentedCommands() []docCommand {
 					[]string{"engine-metrics-interval", "engine-metrics-timeout", "engine-metrics-path", "engine-metrics-max-bytes",
 						"engine-metrics-stale-after", "engine-metrics-request-tokens"}},
 				{"Index", "What the router believes each worker has cached: learned from its own decisions (approximate: a prompt when it is dispatched, and again with its generated blocks when the worker has answered) and, for workers that publish them, from vLLM KV events (precise).",
-					[]string{"block-size", "approx-ttl", "approx-max-blocks", "kv-events-bind", "kv-events-topic-pattern", "overlay-ttl", "tokenizer"}},
+					[]string{"block-size", "approx-ttl", "approx-max-blocks", "kv-events-bind", "kv-events-publisher-hosts", "kv-events-topic-pattern", "overlay-ttl", "tokenizer"}},
 				{"Cluster and Raft", "The Raft node that keeps session bindings: addresses, forming and joining a cluster, read consistency, timeouts and snapshots.",
 					[]string{"data-dir", "raft-listen", "raft-advertise", "peer-listen", "peer-advertise", "bootstrap-expect", "join",
 						"consistency", "stale-bound", "bind-wait", "raft-heartbeat-timeout", "raft-election-timeout", "raft-leader-lease-timeout",

@@ -2,7 +2,6 @@ package kvevents
 
 import (
 	"bytes"
-	"encoding/binary"
 	"errors"
 	"io"
 	"net"
@@ -11,23 +10,8 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/zmtptest"
 )
-
-// zmtpGreetingBytes is a ZMTP 3.0 greeting for the NULL mechanism, as a client sends it.
-func zmtpGreetingBytes() []byte {
-	g := make([]byte, zmtpGreeting)
-	g[0], g[9], g[10], g[11] = 0xff, 0x7f, 3, 0
-	copy(g[12:], "NULL")
-	return g
-}
-
-// frameHeader is a ZMTP frame header announcing size bytes.
-func frameHeader(flags byte, size uint64) []byte {
-	if size > 255 {
-		return binary.BigEndian.AppendUint64([]byte{flags | 0x02}, size)
-	}
-	return []byte{flags, byte(size)}
-}
 
 // deadlineConn records the read deadlines set on it.
 type deadlineConn struct {
@@ -42,18 +26,20 @@ func (c *deadlineConn) SetReadDeadline(t time.Time) error {
 
 func (c *deadlineConn) RemoteAddr() net.Addr { return &net.TCPAddr{} }
 
+func (c *deadlineConn) Close() error { return nil }
+
 func TestGuardFollowsFramingAcrossReads(t *testing.T) {
 	var stream []byte
-	stream = append(stream, zmtpGreetingBytes()...)
+	stream = append(stream, zmtptest.Greeting()...)
 	for _, size := range []uint64{0, 5, 255, 256, 70000} {
-		stream = append(stream, frameHeader(0x04, size)...)
+		stream = append(stream, zmtptest.Header(zmtptest.Command, size)...)
 		stream = append(stream, make([]byte, size)...)
 	}
 	okLen := len(stream)
-	stream = append(stream, frameHeader(0, maxFrame+1)...)
+	stream = append(stream, zmtptest.Header(0, maxFrame+1)...)
 	for _, chunk := range []int{1, 3, 7, 64, 4096, len(stream)} {
 		dc := &deadlineConn{}
-		g := newGuardConnTimeout(dc, time.Hour)
+		g := newGuardConnTimeout(dc, nil, time.Hour)
 		var err error
 		at := 0
 		for at < len(stream) && err == nil {
@@ -77,7 +63,7 @@ func TestGuardFollowsFramingAcrossReads(t *testing.T) {
 func TestGuardFailsASilentHandshake(t *testing.T) {
 	a, b := net.Pipe()
 	defer func() { _ = b.Close() }()
-	g := newGuardConnTimeout(a, 20*time.Millisecond)
+	g := newGuardConnTimeout(a, nil, 20*time.Millisecond)
 	_, err := g.Read(make([]byte, 64))
 	var ne net.Error
 	if !errors.As(err, &ne) || !ne.Timeout() {
@@ -100,7 +86,7 @@ func TestHugeFrameDoesNotCrashTheSubscriber(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = c.Close() }()
-	if _, err := c.Write(append(zmtpGreetingBytes(), frameHeader(0x04, 1<<62)...)); err != nil {
+	if _, err := c.Write(append(zmtptest.Greeting(), zmtptest.Header(zmtptest.Command, 1<<62)...)); err != nil {
 		t.Fatal(err)
 	}
 	// The subscriber drops that connection...
@@ -125,7 +111,7 @@ func TestGuardedRewritesOnlyTCP(t *testing.T) {
 			t.Errorf("guarded(%q) = %q, want %q", in, got, want)
 		}
 	}
-	if !bytes.HasPrefix(zmtpGreetingBytes(), []byte{0xff}) {
+	if !bytes.HasPrefix(zmtptest.Greeting(), []byte{0xff}) {
 		t.Fatal("greeting fixture broken")
 	}
 }

@@ -22,6 +22,7 @@ type Metrics struct {
 	overCapacity      *prometheus.CounterVec
 	otherGroup        *prometheus.CounterVec
 	unknownPublisher  prometheus.Counter
+	refused           *prometheus.CounterVec
 	events            *prometheus.CounterVec
 	blocks            *prometheus.CounterVec
 	connects          *prometheus.CounterVec
@@ -59,6 +60,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "kvrouter_kvevents_unknown_publisher_total",
 			Help: "Messages on a shared socket whose topic names no configured worker.",
 		}),
+		refused: counter("refused_connections_total",
+			"Publisher connections refused at accept or failed later, by reason (not_a_worker, too_many_connections, wrong_worker, too_large, slow_message, handshake).", "reason"),
 		events:   counter("events_applied_total", "KV events applied to the index.", "worker"),
 		blocks:   counter("blocks_applied_total", "Blocks stored or removed in the index by KV events.", "worker"),
 		connects: counter("connects_total", "Connections (or binds) to an event endpoint, by result (ok, error, lost).", "endpoint", "result"),
@@ -70,7 +73,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	}
 	var errs []error
 	for _, c := range []prometheus.Collector{m.decodeErrors, m.gaps, m.missed, m.replays, m.replayed, m.restarts,
-		m.unknownParent, m.unknownRemoved, m.blockSizeMismatch, m.overCapacity, m.otherGroup, m.unknownPublisher, m.events,
+		m.unknownParent, m.unknownRemoved, m.blockSizeMismatch, m.overCapacity, m.otherGroup, m.unknownPublisher, m.refused, m.events,
 		m.blocks, m.connects, m.lastSeq, m.silence} {
 		errs = append(errs, reg.Register(c))
 	}

@@ -78,6 +78,20 @@ type Config struct {
 	// port offset by r. The rank is the batch's data_parallel_rank, or the mapped worker's,
 	// or else Rank.
 	Replays map[string]string
+	// Hosts maps a worker ID to the hosts (names or addresses) its publishers connect from, in
+	// Bind mode: a connection from an address that is no worker's is refused at accept, and
+	// one that sends a message under the topic of a worker at another address is failed, so
+	// only a worker's own host can store, remove or purge its blocks. Names are resolved,
+	// and looked up again every 30 s. Nil admits any address (tests); serve always sets it.
+	Hosts map[string][]string
+	// MaxPublishers bounds the publisher connections of the bound socket at once (0:
+	// DefaultMaxPublishers).
+	MaxPublishers int
+	// MaxInFlight bounds the bytes of the socket's messages in flight, from the first byte of
+	// a message to the end of its handling, across all its connections (0: DefaultMaxInFlight;
+	// at least one message at its limit).
+	MaxInFlight int64
+
 	// Rank is, in Bind mode, the data-parallel rank of the publishers that connect to
 	// Endpoint, for batches that do not say theirs and topics not mapped to a rank: vLLM
 	// connects rank r of a worker to the router's port + r, so a router binds one Subscriber
@@ -111,6 +125,7 @@ type Subscriber struct {
 	m       *Metrics
 	pattern *topicPattern
 	hosts   map[string]string // host:port -> worker ID, for the pattern
+	from    *workerHosts      // Bind mode: where each worker publishes from; nil: anywhere
 	ids     map[string]bool   // Bind mode: the worker IDs a topic can name
 
 	mu   sync.Mutex
@@ -207,9 +222,19 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 				s.ids[id] = true
 			}
 		}
+		if cfg.Hosts != nil {
+			s.from = newWorkerHosts(cfg.Hosts)
+		}
 	default:
 		return nil, fmt.Errorf("kvevents: unknown mode %d", cfg.Mode)
 	}
+	if s.cfg.MaxPublishers <= 0 {
+		s.cfg.MaxPublishers = DefaultMaxPublishers
+	}
+	if s.cfg.MaxInFlight <= 0 {
+		s.cfg.MaxInFlight = DefaultMaxInFlight
+	}
+	s.cfg.MaxInFlight = max(s.cfg.MaxInFlight, maxMessage)
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
 	}
@@ -251,7 +276,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	defer tick.Stop()
 	bo := backoff{min: s.cfg.MinBackoff, max: s.cfg.MaxBackoff}
 	for {
-		sock, err := s.open(ctx)
+		sock, adm, err := s.open(ctx)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -266,7 +291,7 @@ func (s *Subscriber) Run(ctx context.Context) error {
 			s.acquire()
 			s.resync(ctx)
 			s.release()
-			err = s.serve(ctx, sock, tick.C)
+			err = s.serve(ctx, sock, adm.budget, tick.C)
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -288,28 +313,40 @@ func (s *Subscriber) socketOptions() []zmq4.Option {
 	}
 }
 
-// open returns a subscribed SUB socket, connected or bound.
-func (s *Subscriber) open(ctx context.Context) (zmq4.Socket, error) {
-	sock := zmq4.NewSub(ctx, s.socketOptions()...)
+// open returns a subscribed SUB socket, connected or bound, and what its guard admits.
+func (s *Subscriber) open(ctx context.Context) (zmq4.Socket, *admission, error) {
+	adm := &admission{
+		budget:   newBudget(s.cfg.MaxInFlight),
+		maxConns: int64(s.cfg.MaxPublishers),
+		ctx:      ctx,
+		m:        s.m,
+		log:      s.log,
+		logged:   make(map[string]time.Time),
+		pending:  make(map[string]int),
+	}
+	if s.cfg.Mode == Bind && s.from != nil {
+		adm.hosts, adm.topics = s.from, s.workerOf
+	}
+	sock := zmq4.NewSub(withAdmission(ctx, adm), s.socketOptions()...)
 	if err := sock.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		_ = sock.Close()
-		return nil, fmt.Errorf("subscribe: %w", err)
+		return nil, nil, fmt.Errorf("subscribe: %w", err)
 	}
 	if s.cfg.Mode == Bind {
 		if err := sock.Listen(guarded(s.cfg.Endpoint)); err != nil {
 			_ = sock.Close()
-			return nil, err
+			return nil, nil, err
 		}
 		s.mu.Lock()
 		s.addr = sock.Addr()
 		s.mu.Unlock()
-		return sock, nil
+		return sock, adm, nil
 	}
 	if err := dialCtx(ctx, sock, guarded(s.cfg.Endpoint)); err != nil {
 		_ = sock.Close()
-		return nil, err
+		return nil, nil, err
 	}
-	return sock, nil
+	return sock, adm, nil
 }
 
 // dialCtx dials under ctx. zmq4's Dial does not watch a context and its ZMTP handshake has no
@@ -325,8 +362,9 @@ func dialCtx(ctx context.Context, sock zmq4.Socket, ep string) error {
 	}
 }
 
-// serve reads sock until ctx ends or, in Connect mode, the publisher goes away.
-func (s *Subscriber) serve(ctx context.Context, sock zmq4.Socket, tick <-chan time.Time) error {
+// serve reads sock until ctx ends or, in Connect mode, the publisher goes away. Each message
+// gives its bytes back to the socket's budget once handled.
+func (s *Subscriber) serve(ctx context.Context, sock zmq4.Socket, inFlight *budget, tick <-chan time.Time) error {
 	msgs := make(chan zmq4.Msg, 256)
 	lost := make(chan error, 1)
 	stop := make(chan struct{})
@@ -376,6 +414,7 @@ func (s *Subscriber) serve(ctx context.Context, sock zmq4.Socket, tick <-chan ti
 			s.acquire()
 			s.handle(ctx, m)
 			s.release()
+			inFlight.release(int64(msgSize(m)))
 		case now := <-tick:
 			s.acquire()
 			s.checkSilence(now)
@@ -462,6 +501,30 @@ func (s *Subscriber) handle(ctx context.Context, m zmq4.Msg) {
 		}
 	}
 	s.apply(st, seq, b)
+}
+
+// msgSize is the bytes of a message's frames: what the guard reserved for it.
+func msgSize(m zmq4.Msg) int {
+	n := 0
+	for _, f := range m.Frames {
+		n += len(f)
+	}
+	return n
+}
+
+// workerOf names the worker a topic belongs to, in Bind mode; safe for concurrent use (the
+// guard asks, from each connection's reader).
+func (s *Subscriber) workerOf(topic string) (string, bool) {
+	if w, ok := s.cfg.Topics[topic]; ok {
+		return w.ID, true
+	}
+	if s.pattern != nil {
+		if hp, ok := s.pattern.match(topic); ok {
+			id, ok := s.hosts[hp]
+			return id, ok
+		}
+	}
+	return "", false
 }
 
 // resync runs after a (re)connect in Connect mode when the worker has a replay socket: what
@@ -659,12 +722,8 @@ func (s *Subscriber) identify(topic string) (indexer.Worker, bool) {
 		return r.w, r.ok
 	}
 	var r topicResult
-	if s.pattern != nil {
-		if hp, ok := s.pattern.match(topic); ok {
-			if id, ok := s.hosts[hp]; ok {
-				r = topicResult{w: indexer.Worker{ID: id}, ok: true}
-			}
-		}
+	if id, ok := s.workerOf(topic); ok {
+		r = topicResult{w: indexer.Worker{ID: id}, ok: true}
 	}
 	if len(s.topicCache) >= maxStreams {
 		clear(s.topicCache) // a flood of made-up topics must not grow it for ever
