@@ -29,6 +29,9 @@ type HoldOptions struct {
 	// the prefill leg is the carrier's to run (llm-d's decode sidecar does), and its load
 	// counts until FirstToken.
 	Disaggregate bool
+	// Peer is the carrier's peer address (host:port): the client, for the limits per
+	// client, unless a trusted key header names one (Config.ClientLimits).
+	Peer string
 }
 
 // Held is one held decision. Its methods are safe for concurrent use; End ends it once.
@@ -94,6 +97,9 @@ func (s *Server) hold(ctx context.Context, h http.Header, body []byte, opts Hold
 		return nil, apiErr
 	}
 	req.Subset = opts.Subset
+	if req.Session != "" {
+		req.AdmitNew = s.admitNew(s.clientKey(h, opts.Peer))
+	}
 	att, err := s.router.Route(ctx, req)
 	if err != nil {
 		return nil, routeError(err)

@@ -97,6 +97,8 @@ type Config struct {
 	// Tracer, when set, traces each request (see trace.go); nil: no spans, and a client's
 	// traceparent goes to the worker as it came.
 	Tracer trace.TracerProvider
+	// ClientLimits are the limits per client (limits.go); zero: none.
+	ClientLimits ClientLimits
 }
 
 func (c *Config) setDefaults() error {
@@ -123,6 +125,9 @@ func (c *Config) setDefaults() error {
 	}
 	if len(c.SessionHeaders) == 0 {
 		c.SessionHeaders = []string{headerSession, "X-Dynamo-Session-ID"}
+	}
+	if err := c.ClientLimits.check(); err != nil {
+		return err
 	}
 	for i, h := range c.SessionHeaders {
 		if h = strings.TrimSpace(h); h == "" || strings.ContainsAny(h, " \t:") {
@@ -164,6 +169,7 @@ type Server struct {
 	models      *modelCache
 	handler     http.Handler
 	res         reservations
+	clients     *clients
 	// tokenizeWarned is when a tokenize failure was last logged as a warning (unix ns).
 	tokenizeWarned atomic.Int64
 	// tr traces requests; nil without Config.Tracer.
@@ -198,6 +204,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		upstream:  newUpstream(cfg.ConnectTimeout, cfg.WorkerTLS),
 		metrics:   newMetrics(),
 	}
+	s.clients = newClients(s.cfg.ClientLimits, time.Now)
 	s.models = newModelCache(s)
 	for _, h := range s.cfg.SessionHeaders {
 		s.sessionKeys = append(s.sessionKeys, textproto.CanonicalMIMEHeaderKey(h))
@@ -625,6 +632,9 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
 		return
+	}
+	if req.Session != "" {
+		req.AdmitNew = s.admitNew(s.clientKey(r.Header, r.RemoteAddr))
 	}
 	sctx, sspan := s.tr.start(r.Context(), "select", trace.SpanKindInternal)
 	if sspan.IsRecording() {
