@@ -18,6 +18,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/internal/envoytest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
@@ -233,5 +236,54 @@ func TestOneClientFloodingNewSessionsIsRefusedPastItsRate(t *testing.T) {
 	}
 	if err := ctx.Err(); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatal(err)
+	}
+}
+
+// TestPickerRefusesNewSessionsPastTheClientRate: through the ext_proc endpoint picker, a
+// client past its burst of new sessions gets the same 429 as on the client port (the
+// gateway answers it, nothing is picked), while its bound session still goes through.
+func TestPickerRefusesNewSessionsPastTheClientRate(t *testing.T) {
+	const burst = 3
+	fl := startFleet(t, 2)
+	var workers []string
+	for i, u := range fl.urls {
+		workers = append(workers, fl.ids[i]+"="+u)
+	}
+	c := startClusterTuned(t, binary, 1, workers, func(r *proc.Replica) {
+		addr, err := loopback.Addr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.ExtProc = addr
+	}, "--client-session-rate", "0.001", "--client-session-burst", strconv.Itoa(burst))
+	gw, err := envoytest.Dial(c.replicas[0].ExtProc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { gw.Close() })
+	pick := func(session string) (*envoytest.Result, error) {
+		return gw.Do(t.Context(), envoytest.Request{Path: "/v1/chat/completions",
+			Header: http.Header{"X-Session-Id": {session}}, Body: chatBody("hello from " + session)})
+	}
+	for i := range burst {
+		if res, err := pick(fmt.Sprint("gw-", i)); err != nil || res.Status != http.StatusOK {
+			t.Fatalf("new session %d: %v %+v", i, err, res)
+		}
+	}
+	res, err := pick("gw-refused")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Immediate == nil || res.Status != http.StatusTooManyRequests || res.Endpoint != "" {
+		t.Fatalf("new session past the burst: status %d, endpoint %q, body %q; want the picker's 429", res.Status, res.Endpoint, res.Body)
+	}
+	var e struct {
+		Error struct{ Type, Code string } `json:"error"`
+	}
+	if err := json.Unmarshal(res.Body, &e); err != nil || e.Error.Type != "rate_limit_error" || e.Error.Code != "client_rate_limited" {
+		t.Fatalf("the picker's 429 body %q: %v", res.Body, err)
+	}
+	if res, err := pick("gw-0"); err != nil || res.Status != http.StatusOK {
+		t.Fatalf("the bound session past the burst: %v %+v", err, res)
 	}
 }

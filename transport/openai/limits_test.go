@@ -3,6 +3,7 @@ package openai
 import (
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"net/netip"
 	"strings"
@@ -213,4 +214,36 @@ func TestReservationsPerClientAreLimited(t *testing.T) {
 	if got := rated.metric("kvrouter_client_limited_total", map[string]string{"what": "reservation"}); got != 1 {
 		t.Fatalf("limited reservations counted %v, want 1", got)
 	}
+}
+
+// FuzzClientKey: whatever a client sends in the key header, from a trusted peer or not, the
+// key is the peer's address or a bounded key of the header's, and never one of the other.
+func FuzzClientKey(f *testing.F) {
+	f.Add("1.2.3.4", "127.0.0.1:5")
+	f.Add("a, b,, c ,", "[::1]:1")
+	f.Add(" ", "10.0.0.1:1")
+	f.Add(strings.Repeat("x,", 200), "127.0.0.1")
+	f.Add("k", "not an address")
+	s := &Server{cfg: Config{ClientLimits: ClientLimits{KeyHeader: "X-Api-Key"}}}
+	if err := s.cfg.ClientLimits.check(); err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, value, remote string) {
+		key := s.clientKey(http.Header{"X-Api-Key": {value}}, remote)
+		host := remote
+		if hp, _, err := net.SplitHostPort(remote); err == nil {
+			host = hp
+		}
+		if v, fromHeader := strings.CutPrefix(key, "h:"); fromHeader && key != host {
+			addr, err := netip.ParseAddr(host)
+			if err != nil || !addr.Unmap().IsLoopback() {
+				t.Fatalf("key %q from the header of an untrusted peer %q", key, remote)
+			}
+			if v == "" || len(v) > maxClientKey || strings.Contains(v, ",") {
+				t.Fatalf("header key %q of %q", v, value)
+			}
+		} else if key != host {
+			t.Fatalf("key %q, want the peer %q", key, host)
+		}
+	})
 }
