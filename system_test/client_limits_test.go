@@ -287,3 +287,49 @@ func TestPickerRefusesNewSessionsPastTheClientRate(t *testing.T) {
 		t.Fatalf("the bound session past the burst: %v %+v", err, res)
 	}
 }
+
+// TestLiveSessionsPerClientAreCappedUntilTheyExpire: with --client-max-sessions 3, a client's
+// fourth live session is refused with 429, and once its bindings expire (the leader's Expire
+// through the Raft log) it may open new ones again.
+func TestLiveSessionsPerClientAreCappedUntilTheyExpire(t *testing.T) {
+	fl := startFleet(t, 2)
+	c := startCluster(t, 1, fl, "--client-max-sessions", "3", "--session-ttl", "2s")
+	base := "http://" + c.replicas[0].Client
+	hc := clientFrom("127.0.0.1", 1)
+	for i := range 3 {
+		if rep, err := newSession(t.Context(), hc, base, fmt.Sprint("live-", i)); err != nil || rep.status != http.StatusOK {
+			t.Fatalf("session %d: %+v %v", i, rep, err)
+		}
+	}
+	full := func() (bool, error) {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, base+"/v1/chat/completions",
+			strings.NewReader(string(chatBody("one more"))))
+		if err != nil {
+			return false, err
+		}
+		req.Header.Set("X-Session-ID", "live-more")
+		resp, err := hc.Do(req)
+		if err != nil {
+			return false, err
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		switch {
+		case resp.StatusCode == http.StatusOK:
+			return false, nil
+		case resp.StatusCode == http.StatusTooManyRequests && strings.Contains(string(b), `"client_sessions_full"`):
+			return true, nil
+		}
+		return false, fmt.Errorf("status %d: %s", resp.StatusCode, b)
+	}
+	if refused, err := full(); err != nil || !refused {
+		t.Fatalf("a fourth live session: refused %v, %v", refused, err)
+	}
+	eventually(t, 60*time.Second, func() error {
+		refused, err := full()
+		if err == nil && refused {
+			err = errors.New("still refused")
+		}
+		return err
+	})
+}

@@ -162,6 +162,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.IntVar(&lim.SessionBurst, "client-session-burst", 200, "new sessions one client may open at once before --client-session-rate applies")
 	fs.Float64Var(&lim.ReservationRate, "client-reservation-rate", 1000, "decision service: reservations (POST /v1/reserve) one client may make per second on this replica (0: no limit)")
 	fs.IntVar(&lim.ReservationBurst, "client-reservation-burst", 2000, "decision service: reservations one client may make at once before --client-reservation-rate applies")
+	fs.IntVar(&lim.MaxSessions, "client-max-sessions", 0, "live sessions this replica may bind for one client; past it new sessions get 429 until some end, so that one client cannot fill --max-sessions alone (0: a tenth of --max-sessions)")
 	fs.IntVar(&lim.MaxReservations, "client-max-reservations", 4096, "decision service: reservations one client may hold open (unreleased) on this replica; more get 429 (0: only --max-reservations)")
 	fs.StringVar(&lim.KeyHeader, "client-key-header", "", "header naming the client for the limits per client instead of its address, e.g. X-Forwarded-For behind HAProxy or X-Api-Key; its last value counts, and only from a peer in --client-key-trusted-from (empty: the TCP peer's address)")
 	fs.Func("client-key-trusted-from", "peers (CIDRs, comma-separated) whose --client-key-header is believed: the load balancers; from any other peer the header is ignored (default 127.0.0.0/8,::1/128)", func(v string) error {

@@ -97,8 +97,10 @@ func (s *Server) hold(ctx context.Context, h http.Header, body []byte, opts Hold
 		return nil, apiErr
 	}
 	req.Subset = opts.Subset
+	client := ""
 	if req.Session != "" {
-		req.AdmitNew = s.admitNew(s.clientKey(h, opts.Peer))
+		client = s.clientKey(h, opts.Peer)
+		req.AdmitNew = s.admitNew(client)
 	}
 	att, err := s.router.Route(ctx, req)
 	if err != nil {
@@ -106,10 +108,14 @@ func (s *Server) hold(ctx context.Context, h http.Header, body []byte, opts Hold
 	}
 	// The session binds now, to the worker the carrier will send the request to; a binding
 	// a concurrent request made first wins, and the decision moves to its worker.
+	wasBound := att.Decision().Bound
 	b, err := att.Commit(ctx)
 	if err != nil && !errors.Is(err, routing.ErrBoundElsewhere) {
 		att.Finish()
 		return nil, commitError(err)
+	}
+	if err == nil && req.Session != "" {
+		s.madeSession(client, wasBound, b)
 	}
 	held := &Held{Session: req.Session, att: att, Plan: routing.PrefillPlan{Outcome: routing.OutcomeNever}}
 	held.Decision = att.Decision()

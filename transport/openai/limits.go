@@ -12,6 +12,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
 // Limits per client. A client is its TCP peer's address, or, when the operator names a key
@@ -41,6 +43,9 @@ type ClientLimits struct {
 	ReservationBurst int
 	// MaxReservations caps a client's open reservations (unreleased and unexpired).
 	MaxReservations int
+	// MaxSessions caps the live bindings this replica made for one client: the replica
+	// counts the sessions it bound for the client until the binding ends (Server.BindingEnded).
+	MaxSessions int
 	// KeyHeader names the header that identifies a client instead of its address ("": the
 	// address); its last value counts, and only from a peer in TrustKeyFrom.
 	KeyHeader string
@@ -56,7 +61,7 @@ const maxClientKey = 256
 // check validates c and fills its defaults.
 func (c *ClientLimits) check() error {
 	if c.SessionRate < 0 || c.SessionBurst < 0 || c.ReservationRate < 0 || c.ReservationBurst < 0 ||
-		c.MaxReservations < 0 || c.MaxClients < 0 || math.IsNaN(c.SessionRate) || math.IsNaN(c.ReservationRate) {
+		c.MaxReservations < 0 || c.MaxSessions < 0 || c.MaxClients < 0 || math.IsNaN(c.SessionRate) || math.IsNaN(c.ReservationRate) {
 		return errors.New("openai: client limits must not be negative")
 	}
 	if c.KeyHeader != "" && strings.ContainsAny(c.KeyHeader, " \t\r\n:") {
@@ -229,13 +234,100 @@ func (s *Server) admit(key string, what limited) *Error {
 // admitNew is routing's Request.AdmitNew for client key: nil when new sessions are not
 // limited.
 func (s *Server) admitNew(key string) func() error {
-	if s.cfg.ClientLimits.SessionRate <= 0 {
+	lim := &s.cfg.ClientLimits
+	if lim.SessionRate <= 0 && lim.MaxSessions <= 0 {
 		return nil
 	}
 	return func() error {
+		if lim.MaxSessions > 0 && s.made.count(key) >= lim.MaxSessions {
+			s.metrics.clientLimited.WithLabelValues("live_sessions").Inc()
+			return &Error{Status: http.StatusTooManyRequests, Type: TypeRateLimit, Code: "client_sessions_full",
+				Message: "this client has " + strconv.Itoa(lim.MaxSessions) + " live sessions made on this replica; " +
+					"new ones are refused until some expire", Param: headerSession, RetryAfter: "60", Cause: "client_limited"}
+		}
 		if apiErr := s.admit(key, limitedSession); apiErr != nil {
 			return apiErr
 		}
 		return nil
+	}
+}
+
+// made are the live bindings this replica made, by session, and their count by client,
+// for ClientLimits.MaxSessions. They are bounded by the bindings themselves: an entry goes
+// when its binding ends, and all of them when the state is restored from a snapshot (the
+// count errs low then, never keeping a client out).
+type made struct {
+	mu        sync.Mutex
+	bySession map[string]madeBinding
+	byClient  map[string]int
+}
+
+// madeBinding is a binding this replica made for client.
+type madeBinding struct {
+	client   string
+	revision uint64
+}
+
+// add counts session's binding of revision as made for client.
+func (m *made) add(client, session string, revision uint64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.bySession == nil {
+		m.bySession, m.byClient = map[string]madeBinding{}, map[string]int{}
+	}
+	if old, ok := m.bySession[session]; ok {
+		m.dropLocked(session, old)
+	}
+	m.bySession[session] = madeBinding{client: client, revision: revision}
+	m.byClient[client]++
+}
+
+// count is how many live bindings this replica made for client.
+func (m *made) count(client string) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.byClient[client]
+}
+
+func (m *made) dropLocked(session string, b madeBinding) {
+	delete(m.bySession, session)
+	if n := m.byClient[b.client] - 1; n > 0 {
+		m.byClient[b.client] = n
+	} else {
+		delete(m.byClient, b.client)
+	}
+}
+
+// BindingEnded tells the front that session's binding of revision ended (expired,
+// invalidated, its worker gone) or, with next > 0, was replaced by the binding of revision
+// next, which still counts for the client that made the first. It does not block.
+func (s *Server) BindingEnded(session string, revision, next uint64) {
+	m := &s.made
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	b, ok := m.bySession[session]
+	if !ok || b.revision != revision {
+		return
+	}
+	if next > 0 {
+		m.bySession[session] = madeBinding{client: b.client, revision: next}
+		return
+	}
+	m.dropLocked(session, b)
+}
+
+// BindingsReset tells the front that the bindings were replaced wholesale (a snapshot
+// restored): the bindings it made are forgotten.
+func (s *Server) BindingsReset() {
+	m := &s.made
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.bySession, m.byClient = nil, nil
+}
+
+// madeSession counts a binding the request of client made, when live sessions are capped.
+func (s *Server) madeSession(client string, wasBound bool, b routing.Binding) {
+	if s.cfg.ClientLimits.MaxSessions > 0 && !wasBound && b.Revision != 0 && b.Session != "" {
+		s.made.add(client, b.Session, b.Revision)
 	}
 }

@@ -247,3 +247,59 @@ func FuzzClientKey(f *testing.F) {
 		}
 	})
 }
+
+// TestLiveSessionsPerClientAreCapped: a client with MaxSessions live bindings made here gets
+// 429 for a new session, and may open one again once one of them ends; a replaced binding
+// still counts, and another client is not limited by it.
+func TestLiveSessionsPerClientAreCapped(t *testing.T) {
+	rg := newRig(t, specsOf(newFakeWorker(t, okJSON)), rigOptions{front: func(c *Config) {
+		c.ClientLimits = ClientLimits{MaxSessions: 2, KeyHeader: "X-Api-Key"}
+	}})
+	a := map[string]string{"X-Api-Key": "a"}
+	session := func(s string, hdr map[string]string) (*http.Response, string) {
+		h := map[string]string{"X-Session-ID": s}
+		for k, v := range hdr {
+			h[k] = v
+		}
+		return rg.post("/v1/completions", completionBody, h)
+	}
+	for _, s := range []string{"s0", "s1"} {
+		if resp, body := session(s, a); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: %d %s", s, resp.StatusCode, body)
+		}
+	}
+	refused := func(what string) {
+		t.Helper()
+		resp, body := session("s9", a)
+		if resp.StatusCode != http.StatusTooManyRequests || errorOf(t, body).Code != "client_sessions_full" {
+			t.Fatalf("%s: %d %s", what, resp.StatusCode, body)
+		}
+	}
+	refused("a third live session")
+	if resp, _ := session("s0", a); resp.StatusCode != http.StatusOK {
+		t.Fatalf("a live session's next request: %d", resp.StatusCode)
+	}
+	if resp, _ := session("b0", map[string]string{"X-Api-Key": "b"}); resp.StatusCode != http.StatusOK {
+		t.Fatalf("another client's session: %d", resp.StatusCode)
+	}
+	b0, _, _ := rg.affinity.Peek(t.Context(), "s0")
+	b1, _, _ := rg.affinity.Peek(t.Context(), "s1")
+	rg.srv.BindingEnded("s1", b1.Revision, b1.Revision+100) // replaced: still the client's
+	rg.srv.BindingEnded("s0", b0.Revision+1, 0)             // another revision's end
+	refused("after a replacement and a stale end")
+	rg.srv.BindingEnded("s0", b0.Revision, 0)
+	if err := rg.affinity.Invalidate(t.Context(), "s0", b0.Revision); err != nil {
+		t.Fatal(err)
+	}
+	if resp, body := session("s2", a); resp.StatusCode != http.StatusOK {
+		t.Fatalf("a new session after one ended: %d %s", resp.StatusCode, body)
+	}
+	refused("at the cap again")
+	rg.srv.BindingsReset()
+	if resp, body := session("s3", a); resp.StatusCode != http.StatusOK {
+		t.Fatalf("a new session after a reset: %d %s", resp.StatusCode, body)
+	}
+	if got := rg.metric("kvrouter_client_limited_total", map[string]string{"what": "live_sessions"}); got != 3 {
+		t.Fatalf("limited live sessions counted %v, want 3", got)
+	}
+}

@@ -170,6 +170,7 @@ type Server struct {
 	handler     http.Handler
 	res         reservations
 	clients     *clients
+	made        made
 	// tokenizeWarned is when a tokenize failure was last logged as a warning (unix ns).
 	tokenizeWarned atomic.Int64
 	// tr traces requests; nil without Config.Tracer.
@@ -633,8 +634,10 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		s.fail(w, r, apiErr)
 		return
 	}
+	client := ""
 	if req.Session != "" {
-		req.AdmitNew = s.admitNew(s.clientKey(r.Header, r.RemoteAddr))
+		client = s.clientKey(r.Header, r.RemoteAddr)
+		req.AdmitNew = s.admitNew(client)
 	}
 	sctx, sspan := s.tr.start(r.Context(), "select", trace.SpanKindInternal)
 	if sspan.IsRecording() {
@@ -656,7 +659,7 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 	if d.PromptBlocks > 0 {
 		s.metrics.kvHit.Observe(float64(d.Overlap) / float64(d.PromptBlocks))
 	}
-	if s.proxy(&call{w: w, r: r, p: p, att: att, session: req.Session, arrived: arrived}) {
+	if s.proxy(&call{w: w, r: r, p: p, att: att, session: req.Session, client: client, arrived: arrived}) {
 		// The response has started and the worker broke off: the client must see a broken
 		// response, not a clean end.
 		panic(http.ErrAbortHandler)
