@@ -29,6 +29,7 @@ FUZZ_TARGETS := \
 	./cluster/gossip:FuzzParseFrame \
 	./cluster/gossip:FuzzDecodeMeta \
 	./transport/openai:FuzzTransferParams \
+	./transport/openai:FuzzClientKey \
 	./sim:FuzzParseKVTransferParams \
 	./sim:FuzzDecodePullRequest \
 	./transport/extproc:FuzzProcessStream \

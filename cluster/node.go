@@ -120,6 +120,9 @@ type Config struct {
 	CheckpointInterval time.Duration
 	// TouchFlush is how long touches coalesce before they travel to the leader.
 	TouchFlush time.Duration
+	// OnChange, when set, is told of every change of the state, inside Apply (after the
+	// node's own handling): it must not block.
+	OnChange func(fsm.Change)
 
 	// RaftTLS, when set, runs the Raft port over mutual TLS (raft_tls.go): the listener
 	// requires a client certificate verified against ClientCAs, dials verify the server
@@ -579,6 +582,9 @@ func (n *Node) notifyApplied() {
 // onChange runs inside the FSM's Apply: it must not block.
 func (n *Node) onChange(c fsm.Change) {
 	n.lead.observe(c)
+	if f := n.cfg.OnChange; f != nil {
+		defer f(c)
+	}
 	if c.Kind == fsm.WorkersChanged || c.Kind == fsm.Reset {
 		select {
 		case n.workers <- struct{}{}:

@@ -17,6 +17,7 @@ import (
 	"net/http"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -72,6 +73,9 @@ type Replica struct {
 	// undo holds what Start opened, closed in reverse by Close and by a Start that fails.
 	undo  []func()
 	drain drainState
+
+	// front is server for the FSM's changes, which start before it exists (limits.go).
+	front atomic.Pointer[openai.Server]
 }
 
 // Start opens a replica with cfg and starts serving; Close stops it. On error nothing it
@@ -205,7 +209,7 @@ func (r *Replica) openNode(ctx context.Context) error {
 		SnapshotRetain: cc.SnapshotRetain, SnapshotThreshold: cc.SnapshotThreshold, SnapshotInterval: cc.SnapshotInterval,
 		Level: level, StaleBound: cc.StaleBound, BindWait: cc.BindWait,
 		SessionTTL: r.cfg.SessionTTL, MaxBindings: r.cfg.MaxSessions,
-		CheckpointInterval: cc.CheckpointInterval, TouchFlush: cc.TouchFlush,
+		CheckpointInterval: cc.CheckpointInterval, TouchFlush: cc.TouchFlush, OnChange: r.bindingChanged,
 		Peers: r.pool, Version: version.String(), Logger: r.log, RaftTLS: tc.peerConfig(),
 	})
 	if err != nil {
@@ -282,6 +286,10 @@ func (r *Replica) openRouting(context.Context) error {
 	pcfg.ReplicaID = cfg.ID
 	pcfg.Logger = r.log
 	pcfg.Registerer = r.promReg
+	if pcfg.ClientLimits.MaxSessions == 0 && cfg.MaxSessions > 0 {
+		// One client cannot fill --max-sessions alone (per replica: see transport/openai/limits.go).
+		pcfg.ClientLimits.MaxSessions = max(cfg.MaxSessions/10, 1)
+	}
 	if cfg.Tokenizer == "worker" {
 		pcfg.Tokenizer = openai.NewWorkerTokenizer(r.registry, openai.TokenizerConfig{})
 	}
@@ -294,6 +302,7 @@ func (r *Replica) openRouting(context.Context) error {
 		return err
 	}
 	r.server.SetReady(r.Ready)
+	r.front.Store(r.server)
 	if r.eln != nil {
 		ecfg := cfg.ExtProc
 		ecfg.Logger, ecfg.Registerer = r.log, r.promReg

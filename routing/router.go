@@ -41,6 +41,11 @@ type Request struct {
 	// Subset, when set, admits only the targets it accepts (a gateway's subset hint): a
 	// session bound outside it is rebound inside it, and none accepted is ErrNoWorker.
 	Subset func(Target) bool
+	// AdmitNew, when set, is asked before a request that would bind its session afresh
+	// (the session has no binding) is routed: its error fails the request before any
+	// selection, load or record, and the session stays unbound. A session already bound is
+	// never asked about, nor a binding replaced because its worker failed.
+	AdmitNew func() error
 }
 
 // Decision is the outcome of a selection.
@@ -279,6 +284,12 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 			return nil, err
 		}
 		a.lease = lease
+		if _, bound := lease.Binding(); !bound && req.AdmitNew != nil {
+			if err := req.AdmitNew(); err != nil {
+				a.releaseLease()
+				return nil, err
+			}
+		}
 	}
 	err := a.selectAndStart(ctx)
 	if err == nil {

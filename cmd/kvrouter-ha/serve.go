@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"os/signal"
 	"strconv"
@@ -154,6 +155,31 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 		return nil
 	})
 	fs.IntVar(&cfg.Proxy.MaxReservations, "max-reservations", 1<<16, "decision service: reservations open at once; more are refused with 429")
+	// Limits per client (transport/openai/limits.go): a client is its TCP peer's address, or
+	// the trusted key header's last value.
+	lim := &cfg.Proxy.ClientLimits
+	fs.Float64Var(&lim.SessionRate, "client-session-rate", 50, "new sessions one client may open per second on this replica; past it and its burst, 429 with Retry-After (0: no limit; a request of a bound session is never limited)")
+	fs.IntVar(&lim.SessionBurst, "client-session-burst", 200, "new sessions one client may open at once before --client-session-rate applies")
+	fs.Float64Var(&lim.ReservationRate, "client-reservation-rate", 1000, "decision service: reservations (POST /v1/reserve) one client may make per second on this replica (0: no limit)")
+	fs.IntVar(&lim.ReservationBurst, "client-reservation-burst", 2000, "decision service: reservations one client may make at once before --client-reservation-rate applies")
+	fs.IntVar(&lim.MaxSessions, "client-max-sessions", 0, "live sessions this replica may bind for one client; past it new sessions get 429 until some end, so that one client cannot fill --max-sessions alone (0: a tenth of --max-sessions)")
+	fs.IntVar(&lim.MaxReservations, "client-max-reservations", 4096, "decision service: reservations one client may hold open (unreleased) on this replica; more get 429 (0: only --max-reservations)")
+	fs.StringVar(&lim.KeyHeader, "client-key-header", "", "header naming the client for the limits per client instead of its address, e.g. X-Forwarded-For behind HAProxy or X-Api-Key; its last value counts, and only from a peer in --client-key-trusted-from (empty: the TCP peer's address)")
+	fs.Func("client-key-trusted-from", "peers (CIDRs, comma-separated) whose --client-key-header is believed: the load balancers; from any other peer the header is ignored (default 127.0.0.0/8,::1/128)", func(v string) error {
+		lim.TrustKeyFrom = []netip.Prefix{}
+		for c := range strings.SplitSeq(v, ",") {
+			if c = strings.TrimSpace(c); c == "" {
+				continue
+			}
+			p, err := netip.ParsePrefix(c)
+			if err != nil {
+				return fmt.Errorf("client-key-trusted-from: %w", err)
+			}
+			lim.TrustKeyFrom = append(lim.TrustKeyFrom, p)
+		}
+		return nil
+	})
+	fs.IntVar(&lim.MaxClients, "client-limits-max-clients", 1<<16, "clients whose limits this replica remembers; the least recently seen is forgotten (and starts afresh)")
 	fs.DurationVar(&cfg.Health.Interval, "health-interval", time.Second, "worker health probe interval")
 	fs.DurationVar(&cfg.Health.Timeout, "health-timeout", time.Second, "one health probe's timeout (a busy worker answers slowly; too short a timeout drains a loaded fleet)")
 	fs.IntVar(&cfg.Health.FailThreshold, "health-fail-threshold", 3, "consecutive failed probes that take a worker out")

@@ -12,6 +12,7 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -255,6 +256,10 @@ func (st *stream) pick(trailers bool) error {
 	ctx := st.srv.Context()
 	start := time.Now()
 	opts := openai.HoldOptions{Path: st.path, Disaggregate: true}
+	if pr, ok := peer.FromContext(ctx); ok && pr.Addr != nil {
+		// The gateway is the peer: behind one, name the client in a trusted key header.
+		opts.Peer = pr.Addr.String()
+	}
 	if st.subset != nil {
 		subset := st.subset
 		opts.Subset = func(t routing.Target) bool {

@@ -29,6 +29,9 @@ type HoldOptions struct {
 	// the prefill leg is the carrier's to run (llm-d's decode sidecar does), and its load
 	// counts until FirstToken.
 	Disaggregate bool
+	// Peer is the carrier's peer address (host:port): the client, for the limits per
+	// client, unless a trusted key header names one (Config.ClientLimits).
+	Peer string
 }
 
 // Held is one held decision. Its methods are safe for concurrent use; End ends it once.
@@ -94,16 +97,25 @@ func (s *Server) hold(ctx context.Context, h http.Header, body []byte, opts Hold
 		return nil, apiErr
 	}
 	req.Subset = opts.Subset
+	client := ""
+	if req.Session != "" {
+		client = s.clientKey(h, opts.Peer)
+		req.AdmitNew = s.admitNew(client)
+	}
 	att, err := s.router.Route(ctx, req)
 	if err != nil {
 		return nil, routeError(err)
 	}
 	// The session binds now, to the worker the carrier will send the request to; a binding
 	// a concurrent request made first wins, and the decision moves to its worker.
+	wasBound := att.Decision().Bound
 	b, err := att.Commit(ctx)
 	if err != nil && !errors.Is(err, routing.ErrBoundElsewhere) {
 		att.Finish()
 		return nil, commitError(err)
+	}
+	if err == nil && req.Session != "" {
+		s.madeSession(client, wasBound, b)
 	}
 	held := &Held{Session: req.Session, att: att, Plan: routing.PrefillPlan{Outcome: routing.OutcomeNever}}
 	held.Decision = att.Decision()

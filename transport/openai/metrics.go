@@ -32,6 +32,8 @@ type metrics struct {
 	reservations *prometheus.CounterVec
 	// tokenizeFallbacks counts prompts routed on text chunks because /tokenize failed.
 	tokenizeFallbacks *prometheus.CounterVec
+	// clientLimited counts requests refused by a limit per client, by what was limited.
+	clientLimited *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -108,12 +110,17 @@ func newMetrics() *metrics {
 			Help:    "Predicted share of the prompt's blocks already cached on the chosen worker.",
 			Buckets: prometheus.LinearBuckets(0, 0.1, 11),
 		}),
+		clientLimited: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_client_limited_total",
+			Help: "Requests refused with 429 by a limit per client, by what: session (new sessions past the client's rate), " +
+				"reservation (reservations past its rate), open_reservations (past its open reservations).",
+		}, []string{"what"}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
 	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,
-		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, m.tokenizeFallbacks, c} {
+		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, m.tokenizeFallbacks, m.clientLimited, c} {
 		if err := reg.Register(col); err != nil {
 			return fmt.Errorf("register metrics: %w", err)
 		}

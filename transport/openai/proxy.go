@@ -95,6 +95,8 @@ type call struct {
 	p       *Request
 	att     *routing.Attempt
 	session string
+	// client is the request's client key (limits.go), "" without a session.
+	client  string
 	arrived time.Time
 	// firstAt is when the current dispatch's first body bytes arrived (zero: not yet).
 	firstAt time.Time
@@ -272,6 +274,9 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		bspan.SetAttributes(attrSession.Bool(c.session != ""))
 	}
 	binding, err := c.att.Commit(bctx)
+	if err == nil && c.session != "" {
+		s.madeSession(c.client, d.Bound, binding)
+	}
 	if bspan.IsRecording() {
 		bspan.SetAttributes(attrRevision.Int64(int64(binding.Revision)), attrWorker.String(c.att.Decision().Target.Worker.ID))
 	}

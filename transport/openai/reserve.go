@@ -21,6 +21,8 @@ import (
 type reservation struct {
 	held  *Held
 	timer *time.Timer
+	// client is the key of the client that made it (limits.go).
+	client string
 }
 
 // reservations are a front's open reservations by id.
@@ -28,8 +30,10 @@ type reservations struct {
 	mu   sync.Mutex
 	open map[string]*reservation
 	// taken counts the open reservations and those being made, so that concurrent calls
-	// cannot open more than the bound between its check and their insertion.
-	taken int
+	// cannot open more than the bound between its check and their insertion; byClient
+	// counts them by client (only clients with some, so it is bounded by taken).
+	taken    int
+	byClient map[string]int
 }
 
 // reserveAnswer is POST /v1/reserve's answer: the routing answer, the reservation's id, and
@@ -51,37 +55,26 @@ func (s *Server) serveReserve(w *recorder, r *http.Request) {
 		s.fail(w, r, apiErr)
 		return
 	}
-	s.res.mu.Lock()
-	full := s.res.taken >= s.cfg.MaxReservations
-	if !full {
-		s.res.taken++
-	}
-	s.res.mu.Unlock()
-	if full {
-		s.fail(w, r, &Error{Status: http.StatusTooManyRequests, Message: strconv.Itoa(s.cfg.MaxReservations) + " reservations are open; release some",
-			Type: TypeUnavailable, Code: "too_many_reservations", RetryAfter: "1", Cause: "reservations_full"})
-		return
-	}
 	// ?path= names the API the body is for (/v1/messages, ...), as a proxied request's own
 	// path would; without it the body says (chat or completion).
 	path := r.URL.Query().Get("path")
 	if _, ok := KindOfPath(path); path != "" && !ok {
-		s.res.mu.Lock()
-		s.res.taken--
-		s.res.mu.Unlock()
 		s.fail(w, r, invalid("path", "path "+strconv.Quote(path)+" is not an API the router routes"))
 		return
 	}
-	held, apiErr := s.hold(r.Context(), r.Header, body, HoldOptions{Path: path})
+	client := s.clientKey(r.Header, r.RemoteAddr)
+	if apiErr := s.takeReservation(client); apiErr != nil {
+		s.fail(w, r, apiErr)
+		return
+	}
+	held, apiErr := s.hold(r.Context(), r.Header, body, HoldOptions{Path: path, Peer: r.RemoteAddr})
 	if held == nil {
-		s.res.mu.Lock()
-		s.res.taken--
-		s.res.mu.Unlock()
+		s.untakeReservation(client)
 		s.fail(w, r, apiErr)
 		return
 	}
 	id := rand.Text()
-	res := &reservation{held: held}
+	res := &reservation{held: held, client: client}
 	s.res.mu.Lock()
 	if s.res.open == nil {
 		s.res.open = map[string]*reservation{}
@@ -136,11 +129,55 @@ func (s *Server) endReservation(id string, outputTokens int, completed bool) boo
 		return false
 	}
 	delete(s.res.open, id)
-	s.res.taken--
 	s.res.mu.Unlock()
+	s.untakeReservation(res.client)
 	res.timer.Stop()
 	res.held.End(completed, outputTokens)
 	return true
+}
+
+// takeReservation counts a reservation being made by client, or answers 429: past the
+// open reservations of the replica or of the client, or past the client's rate.
+func (s *Server) takeReservation(client string) *Error {
+	perClient := s.cfg.ClientLimits.MaxReservations
+	s.res.mu.Lock()
+	full := s.res.taken >= s.cfg.MaxReservations
+	mine := perClient > 0 && s.res.byClient[client] >= perClient
+	if !full && !mine {
+		s.res.taken++
+		if s.res.byClient == nil {
+			s.res.byClient = map[string]int{}
+		}
+		s.res.byClient[client]++
+	}
+	s.res.mu.Unlock()
+	switch {
+	case full:
+		return &Error{Status: http.StatusTooManyRequests, Message: strconv.Itoa(s.cfg.MaxReservations) + " reservations are open; release some",
+			Type: TypeUnavailable, Code: "too_many_reservations", RetryAfter: "1", Cause: "reservations_full"}
+	case mine:
+		s.metrics.clientLimited.WithLabelValues("open_reservations").Inc()
+		return &Error{Status: http.StatusTooManyRequests, Type: TypeRateLimit, Code: "client_reservations_full",
+			Message:    "this client has " + strconv.Itoa(perClient) + " reservations open on this replica; release some",
+			RetryAfter: "1", Cause: "client_limited"}
+	}
+	if apiErr := s.admit(client, limitedReservation); apiErr != nil {
+		s.untakeReservation(client)
+		return apiErr
+	}
+	return nil
+}
+
+// untakeReservation uncounts a reservation of client that ended or was never made.
+func (s *Server) untakeReservation(client string) {
+	s.res.mu.Lock()
+	defer s.res.mu.Unlock()
+	s.res.taken--
+	if n := s.res.byClient[client] - 1; n > 0 {
+		s.res.byClient[client] = n
+	} else {
+		delete(s.res.byClient, client)
+	}
 }
 
 // closeReservations ends every open reservation (the front is closing).

@@ -97,6 +97,8 @@ type Config struct {
 	// Tracer, when set, traces each request (see trace.go); nil: no spans, and a client's
 	// traceparent goes to the worker as it came.
 	Tracer trace.TracerProvider
+	// ClientLimits are the limits per client (limits.go); zero: none.
+	ClientLimits ClientLimits
 }
 
 func (c *Config) setDefaults() error {
@@ -123,6 +125,9 @@ func (c *Config) setDefaults() error {
 	}
 	if len(c.SessionHeaders) == 0 {
 		c.SessionHeaders = []string{headerSession, "X-Dynamo-Session-ID"}
+	}
+	if err := c.ClientLimits.check(); err != nil {
+		return err
 	}
 	for i, h := range c.SessionHeaders {
 		if h = strings.TrimSpace(h); h == "" || strings.ContainsAny(h, " \t:") {
@@ -164,6 +169,8 @@ type Server struct {
 	models      *modelCache
 	handler     http.Handler
 	res         reservations
+	clients     *clients
+	made        made
 	// tokenizeWarned is when a tokenize failure was last logged as a warning (unix ns).
 	tokenizeWarned atomic.Int64
 	// tr traces requests; nil without Config.Tracer.
@@ -198,6 +205,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		upstream:  newUpstream(cfg.ConnectTimeout, cfg.WorkerTLS),
 		metrics:   newMetrics(),
 	}
+	s.clients = newClients(s.cfg.ClientLimits, time.Now)
 	s.models = newModelCache(s)
 	for _, h := range s.cfg.SessionHeaders {
 		s.sessionKeys = append(s.sessionKeys, textproto.CanonicalMIMEHeaderKey(h))
@@ -626,6 +634,11 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		s.fail(w, r, apiErr)
 		return
 	}
+	client := ""
+	if req.Session != "" {
+		client = s.clientKey(r.Header, r.RemoteAddr)
+		req.AdmitNew = s.admitNew(client)
+	}
 	sctx, sspan := s.tr.start(r.Context(), "select", trace.SpanKindInternal)
 	if sspan.IsRecording() {
 		sspan.SetAttributes(attrSession.Bool(req.Session != ""), attrTokens.Int(req.PromptTokens))
@@ -646,7 +659,7 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 	if d.PromptBlocks > 0 {
 		s.metrics.kvHit.Observe(float64(d.Overlap) / float64(d.PromptBlocks))
 	}
-	if s.proxy(&call{w: w, r: r, p: p, att: att, session: req.Session, arrived: arrived}) {
+	if s.proxy(&call{w: w, r: r, p: p, att: att, session: req.Session, client: client, arrived: arrived}) {
 		// The response has started and the worker broke off: the client must see a broken
 		// response, not a clean end.
 		panic(http.ErrAbortHandler)
