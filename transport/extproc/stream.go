@@ -12,6 +12,8 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -46,39 +48,109 @@ type stream struct {
 	firstByte  bool
 	tally      openai.Tally
 	responseIn bool // the response has begun
+	ended      bool // the response has ended: the gateway owes the stream's close
 }
 
 // errAnswered ends a stream after an immediate response: the gateway answers the client
 // itself and sends nothing more.
 var errAnswered = errors.New("immediate response sent")
 
-// run reads the stream to its end, releasing a held decision on every path.
+// received is one Recv's result.
+type received struct {
+	req *extprocv3.ProcessingRequest
+	err error
+}
+
+// run reads the stream to its end, releasing a held decision on every path. A reader
+// goroutine receives, so that a stream owing the picker its next message past IdleTimeout
+// ends: returning ends the gRPC stream, which ends the reader's Recv.
 func (st *stream) run() error {
 	st.p.metrics.open.Inc()
 	defer st.p.metrics.open.Dec()
 	defer st.finish()
+	msgs := make(chan received)
+	done := make(chan struct{})
+	defer close(done)
+	go st.read(msgs, done)
+	var idle *time.Timer
+	var idleC <-chan time.Time
+	if d := st.p.cfg.IdleTimeout; d > 0 {
+		idle = time.NewTimer(d)
+		defer idle.Stop()
+	}
 	first := true
 	for {
-		req, err := st.srv.Recv()
-		if err != nil {
+		idleC = nil
+		if idle != nil {
+			// Only a stream that owes the picker its next message runs the clock: one
+			// whose request is incomplete, or whose response has ended. A stream waiting
+			// for the upstream's answer (a long generation) is the gateway's to keep.
+			idle.Reset(st.p.cfg.IdleTimeout)
+			if !st.picked || st.ended {
+				idleC = idle.C
+			}
+		}
+		var m received
+		select {
+		case m = <-msgs:
+		case <-idleC:
+			return st.idled()
+		}
+		if m.err != nil {
 			// io.EOF: the gateway closed its side; anything else: the stream broke or the
 			// picker is closing. Either way the request is over for the picker.
-			if !errors.Is(err, io.EOF) {
-				st.p.log.Debug("ext_proc stream ended", "error", err)
+			if !errors.Is(m.err, io.EOF) {
+				st.p.log.Debug("ext_proc stream ended", "error", m.err)
 			}
 			return nil
 		}
 		if first {
-			st.readConfig(req.GetProtocolConfig())
+			st.readConfig(m.req.GetProtocolConfig())
 			first = false
 		}
-		if err := st.handle(req); err != nil {
+		if err := st.handle(m.req); err != nil {
 			if errors.Is(err, errAnswered) {
 				return nil
 			}
 			return err
 		}
 	}
+}
+
+// read receives the stream's messages into msgs until an error, or until run is done.
+func (st *stream) read(msgs chan<- received, done <-chan struct{}) {
+	for {
+		req, err := st.srv.Recv()
+		select {
+		case msgs <- received{req, err}:
+		case <-done:
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// idled ends a stream that owed the picker a message for IdleTimeout: the client hears 408
+// through the gateway (while its request is incomplete), the stream ends DEADLINE_EXCEEDED.
+func (st *stream) idled() error {
+	d := st.p.cfg.IdleTimeout
+	if !st.picked {
+		st.answer(&openai.Error{Status: http.StatusRequestTimeout, Type: openai.TypeInvalidRequest, Code: "request_timeout",
+			Message: "ext_proc: the request was not complete after " + d.String() + " without a message"})
+	}
+	st.p.metrics.ended.WithLabelValues("idle").Inc()
+	return status.Errorf(codes.DeadlineExceeded, "ext_proc: no message for %s while the picker waited for one", d)
+}
+
+// overloaded refuses a stream past MaxStreams: a 503 the gateway can answer the client
+// with at once (Retry-After 1), and RESOURCE_EXHAUSTED for the stream.
+func (st *stream) overloaded(limit int) error {
+	st.answer(&openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeServer, Code: "ext_proc_busy", RetryAfter: "1",
+		Message: "ext_proc: the picker holds " + strconv.Itoa(limit) + " streams, its limit"})
+	st.p.metrics.ended.WithLabelValues("overloaded").Inc()
+	return status.Errorf(codes.ResourceExhausted, "ext_proc: %d streams open, the most this picker takes (--ext-proc-max-streams)", limit)
 }
 
 // readConfig takes the body modes the gateway announces. Without an announcement the modes
@@ -341,6 +413,9 @@ func setHeader(k, v string) *corev3.HeaderValueOption {
 // and was the one picked (a gateway that sent the request elsewhere leaves nothing to
 // record here).
 func (st *stream) finish() {
+	if st.responseIn {
+		st.ended = true
+	}
 	if st.held == nil {
 		return
 	}
@@ -373,12 +448,20 @@ func (st *stream) refuse(msg string) error {
 
 // immediate answers the client through the gateway with e, and ends the stream.
 func (st *stream) immediate(e *openai.Error) error {
-	st.p.metrics.requests.WithLabelValues(strconv.Itoa(e.Status)).Inc()
 	if e.Status >= 500 {
 		st.p.log.Warn("ext_proc request failed", "path", st.path, "status", e.Status, "error", e.Message)
 	} else {
 		st.p.log.Debug("ext_proc request refused", "path", st.path, "status", e.Status, "error", e.Message)
 	}
+	if err := st.answer(e); err != nil {
+		return err
+	}
+	return errAnswered
+}
+
+// answer sends e as the immediate response the gateway answers the client with, counted.
+func (st *stream) answer(e *openai.Error) error {
+	st.p.metrics.requests.WithLabelValues(strconv.Itoa(e.Status)).Inc()
 	hm := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{setHeader("content-type", "application/json")}}
 	if e.RetryAfter != "" {
 		hm.SetHeaders = append(hm.SetHeaders, setHeader("retry-after", e.RetryAfter))
@@ -387,13 +470,9 @@ func (st *stream) immediate(e *openai.Error) error {
 	if e.Code != "" {
 		details += ": " + e.Code
 	}
-	err := st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{Status: &typev3.HttpStatus{Code: typev3.StatusCode(e.Status)},
 			Headers: hm, Body: e.Body(), Details: details}}})
-	if err != nil {
-		return err
-	}
-	return errAnswered
 }
 
 func (st *stream) send(r *extprocv3.ProcessingResponse) error { return st.srv.Send(r) }
