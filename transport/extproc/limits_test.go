@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -29,6 +30,10 @@ type liveStream struct {
 	mu   sync.Mutex
 	out  []*extprocv3.ProcessingResponse
 	done chan struct{}
+	// inRecv counts the Recv calls under way, and overlapped is set when two overlap: the
+	// picker must never receive on one stream from two goroutines at once.
+	inRecv     atomic.Int32
+	overlapped atomic.Bool
 }
 
 func newLiveStream() *liveStream {
@@ -37,6 +42,10 @@ func newLiveStream() *liveStream {
 
 func (s *liveStream) Context() context.Context { return s.ctx }
 func (s *liveStream) Recv() (*extprocv3.ProcessingRequest, error) {
+	if s.inRecv.Add(1) > 1 {
+		s.overlapped.Store(true)
+	}
+	defer s.inRecv.Add(-1)
 	select {
 	case m, ok := <-s.in:
 		if !ok {
@@ -121,6 +130,9 @@ func TestStreamsOwingAMessageEndAfterTheIdleTimeout(t *testing.T) {
 			if status.Code(err) != codes.DeadlineExceeded {
 				t.Fatalf("stream ended with %v, want DEADLINE_EXCEEDED", err)
 			}
+			if s.overlapped.Load() {
+				t.Fatal("two Recv calls on the stream at once")
+			}
 			out := s.sent()
 			last := out[len(out)-1].GetImmediateResponse()
 			if got := last.GetStatus().GetCode(); tc.want408 != (int(got) == http.StatusRequestTimeout) {
@@ -146,6 +158,9 @@ func TestStreamsOwingAMessageEndAfterTheIdleTimeout(t *testing.T) {
 		close(s.in)
 		if err := wait(t, res, 10*time.Second); err != nil {
 			t.Fatalf("stream ended with %v", err)
+		}
+		if s.overlapped.Load() {
+			t.Fatal("two Recv calls on the stream at once")
 		}
 	})
 }

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -61,40 +62,59 @@ type received struct {
 	err error
 }
 
-// run reads the stream to its end, releasing a held decision on every path. A reader
-// goroutine receives, so that a stream owing the picker its next message past IdleTimeout
-// ends: returning ends the gRPC stream, which ends the reader's Recv.
+// run reads the stream to its end, releasing a held decision on every path.
+//
+// Only a stream that owes the picker its next message runs the idle clock: one whose request
+// is incomplete, or whose response has ended. gRPC has no read deadline for a stream, and a
+// handler ends its stream only by returning, so while the clock runs a reader goroutine
+// receives and run waits on it or the clock. A stream waiting for the upstream's answer (a
+// long generation) is the gateway's to keep: the reader goes once the request is complete,
+// and run receives itself, so a stream in flight costs one goroutine, not two.
 func (st *stream) run() error {
 	st.p.metrics.open.Inc()
 	defer st.p.metrics.open.Dec()
 	defer st.finish()
-	msgs := make(chan received)
-	done := make(chan struct{})
-	defer close(done)
-	go st.read(msgs, done)
+	d := st.p.cfg.IdleTimeout
 	var idle *time.Timer
-	var idleC <-chan time.Time
-	if d := st.p.cfg.IdleTimeout; d > 0 {
+	if d > 0 {
 		idle = time.NewTimer(d)
 		defer idle.Stop()
 	}
+	var rd *reader
+	defer func() {
+		if rd != nil {
+			close(rd.quit)
+		}
+	}()
 	first := true
 	for {
-		idleC = nil
-		if idle != nil {
-			// Only a stream that owes the picker its next message runs the clock: one
-			// whose request is incomplete, or whose response has ended. A stream waiting
-			// for the upstream's answer (a long generation) is the gateway's to keep.
-			idle.Reset(st.p.cfg.IdleTimeout)
-			if !st.picked || st.ended {
-				idleC = idle.C
-			}
-		}
 		var m received
-		select {
-		case m = <-msgs:
-		case <-idleC:
-			return st.idled()
+		switch {
+		case idle != nil && (!st.picked || st.ended):
+			if rd == nil {
+				rd = st.startReader()
+			}
+			idle.Reset(d)
+			select {
+			case m = <-rd.msgs:
+			case <-idle.C:
+				return st.idled()
+			}
+		case rd != nil:
+			// The clock stopped: the reader hands over the message it waits for and goes,
+			// before run receives itself (one Recv at a time).
+			rd.stop.Store(true)
+			select {
+			case m = <-rd.msgs:
+			case <-rd.done:
+			}
+			<-rd.done
+			rd = nil
+			if m.req == nil && m.err == nil {
+				continue
+			}
+		default:
+			m.req, m.err = st.srv.Recv()
 		}
 		if m.err != nil {
 			// io.EOF: the gateway closed its side; anything else: the stream broke or the
@@ -117,19 +137,33 @@ func (st *stream) run() error {
 	}
 }
 
-// read receives the stream's messages into msgs until an error, or until run is done.
-func (st *stream) read(msgs chan<- received, done <-chan struct{}) {
-	for {
-		req, err := st.srv.Recv()
-		select {
-		case msgs <- received{req, err}:
-		case <-done:
-			return
+// reader receives a stream's messages on its own goroutine while run watches the clock.
+type reader struct {
+	msgs chan received
+	stop atomic.Bool   // return after the next message handed over
+	quit chan struct{} // run returned: hand nothing more over
+	done chan struct{} // closed as the goroutine returns
+}
+
+// startReader starts receiving st's messages into the reader's msgs, until an error, stop
+// or quit.
+func (st *stream) startReader() *reader {
+	rd := &reader{msgs: make(chan received), quit: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(rd.done)
+		for {
+			req, err := st.srv.Recv()
+			select {
+			case rd.msgs <- received{req, err}:
+			case <-rd.quit:
+				return
+			}
+			if err != nil || rd.stop.Load() {
+				return
+			}
 		}
-		if err != nil {
-			return
-		}
-	}
+	}()
+	return rd
 }
 
 // idled ends a stream that owed the picker a message for IdleTimeout: the client hears 408
