@@ -128,7 +128,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.StringVar(&cfg.ExtProcTLS.KeyFile, "ext-proc-tls-key-file", "", "endpoint picker: the key of --ext-proc-tls-cert-file (PEM)")
 	fs.StringVar(&cfg.ExtProcTLS.ClientCAFile, "ext-proc-tls-client-ca-file", "", "endpoint picker: take only gateways whose client certificate verifies against this CA (PEM; needs --ext-proc-tls-cert-file)")
 	fs.DurationVar(&cfg.ExtProc.IdleTimeout, "ext-proc-idle-timeout", extproc.DefaultIdleTimeout, "endpoint picker: end a stream that owes the picker its next message this long (request incomplete, or response ended); a stream waiting for the upstream's answer is not idle (negative: never)")
-	fs.IntVar(&cfg.ExtProc.MaxStreams, "ext-proc-max-streams", extproc.DefaultMaxStreams, "endpoint picker: streams open at once across all connections; more are answered 503 and ended RESOURCE_EXHAUSTED (Envoy holds one per request until its response ends; negative: no cap)")
+	fs.IntVar(&cfg.ExtProc.MaxStreams, "ext-proc-max-streams", extproc.DefaultMaxStreams, "endpoint picker: streams open at once across all connections, ext_proc and health Watch together; an ext_proc stream past it is answered 503 and ended RESOURCE_EXHAUSTED (Envoy holds one per request until its response ends; negative: no cap)")
 	fs.Func("ext-proc-max-streams-per-connection", fmt.Sprintf("endpoint picker: concurrent streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS; Envoy opens more connections past it) (default %d)", extproc.DefaultMaxStreamsPerConnection), func(v string) error {
 		n, err := strconv.ParseUint(v, 10, 32)
 		if err != nil || n == 0 {

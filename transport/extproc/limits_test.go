@@ -15,6 +15,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
@@ -198,5 +199,48 @@ func TestStreamsPastTheCapAreRefusedAtOnce(t *testing.T) {
 	close(open[1].in)
 	if err := wait(t, results[1], 10*time.Second); err != nil || p.open.Load() != 0 {
 		t.Fatalf("last stream: %v, %d counted open", err, p.open.Load())
+	}
+}
+
+// watchStream is a health Watch's stream, open until its context ends.
+type watchStream struct {
+	grpc.ServerStream
+	ctx  context.Context
+	sent chan *healthpb.HealthCheckResponse
+}
+
+func (w *watchStream) Context() context.Context { return w.ctx }
+func (w *watchStream) Send(r *healthpb.HealthCheckResponse) error {
+	select {
+	case w.sent <- r:
+	default:
+	}
+	return nil
+}
+
+// TestHealthWatchesCountAgainstTheCap: a Watch holds its stream as long as the caller likes,
+// so it counts against MaxStreams with the ext_proc streams: past the cap a Watch is refused
+// RESOURCE_EXHAUSTED, and an open Watch leaves no room for an ext_proc stream.
+func TestHealthWatchesCountAgainstTheCap(t *testing.T) {
+	p := newTestPicker(t, Config{MaxStreams: 1, IdleTimeout: -1}, &fakeFront{})
+	h := &health{p: p}
+	ctx, cancel := context.WithCancel(t.Context())
+	w := &watchStream{ctx: ctx, sent: make(chan *healthpb.HealthCheckResponse, 1)}
+	watched := make(chan error, 1)
+	go func() { watched <- h.Watch(&healthpb.HealthCheckRequest{Service: serviceLiveness}, w) }()
+	<-w.sent // the Watch is open and counted
+	if err := wait(t, serve(p, newLiveStream()), 10*time.Second); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("ext_proc stream beside a Watch at the cap: %v, want RESOURCE_EXHAUSTED", err)
+	}
+	second := &watchStream{ctx: t.Context(), sent: make(chan *healthpb.HealthCheckResponse, 1)}
+	if err := h.Watch(&healthpb.HealthCheckRequest{Service: serviceLiveness}, second); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("second Watch at the cap: %v, want RESOURCE_EXHAUSTED", err)
+	}
+	cancel()
+	if err := wait(t, watched, 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if n := p.open.Load(); n != 0 {
+		t.Fatalf("%d streams counted after the Watch ended", n)
 	}
 }

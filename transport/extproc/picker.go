@@ -74,8 +74,10 @@ type Config struct {
 	// the request is complete (headers, body, trailers) or after its response has ended. A
 	// stream waiting for the upstream's answer is not idle. 0: DefaultIdleTimeout; <0: none.
 	IdleTimeout time.Duration
-	// MaxStreams caps the streams open at once across every connection; a stream past it is
-	// answered 503 at once and ended with RESOURCE_EXHAUSTED. 0: DefaultMaxStreams; <0: none.
+	// MaxStreams caps the streams open at once across every connection (ext_proc streams and
+	// health Watch streams together); an ext_proc stream past it is answered 503 at once and
+	// ended with RESOURCE_EXHAUSTED, a Watch refused RESOURCE_EXHAUSTED. 0: DefaultMaxStreams;
+	// <0: none.
 	MaxStreams int
 	// MaxStreamsPerConnection is each HTTP/2 connection's SETTINGS_MAX_CONCURRENT_STREAMS.
 	// 0: DefaultMaxStreamsPerConnection.
@@ -128,7 +130,7 @@ type Picker struct {
 	metrics *metrics
 
 	addrs  addrCache
-	open   atomic.Int64 // Process streams open, against MaxStreams
+	open   atomic.Int64 // streams open (ext_proc and health Watch), against MaxStreams
 	mu     sync.Mutex
 	closed bool
 	srv    *grpc.Server
@@ -248,13 +250,32 @@ func (p *Picker) ready() error {
 // Process serves one gateway stream: one HTTP request and its response.
 func (p *Picker) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	st := &stream{p: p, srv: srv, started: time.Now()}
-	if limit := p.cfg.MaxStreams; limit > 0 {
-		defer p.open.Add(-1)
-		if n := p.open.Add(1); n > int64(limit) {
-			return st.overloaded(limit)
-		}
+	if !p.admit() {
+		return st.overloaded(p.cfg.MaxStreams)
 	}
+	defer p.release()
 	return st.run()
+}
+
+// admit counts a stream (ext_proc, or a health Watch) against MaxStreams; false: the
+// picker holds its limit, and the stream is not counted.
+func (p *Picker) admit() bool {
+	limit := p.cfg.MaxStreams
+	if limit <= 0 {
+		return true
+	}
+	if p.open.Add(1) > int64(limit) {
+		p.open.Add(-1)
+		return false
+	}
+	return true
+}
+
+// release uncounts a stream admit counted.
+func (p *Picker) release() {
+	if p.cfg.MaxStreams > 0 {
+		p.open.Add(-1)
+	}
 }
 
 // endpoint is the protocol's name of target t: ip:port, the port by its rank. A worker
