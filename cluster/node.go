@@ -28,6 +28,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/ratelog"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
@@ -860,8 +861,19 @@ func (n *Node) noteLeader(last *raft.ServerID, id raft.ServerID) {
 	*last = id
 }
 
-// hclogWriter turns raft's hclog lines into slog records.
-type hclogWriter struct{ log *slog.Logger }
+// hclogWriter turns raft's hclog lines into slog records. Lines about connections refused
+// on the Raft port (garbage, a failed TLS handshake) are logged at most once per
+// refusedEvery, with the count left out: a stranger cannot flood the log.
+type hclogWriter struct {
+	log     *slog.Logger
+	refused *ratelog.Limiter
+}
+
+// refusedEvery is how often a refused connection on the Raft port is logged.
+const refusedEvery = 10 * time.Second
+
+// refusedLines are raft's words for an inbound connection it could not read.
+var refusedLines = [...]string{"failed to decode incoming command"}
 
 func (w hclogWriter) Write(p []byte) (int, error) {
 	line := strings.TrimSpace(string(p))
@@ -879,12 +891,21 @@ func (w hclogWriter) Write(p []byte) (int, error) {
 		// which told operators something was wrong on every clean stop.
 		level = slog.LevelDebug
 	}
+	if level > slog.LevelDebug && w.refused != nil {
+		for _, k := range refusedLines {
+			if strings.Contains(line, k) {
+				w.refused.Log(w.log, k, slog.LevelWarn, "raft port: refused a connection that did not speak Raft (or failed its TLS handshake)", "line", line)
+				return len(p), nil
+			}
+		}
+	}
 	w.log.Log(context.Background(), level, "raft", "line", line)
 	return len(p), nil
 }
 
 func newHCLogger(log *slog.Logger) hclog.Logger {
-	return hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Info, Output: hclogWriter{log}, DisableTime: true})
+	return hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Info, DisableTime: true,
+		Output: hclogWriter{log: log, refused: ratelog.New(refusedEvery, len(refusedLines))}})
 }
 
 // endSpan ends span, marking it failed with err when there is one.

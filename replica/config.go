@@ -28,6 +28,12 @@ type Config struct {
 	// gRPC health services) there; ExtProc tunes it.
 	ExtProcListen string
 	ExtProc       extproc.Config
+	// ExtProcTLS serves the picker's port over TLS, verifying gateways' certificates against
+	// a CA when one is given.
+	ExtProcTLS ExtProcTLSFiles
+	// ClientPort bounds the client port's connections: a quiet keep-alive connection, a
+	// request's headers, a request's body.
+	ClientPort ClientPortConfig
 	// Workers are the workers from flags; more come from the cluster's registry.
 	Workers []routing.WorkerSpec
 	Router  routing.Config
@@ -85,6 +91,37 @@ type Config struct {
 	ShutdownTimeout time.Duration
 	Cluster         ClusterConfig
 	Logger          *slog.Logger
+}
+
+// ClientPortConfig bounds what a client connection may hold without sending: zero takes the
+// defaults below. Answers are not bounded by them: a long stream writes as long as it lasts.
+type ClientPortConfig struct {
+	// IdleTimeout closes a keep-alive connection quiet this long between requests (90s).
+	IdleTimeout time.Duration
+	// HeaderTimeout bounds reading a request's headers (10s).
+	HeaderTimeout time.Duration
+	// BodyTimeout bounds reading a request's whole body, from its headers on; a body not
+	// complete by then is answered 408 (60s).
+	BodyTimeout time.Duration
+}
+
+// The client port's defaults.
+const (
+	DefaultClientIdleTimeout   = 90 * time.Second
+	DefaultClientHeaderTimeout = 10 * time.Second
+	DefaultClientBodyTimeout   = 60 * time.Second
+)
+
+func (c ClientPortConfig) withDefaults() ClientPortConfig {
+	for _, d := range []struct {
+		v   *time.Duration
+		def time.Duration
+	}{{&c.IdleTimeout, DefaultClientIdleTimeout}, {&c.HeaderTimeout, DefaultClientHeaderTimeout}, {&c.BodyTimeout, DefaultClientBodyTimeout}} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	return c
 }
 
 // ClusterConfig is the replica's Raft node and peer port.
@@ -156,6 +193,9 @@ func (c *Config) check() error {
 	}
 	if c.ShutdownDelay < 0 || c.ShutdownTimeout < 0 {
 		errs = append(errs, fmt.Errorf("--shutdown-delay %s, --shutdown-timeout %s: must not be negative", c.ShutdownDelay, c.ShutdownTimeout))
+	}
+	if cp := c.ClientPort; cp.IdleTimeout < 0 || cp.HeaderTimeout < 0 || cp.BodyTimeout < 0 {
+		errs = append(errs, errors.New("--client-idle-timeout, --client-header-timeout and --client-body-timeout must not be negative"))
 	}
 	if em := c.EngineMetrics; em.Interval < 0 || em.Timeout < 0 || em.StaleAfter < 0 || em.MaxBodyBytes < 0 || c.EngineRequestTokens < 0 {
 		errs = append(errs, errors.New("--engine-metrics-interval, -timeout, -stale-after, -max-bytes and -request-tokens must not be negative"))

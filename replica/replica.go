@@ -101,6 +101,9 @@ func Start(ctx context.Context, cfg Config) (_ *Replica, err error) {
 	if r.cfg.TLS, err = cfg.TLS.load(r.log); err != nil {
 		return nil, err
 	}
+	if r.cfg.ExtProc.TLS, err = cfg.ExtProcTLS.load(r.log); err != nil {
+		return nil, err
+	}
 	if r.registry, err = routing.NewRegistry(cfg.Workers); err != nil {
 		return nil, err
 	}
@@ -311,14 +314,31 @@ func (r *Replica) openRouting(context.Context) error {
 		}
 	}
 	// The server's own complaints (a scanner's failed TLS handshake, a malformed request
-	// line) go to the structured log at debug: a client cannot flood the error log.
-	r.http = &http.Server{Handler: r.closeWhileDraining(r.server.Handler()), ReadHeaderTimeout: 10 * time.Second,
+	// line) go to the structured log at debug: a client cannot flood the error log. A
+	// connection holds the port only while it sends: quiet keep-alive connections, slow
+	// headers and slow bodies are cut; answers, however long they stream, are not.
+	cp := cfg.ClientPort.withDefaults()
+	r.http = &http.Server{Handler: r.closeWhileDraining(bodyDeadline(r.server.Handler(), cp.BodyTimeout)),
+		ReadHeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
 		ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
 	r.admin = &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: admin.Handler(admin.Config{
 		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry,
 		Metrics: openai.AdminHandler(r.promReg),
 	})}
 	return nil
+}
+
+// bodyDeadline gives a request with a body until d after its headers to send all of it: the
+// connection's read deadline, which a slow or trickling body runs into (the front answers
+// 408). net/http lifts the deadline as the body ends, when it starts watching the
+// connection for the client's disconnect, so a long answer is never cut by it.
+func bodyDeadline(h http.Handler, d time.Duration) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if req.Body != nil && req.Body != http.NoBody && d > 0 {
+			_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(d))
+		}
+		h.ServeHTTP(w, req)
+	})
 }
 
 // openEngineMetrics puts the workers' engine load on top of the load the router reads and

@@ -61,7 +61,7 @@ func (c TLSFiles) load(log *slog.Logger) (TLSFiles, error) {
 		if err != nil {
 			return c, err
 		}
-		pool, err := loadCAFile(c.PeerCAFile)
+		pool, err := loadCAFile("--peer-tls-ca-file", c.PeerCAFile)
 		if err != nil {
 			return c, err
 		}
@@ -105,10 +105,10 @@ func loadKeyPair(certFlag, certFile, keyFlag, keyFile string) (tls.Certificate, 
 
 // loadCAFile reads PEM CA certificates; a file with none, or with one that does not
 // parse, is an error (x509.CertPool.AppendCertsFromPEM would skip it silently).
-func loadCAFile(path string) (*x509.CertPool, error) {
+func loadCAFile(flag, path string) (*x509.CertPool, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
-		return nil, fmt.Errorf("--peer-tls-ca-file: %w", err)
+		return nil, fmt.Errorf("%s: %w", flag, err)
 	}
 	pool := x509.NewCertPool()
 	n := 0
@@ -123,13 +123,13 @@ func loadCAFile(path string) (*x509.CertPool, error) {
 		}
 		cert, err := x509.ParseCertificate(block.Bytes)
 		if err != nil {
-			return nil, fmt.Errorf("--peer-tls-ca-file %s: certificate %d: %w", path, n+1, err)
+			return nil, fmt.Errorf("%s %s: certificate %d: %w", flag, path, n+1, err)
 		}
 		pool.AddCert(cert)
 		n++
 	}
 	if n == 0 {
-		return nil, fmt.Errorf("--peer-tls-ca-file %s: no PEM certificate in it", path)
+		return nil, fmt.Errorf("%s %s: no PEM certificate in it", flag, path)
 	}
 	return pool, nil
 }

@@ -26,7 +26,7 @@ var (
 func releaseBinary(b *testing.B) string { return releaseBuild(b, "") }
 
 // releaseBuild builds kvrouter-ha with tags once per test binary.
-func releaseBuild(b *testing.B, tags string) string {
+func releaseBuild(b testing.TB, tags string) string {
 	b.Helper()
 	releaseMu.Lock()
 	defer releaseMu.Unlock()

@@ -23,6 +23,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/replica"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
@@ -122,6 +123,26 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 		cfg.ExtProc.TargetPorts = ports
 		return err
 	})
+	// The endpoint picker's and the client port's bounds: what a gateway or client may hold
+	// open without sending, and who may connect to the picker.
+	fs.StringVar(&cfg.ExtProcTLS.CertFile, "ext-proc-tls-cert-file", "", "endpoint picker: serve its port over TLS with this certificate (PEM; with --ext-proc-tls-key-file)")
+	fs.StringVar(&cfg.ExtProcTLS.KeyFile, "ext-proc-tls-key-file", "", "endpoint picker: the key of --ext-proc-tls-cert-file (PEM)")
+	fs.StringVar(&cfg.ExtProcTLS.ClientCAFile, "ext-proc-tls-client-ca-file", "", "endpoint picker: take only gateways whose client certificate verifies against this CA (PEM; needs --ext-proc-tls-cert-file)")
+	fs.DurationVar(&cfg.ExtProc.IdleTimeout, "ext-proc-idle-timeout", extproc.DefaultIdleTimeout, "endpoint picker: end a stream that owes the picker its next message this long (request incomplete, or response ended); a stream waiting for the upstream's answer is not idle (negative: never)")
+	fs.IntVar(&cfg.ExtProc.MaxStreams, "ext-proc-max-streams", extproc.DefaultMaxStreams, "endpoint picker: streams open at once across all connections, ext_proc and health Watch together; an ext_proc stream past it is answered 503 and ended RESOURCE_EXHAUSTED (Envoy holds one per request until its response ends; negative: no cap)")
+	fs.Func("ext-proc-max-streams-per-connection", fmt.Sprintf("endpoint picker: concurrent streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS; Envoy opens more connections past it) (default %d)", extproc.DefaultMaxStreamsPerConnection), func(v string) error {
+		n, err := strconv.ParseUint(v, 10, 32)
+		if err != nil || n == 0 {
+			return fmt.Errorf("want a positive count, got %q", v)
+		}
+		cfg.ExtProc.MaxStreamsPerConnection = uint32(n)
+		return nil
+	})
+	fs.DurationVar(&cfg.ExtProc.Keepalive, "ext-proc-keepalive", extproc.DefaultKeepalive, "endpoint picker: ping a gateway connection quiet this long")
+	fs.DurationVar(&cfg.ExtProc.KeepaliveTimeout, "ext-proc-keepalive-timeout", extproc.DefaultKeepaliveTimeout, "endpoint picker: close a connection whose ping goes unanswered this long, ending its streams")
+	fs.DurationVar(&cfg.ClientPort.IdleTimeout, "client-idle-timeout", replica.DefaultClientIdleTimeout, "client port: close a keep-alive connection quiet this long between requests")
+	fs.DurationVar(&cfg.ClientPort.HeaderTimeout, "client-header-timeout", replica.DefaultClientHeaderTimeout, "client port: time to send a request's headers")
+	fs.DurationVar(&cfg.ClientPort.BodyTimeout, "client-body-timeout", replica.DefaultClientBodyTimeout, "client port: time to send a request's whole body, from its headers on (408 past it); answers are not bounded by it")
 	fs.Var(workerFlag{&cfg.Workers}, "worker", "a worker as id=url (repeatable, or comma-separated)")
 	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events, role, dp_size, capacity_blocks, loras")
 	fs.StringVar(&cfg.Router.Policy, "policy", "kv", "selection policy: "+strings.Join(routing.Policies(), ", "))

@@ -8,6 +8,7 @@ package envoytest
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -18,6 +19,7 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -34,7 +36,17 @@ type Gateway struct {
 
 // Dial connects to the picker at addr.
 func Dial(addr string) (*Gateway, error) {
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	return dial(addr, insecure.NewCredentials())
+}
+
+// DialTLS connects to the picker at addr over TLS with cfg (its certificates, the CA it
+// trusts).
+func DialTLS(addr string, cfg *tls.Config) (*Gateway, error) {
+	return dial(addr, credentials.NewTLS(cfg))
+}
+
+func dial(addr string, creds credentials.TransportCredentials) (*Gateway, error) {
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		return nil, fmt.Errorf("envoytest: dial %s: %w", addr, err)
 	}
@@ -147,6 +159,10 @@ func (s *Stream) Respond(status int, served string, body []byte) error {
 		ResponseBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}})
 	return err
 }
+
+// Recv reads the picker's next answer; the stream's end is an error (io.EOF, or the status
+// the picker ended it with).
+func (s *Stream) Recv() (*extprocv3.ProcessingResponse, error) { return s.st.Recv() }
 
 // Close ends the stream from the gateway's side.
 func (s *Stream) Close() error { return s.st.CloseSend() }

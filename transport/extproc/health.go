@@ -61,6 +61,11 @@ func (h *health) List(context.Context, *healthpb.HealthListRequest) (*healthpb.H
 
 // Watch sends a service's status, then each change, until the caller goes.
 func (h *health) Watch(req *healthpb.HealthCheckRequest, srv healthpb.Health_WatchServer) error {
+	// A Watch holds its stream as long as the caller likes: it counts against the cap.
+	if !h.p.admit() {
+		return status.Errorf(codes.ResourceExhausted, "ext_proc: %d streams open, the most this picker takes (--ext-proc-max-streams)", h.p.cfg.MaxStreams)
+	}
+	defer h.p.release()
 	last := healthpb.HealthCheckResponse_ServingStatus(-1)
 	t := time.NewTicker(watchEvery)
 	defer t.Stop()

@@ -7,6 +7,7 @@ type metrics struct {
 	requests        *prometheus.CounterVec
 	pick            prometheus.Histogram
 	open            prometheus.Gauge
+	ended           *prometheus.CounterVec
 	servedElsewhere prometheus.Counter
 }
 
@@ -19,13 +20,15 @@ func newMetrics() *metrics {
 			Buckets: prometheus.ExponentialBuckets(10e-6, 2, 18)}),
 		open: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvrouter_extproc_streams",
 			Help: "Gateway streams open."}),
+		ended: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvrouter_extproc_streams_cut_total",
+			Help: "Gateway streams the picker ended itself: idle (owing a message past --ext-proc-idle-timeout) or overloaded (past --ext-proc-max-streams)."}, []string{"reason"}),
 		servedElsewhere: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvrouter_extproc_served_elsewhere_total",
 			Help: "Requests the gateway says another endpoint than the picked one served."}),
 	}
 }
 
 func (m *metrics) register(r prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.requests, m.pick, m.open, m.servedElsewhere} {
+	for _, c := range []prometheus.Collector{m.requests, m.pick, m.open, m.ended, m.servedElsewhere} {
 		if err := r.Register(c); err != nil {
 			return err
 		}

@@ -10,6 +10,7 @@ package extproc
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -18,12 +19,15 @@ import (
 	"net/url"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
@@ -62,9 +66,58 @@ type Config struct {
 	// rank goes to the worker in the X-Data-Parallel-Rank header, as the proxy sends it.
 	TargetPorts []int
 	// Ready, when set, is checked before the front's readiness (a replica that is stopping).
-	Ready      func() error
-	Logger     *slog.Logger
-	Registerer prometheus.Registerer
+	Ready func() error
+	// TLS, when set, serves the port over TLS (with ClientAuth and ClientCAs set, only to
+	// gateways whose certificate verifies).
+	TLS *tls.Config
+	// IdleTimeout ends a stream that owes the picker its next message for this long: before
+	// the request is complete (headers, body, trailers) or after its response has ended. A
+	// stream waiting for the upstream's answer is not idle. 0: DefaultIdleTimeout; <0: none.
+	IdleTimeout time.Duration
+	// MaxStreams caps the streams open at once across every connection (ext_proc streams and
+	// health Watch streams together); an ext_proc stream past it is answered 503 at once and
+	// ended with RESOURCE_EXHAUSTED, a Watch refused RESOURCE_EXHAUSTED. 0: DefaultMaxStreams;
+	// <0: none.
+	MaxStreams int
+	// MaxStreamsPerConnection is each HTTP/2 connection's SETTINGS_MAX_CONCURRENT_STREAMS.
+	// 0: DefaultMaxStreamsPerConnection.
+	MaxStreamsPerConnection uint32
+	// Keepalive pings a connection quiet for this long, and KeepaliveTimeout closes it when
+	// the ping goes unanswered: a dead gateway's connection and its streams go.
+	// 0: DefaultKeepalive, DefaultKeepaliveTimeout.
+	Keepalive, KeepaliveTimeout time.Duration
+	Logger                      *slog.Logger
+	Registerer                  prometheus.Registerer
+}
+
+// The defaults, sized for Envoy: it opens one stream per request and keeps it for the
+// whole response, so a replica carrying thousands of generations holds as many streams.
+const (
+	DefaultIdleTimeout             = 30 * time.Second
+	DefaultMaxStreams              = 10000
+	DefaultMaxStreamsPerConnection = 1000
+	DefaultKeepalive               = 30 * time.Second
+	DefaultKeepaliveTimeout        = 10 * time.Second
+)
+
+// withDefaults fills zero fields.
+func (c Config) withDefaults() Config {
+	if c.IdleTimeout == 0 {
+		c.IdleTimeout = DefaultIdleTimeout
+	}
+	if c.MaxStreams == 0 {
+		c.MaxStreams = DefaultMaxStreams
+	}
+	if c.MaxStreamsPerConnection == 0 {
+		c.MaxStreamsPerConnection = DefaultMaxStreamsPerConnection
+	}
+	if c.Keepalive == 0 {
+		c.Keepalive = DefaultKeepalive
+	}
+	if c.KeepaliveTimeout == 0 {
+		c.KeepaliveTimeout = DefaultKeepaliveTimeout
+	}
+	return c
 }
 
 // Picker serves the endpoint-picker protocol. Create it with New, register it on a gRPC
@@ -77,6 +130,7 @@ type Picker struct {
 	metrics *metrics
 
 	addrs  addrCache
+	open   atomic.Int64 // streams open (ext_proc and health Watch), against MaxStreams
 	mu     sync.Mutex
 	closed bool
 	srv    *grpc.Server
@@ -89,6 +143,10 @@ func New(cfg Config, front Front) (*Picker, error) {
 			return nil, fmt.Errorf("extproc: target port %d (rank %d) is not a TCP port", p, i)
 		}
 	}
+	if cfg.Keepalive < 0 || cfg.KeepaliveTimeout < 0 {
+		return nil, errors.New("extproc: keepalive durations must not be negative")
+	}
+	cfg = cfg.withDefaults()
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -107,9 +165,29 @@ func (p *Picker) Register(s *grpc.Server) {
 	healthpb.RegisterHealthServer(s, &health{p: p})
 }
 
+// ServerOptions are the gRPC server's options for the picker's port: TLS when configured,
+// the per-connection stream cap, keepalive pings that close dead connections, and a
+// lenient enforcement of the gateway's own pings (Envoy's interval is the operator's).
+func (p *Picker) ServerOptions() []grpc.ServerOption {
+	c := p.cfg
+	opts := []grpc.ServerOption{
+		grpc.MaxConcurrentStreams(c.MaxStreamsPerConnection),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: c.Keepalive, Timeout: c.KeepaliveTimeout}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: minPingInterval, PermitWithoutStream: true}),
+	}
+	if c.TLS != nil {
+		opts = append(opts, grpc.Creds(credentials.NewTLS(c.TLS)))
+	}
+	return opts
+}
+
+// minPingInterval is the shortest gap between a gateway's keepalive pings the picker
+// accepts; a gateway pinging faster is sent away (GOAWAY), as gRPC does.
+const minPingInterval = 5 * time.Second
+
 // Serve serves the picker on ln until Close; it returns nil after Close.
 func (p *Picker) Serve(ln net.Listener) error {
-	s := grpc.NewServer()
+	s := grpc.NewServer(p.ServerOptions()...)
 	p.Register(s)
 	p.mu.Lock()
 	if p.closed {
@@ -172,7 +250,32 @@ func (p *Picker) ready() error {
 // Process serves one gateway stream: one HTTP request and its response.
 func (p *Picker) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	st := &stream{p: p, srv: srv, started: time.Now()}
+	if !p.admit() {
+		return st.overloaded(p.cfg.MaxStreams)
+	}
+	defer p.release()
 	return st.run()
+}
+
+// admit counts a stream (ext_proc, or a health Watch) against MaxStreams; false: the
+// picker holds its limit, and the stream is not counted.
+func (p *Picker) admit() bool {
+	limit := p.cfg.MaxStreams
+	if limit <= 0 {
+		return true
+	}
+	if p.open.Add(1) > int64(limit) {
+		p.open.Add(-1)
+		return false
+	}
+	return true
+}
+
+// release uncounts a stream admit counted.
+func (p *Picker) release() {
+	if p.cfg.MaxStreams > 0 {
+		p.open.Add(-1)
+	}
 }
 
 // endpoint is the protocol's name of target t: ip:port, the port by its rank. A worker

@@ -6,13 +6,16 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -47,39 +50,142 @@ type stream struct {
 	firstByte  bool
 	tally      openai.Tally
 	responseIn bool // the response has begun
+	ended      bool // the response has ended: the gateway owes the stream's close
 }
 
 // errAnswered ends a stream after an immediate response: the gateway answers the client
 // itself and sends nothing more.
 var errAnswered = errors.New("immediate response sent")
 
+// received is one Recv's result.
+type received struct {
+	req *extprocv3.ProcessingRequest
+	err error
+}
+
 // run reads the stream to its end, releasing a held decision on every path.
+//
+// Only a stream that owes the picker its next message runs the idle clock: one whose request
+// is incomplete, or whose response has ended. gRPC has no read deadline for a stream, and a
+// handler ends its stream only by returning, so while the clock runs a reader goroutine
+// receives and run waits on it or the clock. A stream waiting for the upstream's answer (a
+// long generation) is the gateway's to keep: the reader goes once the request is complete,
+// and run receives itself, so a stream in flight costs one goroutine, not two.
 func (st *stream) run() error {
 	st.p.metrics.open.Inc()
 	defer st.p.metrics.open.Dec()
 	defer st.finish()
+	d := st.p.cfg.IdleTimeout
+	var idle *time.Timer
+	if d > 0 {
+		idle = time.NewTimer(d)
+		defer idle.Stop()
+	}
+	var rd *reader
+	defer func() {
+		if rd != nil {
+			close(rd.quit)
+		}
+	}()
 	first := true
 	for {
-		req, err := st.srv.Recv()
-		if err != nil {
+		var m received
+		switch {
+		case idle != nil && (!st.picked || st.ended):
+			if rd == nil {
+				rd = st.startReader()
+			}
+			idle.Reset(d)
+			select {
+			case m = <-rd.msgs:
+			case <-idle.C:
+				return st.idled()
+			}
+		case rd != nil:
+			// The clock stopped: the reader hands over the message it waits for and goes,
+			// before run receives itself (one Recv at a time).
+			rd.stop.Store(true)
+			select {
+			case m = <-rd.msgs:
+			case <-rd.done:
+			}
+			<-rd.done
+			rd = nil
+			if m.req == nil && m.err == nil {
+				continue
+			}
+		default:
+			m.req, m.err = st.srv.Recv()
+		}
+		if m.err != nil {
 			// io.EOF: the gateway closed its side; anything else: the stream broke or the
 			// picker is closing. Either way the request is over for the picker.
-			if !errors.Is(err, io.EOF) {
-				st.p.log.Debug("ext_proc stream ended", "error", err)
+			if !errors.Is(m.err, io.EOF) {
+				st.p.log.Debug("ext_proc stream ended", "error", m.err)
 			}
 			return nil
 		}
 		if first {
-			st.readConfig(req.GetProtocolConfig())
+			st.readConfig(m.req.GetProtocolConfig())
 			first = false
 		}
-		if err := st.handle(req); err != nil {
+		if err := st.handle(m.req); err != nil {
 			if errors.Is(err, errAnswered) {
 				return nil
 			}
 			return err
 		}
 	}
+}
+
+// reader receives a stream's messages on its own goroutine while run watches the clock.
+type reader struct {
+	msgs chan received
+	stop atomic.Bool   // return after the next message handed over
+	quit chan struct{} // run returned: hand nothing more over
+	done chan struct{} // closed as the goroutine returns
+}
+
+// startReader starts receiving st's messages into the reader's msgs, until an error, stop
+// or quit.
+func (st *stream) startReader() *reader {
+	rd := &reader{msgs: make(chan received), quit: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(rd.done)
+		for {
+			req, err := st.srv.Recv()
+			select {
+			case rd.msgs <- received{req, err}:
+			case <-rd.quit:
+				return
+			}
+			if err != nil || rd.stop.Load() {
+				return
+			}
+		}
+	}()
+	return rd
+}
+
+// idled ends a stream that owed the picker a message for IdleTimeout: the client hears 408
+// through the gateway (while its request is incomplete), the stream ends DEADLINE_EXCEEDED.
+func (st *stream) idled() error {
+	d := st.p.cfg.IdleTimeout
+	if !st.picked {
+		st.answer(&openai.Error{Status: http.StatusRequestTimeout, Type: openai.TypeInvalidRequest, Code: "request_timeout",
+			Message: "ext_proc: the request was not complete after " + d.String() + " without a message"})
+	}
+	st.p.metrics.ended.WithLabelValues("idle").Inc()
+	return status.Errorf(codes.DeadlineExceeded, "ext_proc: no message for %s while the picker waited for one", d)
+}
+
+// overloaded refuses a stream past MaxStreams: a 503 the gateway can answer the client
+// with at once (Retry-After 1), and RESOURCE_EXHAUSTED for the stream.
+func (st *stream) overloaded(limit int) error {
+	st.answer(&openai.Error{Status: http.StatusServiceUnavailable, Type: openai.TypeServer, Code: "ext_proc_busy", RetryAfter: "1",
+		Message: "ext_proc: the picker holds " + strconv.Itoa(limit) + " streams, its limit"})
+	st.p.metrics.ended.WithLabelValues("overloaded").Inc()
+	return status.Errorf(codes.ResourceExhausted, "ext_proc: %d streams open, the most this picker takes (--ext-proc-max-streams)", limit)
 }
 
 // readConfig takes the body modes the gateway announces. Without an announcement the modes
@@ -346,6 +452,9 @@ func setHeader(k, v string) *corev3.HeaderValueOption {
 // and was the one picked (a gateway that sent the request elsewhere leaves nothing to
 // record here).
 func (st *stream) finish() {
+	if st.responseIn {
+		st.ended = true
+	}
 	if st.held == nil {
 		return
 	}
@@ -378,12 +487,20 @@ func (st *stream) refuse(msg string) error {
 
 // immediate answers the client through the gateway with e, and ends the stream.
 func (st *stream) immediate(e *openai.Error) error {
-	st.p.metrics.requests.WithLabelValues(strconv.Itoa(e.Status)).Inc()
 	if e.Status >= 500 {
 		st.p.log.Warn("ext_proc request failed", "path", st.path, "status", e.Status, "error", e.Message)
 	} else {
 		st.p.log.Debug("ext_proc request refused", "path", st.path, "status", e.Status, "error", e.Message)
 	}
+	if err := st.answer(e); err != nil {
+		return err
+	}
+	return errAnswered
+}
+
+// answer sends e as the immediate response the gateway answers the client with, counted.
+func (st *stream) answer(e *openai.Error) error {
+	st.p.metrics.requests.WithLabelValues(strconv.Itoa(e.Status)).Inc()
 	hm := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{setHeader("content-type", "application/json")}}
 	if e.RetryAfter != "" {
 		hm.SetHeaders = append(hm.SetHeaders, setHeader("retry-after", e.RetryAfter))
@@ -392,13 +509,9 @@ func (st *stream) immediate(e *openai.Error) error {
 	if e.Code != "" {
 		details += ": " + e.Code
 	}
-	err := st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{Status: &typev3.HttpStatus{Code: typev3.StatusCode(e.Status)},
 			Headers: hm, Body: e.Body(), Details: details}}})
-	if err != nil {
-		return err
-	}
-	return errAnswered
 }
 
 func (st *stream) send(r *extprocv3.ProcessingResponse) error { return st.srv.Send(r) }

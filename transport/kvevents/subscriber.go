@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/ratelog"
 )
 
 // Mode says which side of the ZMQ connection the subscriber is.
@@ -142,7 +143,7 @@ type Subscriber struct {
 	dec, replayDec *Decoder
 	streams        map[indexer.Worker]*stream
 	topicCache     map[string]topicResult
-	lastLog        map[string]time.Time
+	limit          *ratelog.Limiter
 }
 
 type topicResult struct {
@@ -188,7 +189,7 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 		replayDec:  NewDecoder(),
 		streams:    make(map[indexer.Worker]*stream),
 		topicCache: make(map[string]topicResult),
-		lastLog:    make(map[string]time.Time),
+		limit:      ratelog.New(logEvery, maxStreams),
 	}
 	switch cfg.Mode {
 	case Connect:
@@ -786,17 +787,9 @@ func (s *Subscriber) drop(w indexer.Worker, cause string, err error) {
 	s.logLimited(label, slog.LevelWarn, "kv events: message dropped", "worker", label, "cause", cause, "err", err)
 }
 
-// logLimited logs at most once per logEvery for key.
+// logLimited logs at most once per logEvery for key, with the count of lines left out.
 func (s *Subscriber) logLimited(key string, level slog.Level, msg string, args ...any) {
-	now := time.Now()
-	if t, ok := s.lastLog[key]; ok && now.Sub(t) < logEvery {
-		return
-	}
-	if len(s.lastLog) >= maxStreams {
-		clear(s.lastLog)
-	}
-	s.lastLog[key] = now
-	s.log.Log(context.Background(), level, msg, args...)
+	s.limit.Log(s.log, key, level, msg, args...)
 }
 
 // backoff is a capped exponential backoff with jitter (each wait is drawn from the upper half

@@ -27,6 +27,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/ratelog"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
@@ -171,8 +172,8 @@ type Server struct {
 	res         reservations
 	clients     *clients
 	made        made
-	// tokenizeWarned is when a tokenize failure was last logged as a warning (unix ns).
-	tokenizeWarned atomic.Int64
+	// tokenizeWarn spaces the warnings of a failing tokenizer.
+	tokenizeWarn *ratelog.Limiter
 	// tr traces requests; nil without Config.Tracer.
 	tr *tracing
 	// sessionKeys are Config.SessionHeaders in canonical form, the keys they have in a
@@ -196,14 +197,15 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		return nil, err
 	}
 	s := &Server{
-		cfg:       cfg,
-		log:       cfg.Logger,
-		router:    router,
-		workers:   workers,
-		tracker:   tracker,
-		transport: newTransport(cfg),
-		upstream:  newUpstream(cfg.ConnectTimeout, cfg.WorkerTLS),
-		metrics:   newMetrics(),
+		tokenizeWarn: ratelog.New(tokenizeWarnEvery, 1),
+		cfg:          cfg,
+		log:          cfg.Logger,
+		router:       router,
+		workers:      workers,
+		tracker:      tracker,
+		transport:    newTransport(cfg),
+		upstream:     newUpstream(cfg.ConnectTimeout, cfg.WorkerTLS),
+		metrics:      newMetrics(),
 	}
 	s.clients = newClients(s.cfg.ClientLimits, time.Now)
 	s.models = newModelCache(s)
@@ -401,6 +403,12 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *Erro
 		if errors.As(err, &maxErr) {
 			return nil, s.bodyTooLarge()
 		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			// The client port's body deadline: a body sent too slowly, or not at all. (The
+			// failed read cancelled the request's context too: this goes first.)
+			return nil, &Error{Status: http.StatusRequestTimeout, Type: TypeInvalidRequest, Code: "request_timeout",
+				Message: "the request body was not complete within the server's body timeout", Cause: "body_timeout"}
+		}
 		if r.Context().Err() != nil {
 			return nil, nil
 		}
@@ -450,6 +458,9 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	if apiErr != nil {
 		return nil, apiErr
 	}
+	if apiErr := s.rankExists(rank); apiErr != nil {
+		return nil, apiErr
+	}
 	lora := ""
 	if s.isLoRA(p.Model) {
 		lora = p.Model
@@ -487,10 +498,9 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		}
 		s.metrics.errors.WithLabelValues("tokenize").Inc()
 		s.metrics.tokenizeFallbacks.WithLabelValues(reason).Inc()
-		if now := time.Now().UnixNano(); now-s.tokenizeWarned.Load() >= int64(tokenizeWarnEvery) {
-			s.tokenizeWarned.Store(now)
+		if ok, left := s.tokenizeWarn.Allow("tokenize", time.Now()); ok {
 			s.log.Warn("tokenize failed; routing on text chunks (approximate keys) until it answers again",
-				"reason", reason, "error", err)
+				"reason", reason, "error", err, "suppressed", left)
 		} else {
 			s.log.Debug("tokenize failed; routing on text chunks", "reason", reason, "error", err)
 		}
@@ -579,6 +589,22 @@ func dpRank(h http.Header) (int, *Error) {
 		return 0, badHeader(headerDPRank, headerDPRank+" must be a non-negative integer")
 	}
 	return int(rank), nil
+}
+
+// rankExists refuses a rank beyond every worker's data-parallel size: the client's mistake
+// (a 400 naming the header), where routing would find no candidate and answer 503.
+func (s *Server) rankExists(rank int) *Error {
+	if rank <= 0 {
+		return nil
+	}
+	size := 1
+	for _, st := range s.workers.List() {
+		size = max(size, st.Spec.DPSize)
+	}
+	if rank < size {
+		return nil
+	}
+	return badHeader(headerDPRank, fmt.Sprintf("%s %d: no worker has that data-parallel rank (the largest dp_size is %d)", headerDPRank, rank, size))
 }
 
 // isLoRA reports whether some configured worker lists model among its adapters.

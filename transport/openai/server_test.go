@@ -335,9 +335,13 @@ func TestExplicitTarget(t *testing.T) {
 	if _, hdr, _ := w0.last(); hdr.Get("X-Data-Parallel-Rank") != "" {
 		t.Fatalf("single-rank worker got rank header %q", hdr.Get("X-Data-Parallel-Rank"))
 	}
-	resp, body := rg.post("/v1/completions", completionBody, map[string]string{"X-Data-Parallel-Rank": "-1"})
-	if resp.StatusCode != http.StatusBadRequest || errorOf(t, body).Param != "X-Data-Parallel-Rank" {
-		t.Fatalf("bad rank header: status %d %s", resp.StatusCode, body)
+	// A rank that is no integer, or that no worker has (the largest dp_size is 2), is the
+	// client's mistake: 400 naming the header, not 503.
+	for _, rank := range []string{"-1", "2", "99999"} {
+		resp, body := rg.post("/v1/completions", completionBody, map[string]string{"X-Data-Parallel-Rank": rank})
+		if resp.StatusCode != http.StatusBadRequest || errorOf(t, body).Param != "X-Data-Parallel-Rank" {
+			t.Fatalf("rank header %s: status %d %s", rank, resp.StatusCode, body)
+		}
 	}
 }
 
