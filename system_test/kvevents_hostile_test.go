@@ -228,22 +228,16 @@ func TestForgedEventsFromAStrangerChangeNothing(t *testing.T) {
 	waitPredicted(t, r, "w0", kvPrompt(1))
 }
 
-// nonRaceBinary builds kvrouter-ha without the race detector, whose shadow memory makes an
-// address-space limit (RLIMIT_AS) impractical, and returns a wrapper that runs it under a
-// limit of limitBytes (prlimit, util-linux; it execs, so the wrapper's pid is the replica's).
-func nonRaceBinary(t *testing.T, limitBytes int64) string {
+// limitedBinary wraps the release build (no race detector, whose shadow memory makes an
+// address-space limit impractical) so that it runs under an address-space limit (RLIMIT_AS) of
+// limitBytes (prlimit, util-linux; it execs, so the wrapper's pid is the replica's).
+func limitedBinary(t *testing.T, limitBytes int64) string {
 	t.Helper()
 	if _, err := exec.LookPath("prlimit"); err != nil {
-		t.Skip("prlimit (util-linux) not installed")
+		t.Fatal("prlimit (util-linux) not installed")
 	}
-	dir := t.TempDir()
-	bin := filepath.Join(dir, "kvrouter-ha")
-	build := exec.Command("go", "build", "-o", bin, "github.com/kvrouter-ha/kvrouter-ha/cmd/kvrouter-ha")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
-	wrapper := filepath.Join(dir, "kvrouter-ha-limited")
-	script := fmt.Sprintf("#!/bin/sh\nexec prlimit --as=%d -- %s \"$@\"\n", limitBytes, bin)
+	wrapper := filepath.Join(t.TempDir(), "kvrouter-ha-limited")
+	script := fmt.Sprintf("#!/bin/sh\nexec prlimit --as=%d -- %s \"$@\"\n", limitBytes, releaseBuild(t, ""))
 	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -260,7 +254,7 @@ func TestFrameFloodLeavesTheReplicaAliveAndBounded(t *testing.T) {
 		rounds       = 3 // connections each flooder opens in turn
 		strangers    = 4 // flooders from an address that is no worker's
 	)
-	bin := nonRaceBinary(t, addressSpace)
+	bin := limitedBinary(t, addressSpace)
 	fl := startFleetAt(t, "127.0.0.1")
 	r, bind := startEventsReplica(t, bin, fl)
 	pid := strconv.Itoa(r.proc.PID())

@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -67,28 +66,11 @@ func TestIdleStreamsAndConnectionsAreCutAndTheirMemoryReturns(t *testing.T) {
 	if a, err := chat(ctx, r, "warm-up", "a first request"); err != nil || a.status != http.StatusOK {
 		t.Fatalf("first request: %v %+v", err, a)
 	}
-	baseline, err := proc.ReadRSS(pid)
+	before, err := proc.ReadMemory(pid)
 	if err != nil {
 		t.Fatal(err)
 	}
-
-	// The peak is sampled while the load is held.
-	var peak atomic.Int64
-	sampled := make(chan struct{})
-	sctx, stopSampling := context.WithCancel(ctx)
-	go func() {
-		defer close(sampled)
-		for sctx.Err() == nil {
-			if v, err := proc.ReadRSS(pid); err == nil && v > peak.Load() {
-				peak.Store(v)
-			}
-			select {
-			case <-sctx.Done():
-			case <-time.After(100 * time.Millisecond):
-			}
-		}
-	}()
-	defer func() { stopSampling(); <-sampled }()
+	baseline := int64(before.RSS)
 
 	opened := time.Now()
 	streams := holdIdleStreams(t, r.ExtProc)
@@ -112,8 +94,6 @@ func TestIdleStreamsAndConnectionsAreCutAndTheirMemoryReturns(t *testing.T) {
 	bound := streamIdle + 90*time.Second
 	st := streams.wait(t, bound)
 	cs := conns.wait(t, bound)
-	stopSampling()
-	<-sampled
 	t.Logf("streams: %d ended DEADLINE_EXCEEDED (%d after a 408), %d otherwise; last ended %s after the first opened",
 		st.deadline, st.got408, st.other, since(opened, st.last))
 	t.Logf("client connections: %d closed by the replica (%d trickling bodies answered 408), %d not; last closed %s after the first opened",
@@ -138,19 +118,21 @@ func TestIdleStreamsAndConnectionsAreCutAndTheirMemoryReturns(t *testing.T) {
 
 	// Freed memory goes back to the system once the runtime collects it (a forced collection
 	// runs at least every two minutes) and scavenges it.
-	var after int64
+	var after, peak int64
 	returned := time.Now()
 	eventually(t, 4*time.Minute, func() error {
-		if after, err = proc.ReadRSS(pid); err != nil {
+		m, err := proc.ReadMemory(pid)
+		if err != nil {
 			return err
 		}
+		after, peak = int64(m.RSS), int64(m.PeakRSS)
 		if after > baseline+hostileRSSGrowth {
 			return fmt.Errorf("RSS %d MiB, baseline %d MiB", after>>20, baseline>>20)
 		}
 		return nil
 	})
 	t.Logf("replica RSS: baseline %d MiB, peak %d MiB under load, after %d MiB (%s after the last close)",
-		baseline>>20, peak.Load()>>20, after>>20, time.Since(returned).Round(time.Second))
+		baseline>>20, peak>>20, after>>20, time.Since(returned).Round(time.Second))
 	if m, err := luaScrape(ctx, r.Admin); err == nil {
 		t.Logf("replica after: %.0f goroutines, heap %.0f MiB in use, %.0f MiB released to the system",
 			m["go_goroutines"], m["go_memstats_heap_inuse_bytes"]/(1<<20), m["go_memstats_heap_released_bytes"]/(1<<20))
