@@ -47,6 +47,9 @@ type logStore struct {
 	wg   sync.WaitGroup
 
 	compactions, reclaimed atomic.Uint64
+	// free is bbolt's free bytes when last read: what Stats reports while a compaction
+	// holds the lock, so a metrics scrape never waits for one.
+	free atomic.Int64
 }
 
 // LogStoreStats are a raft.db's compaction counters and its size now.
@@ -113,11 +116,13 @@ func (s *logStore) needsCompaction() bool {
 // Stats reports the compaction counters and raft.db's size now.
 func (s *logStore) Stats() LogStoreStats {
 	st := LogStoreStats{Compactions: s.compactions.Load(), Reclaimed: s.reclaimed.Load()}
-	s.mu.RLock()
-	if s.bolt != nil {
-		st.FreeBytes = int64(s.bolt.Stats().FreeAlloc)
+	if s.mu.TryRLock() {
+		if s.bolt != nil {
+			s.free.Store(int64(s.bolt.Stats().FreeAlloc))
+		}
+		s.mu.RUnlock()
 	}
-	s.mu.RUnlock()
+	st.FreeBytes = s.free.Load()
 	if fi, err := os.Stat(s.path); err == nil {
 		st.FileBytes = fi.Size()
 	}
@@ -163,6 +168,7 @@ func (s *logStore) compact() error {
 	if err != nil {
 		return err
 	}
+	s.free.Store(int64(bolt.Stats().FreeAlloc))
 	s.compactions.Add(1)
 	if before > after {
 		s.reclaimed.Add(uint64(before - after))
