@@ -192,22 +192,29 @@ func TestRaftDBCompactsUnderLoadWithoutLosingABinding(t *testing.T) {
 		}
 		return n
 	}
-	var bound atomic.Int64
+	// acked are the sessions whose Bind was acknowledged; a Bind that failed (a leader lost
+	// to a loaded machine) promised nothing, so it only counts.
+	var (
+		amu    sync.Mutex
+		acked  []string
+		failed atomic.Int64
+	)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	var wg sync.WaitGroup
-	errs := make(chan error, workers)
 	for w := range workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for i := 0; i < maxPerWorker && (i < minPerWorker || compactions() < wantCompactions); i++ {
 				cmd := &fsm.Bind{Session: fmt.Sprintf("s-%d-%d", w, i), Worker: "w1", TTL: time.Hour}
-				if _, err := ln.Apply(ctx, cmd); err != nil {
-					errs <- fmt.Errorf("bind %s: %w", cmd.Session, err)
-					return
+				if res, err := ln.Apply(ctx, cmd); err != nil || res.Status != fsm.Created {
+					failed.Add(1)
+					continue
 				}
-				bound.Add(1)
+				amu.Lock()
+				acked = append(acked, cmd.Session)
+				amu.Unlock()
 			}
 		}()
 	}
@@ -233,23 +240,22 @@ func TestRaftDBCompactsUnderLoadWithoutLosingABinding(t *testing.T) {
 	wg.Wait()
 	close(stopSnaps)
 	snaps := <-snapsDone
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
 	done := compactions()
-	t.Logf("%d bindings, %d snapshots, %d compactions during the load", bound.Load(), snaps, done)
-	if done < wantCompactions {
-		t.Fatalf("the stores compacted %d times during the load, want %d: the test proved little", done, wantCompactions)
+	t.Logf("%d bindings acknowledged (%d binds failed), %d snapshots, %d compactions during the load", len(acked), failed.Load(), snaps, done)
+	if done < wantCompactions || len(acked) < workers*minPerWorker/2 {
+		t.Fatalf("%d compactions and %d acknowledged binds during the load, want %d and %d: the test proved little",
+			done, len(acked), wantCompactions, workers*minPerWorker/2)
 	}
-	want := int(bound.Load())
-	for i, n := range c.nodes {
-		poll.Until(t, 20*time.Second, func() error {
-			if got := n.fsm.Len(); got != want {
-				return fmt.Errorf("node %d holds %d bindings, want %d", i, got, want)
+	holdsAll := func(n *Node) error {
+		for _, s := range acked {
+			if _, ok := n.fsm.Get(s); !ok {
+				return fmt.Errorf("%s lost acknowledged binding %s", n.ID(), s)
 			}
-			return nil
-		})
+		}
+		return nil
+	}
+	for _, n := range c.nodes {
+		poll.Until(t, 20*time.Second, func() error { return holdsAll(n) })
 	}
 	// Restart a follower from its compacted files: snapshot plus the log after it.
 	follower := 0
@@ -258,10 +264,5 @@ func TestRaftDBCompactsUnderLoadWithoutLosingABinding(t *testing.T) {
 	}
 	c.kill(follower)
 	n := c.start(follower)
-	poll.Until(t, 20*time.Second, func() error {
-		if got := n.fsm.Len(); got != want {
-			return fmt.Errorf("restarted node holds %d bindings, want %d", got, want)
-		}
-		return nil
-	})
+	poll.Until(t, 20*time.Second, func() error { return holdsAll(n) })
 }
