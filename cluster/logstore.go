@@ -52,6 +52,13 @@ type logStore struct {
 	free atomic.Int64
 }
 
+// logStore is both of Raft's stores over one file (raft-boltdb is not a MonotonicLogStore,
+// so neither is it).
+var (
+	_ raft.LogStore    = (*logStore)(nil)
+	_ raft.StableStore = (*logStore)(nil)
+)
+
 // LogStoreStats are a raft.db's compaction counters and its size now.
 type LogStoreStats struct {
 	// Compactions is how many times raft.db was rewritten; Reclaimed the bytes it shrank by in all.
