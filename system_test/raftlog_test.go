@@ -75,7 +75,7 @@ func TestRaftDBReturnsToItsSizeOnceAFloodOfSessionsExpired(t *testing.T) {
 func floodAndExpire(t *testing.T, n int) {
 	const (
 		warm, flood = 2000, 20000
-		clients     = 32
+		clients     = 128 // source addresses 127.0.0.2-129: each well under a per-client new-session limit
 		floodWithin = 4 * time.Minute
 	)
 	fl := startFleet(t, 2)
