@@ -21,8 +21,6 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/raft"
-	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
-	"go.etcd.io/bbolt"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -108,6 +106,12 @@ type Config struct {
 	// SnapshotThreshold is how many log entries trigger a snapshot.
 	SnapshotThreshold uint64
 	SnapshotInterval  time.Duration
+	// TrailingLogs is how many entries a snapshot leaves in the log (for followers that lag a
+	// little); with CompactMinBytes it sets raft.db's steady size (DESIGN.md).
+	TrailingLogs uint64
+	// CompactMinBytes is the least free space in raft.db worth rewriting it (logstore.go);
+	// a compaction also needs half the file free.
+	CompactMinBytes int64
 
 	// Level and StaleBound govern hot-path reads.
 	Level      Level
@@ -156,6 +160,8 @@ func (c *Config) defaults() {
 	setDefault(&c.SnapshotRetain, 3)
 	setDefault(&c.SnapshotThreshold, 65536)
 	setDefault(&c.SnapshotInterval, 2*time.Minute)
+	setDefault(&c.TrailingLogs, 10240)
+	setDefault(&c.CompactMinBytes, DefaultCompactMinBytes)
 	setDefault(&c.StaleBound, time.Second)
 	setDefault(&c.SessionTTL, 10*time.Minute)
 	setDefault(&c.BindWait, 3*time.Second)
@@ -183,7 +189,7 @@ type Node struct {
 	// which a connection can reach before Open has set raft.
 	raftp atomic.Pointer[raft.Raft]
 	trans raft.Transport
-	store io.Closer // the bolt store, nil in memory
+	store *logStore // raft.db, nil in memory
 	logs  raft.LogStore
 	lead  *leader
 	lease *readLease
@@ -301,7 +307,7 @@ func (n *Node) raftConfig() *raft.Config {
 	rc.BatchApplyCh = true
 	rc.SnapshotThreshold = cfg.SnapshotThreshold
 	rc.SnapshotInterval = cfg.SnapshotInterval
-	rc.TrailingLogs = 10240
+	rc.TrailingLogs = cfg.TrailingLogs
 	// A node removed from the configuration keeps running (unready) so an operator can see it.
 	rc.ShutdownOnRemove = false
 	// restoreSnapshot has loaded (and checked) the newest snapshot already.
@@ -310,8 +316,9 @@ func (n *Node) raftConfig() *raft.Config {
 	return rc
 }
 
-// openStores opens the Raft log and stable store (bbolt, fsync on, behind a log cache) and
-// the snapshot store in the data directory, or in-memory ones for tests.
+// openStores opens the Raft log and stable store (raft.db: bbolt, fsync on, compacted once
+// mostly free, behind a log cache) and the snapshot store in the data directory, or
+// in-memory ones for tests.
 func (n *Node) openStores(logger hclog.Logger) (raft.LogStore, raft.StableStore, raft.SnapshotStore, error) {
 	cfg := n.cfg
 	if cfg.InMemory {
@@ -329,10 +336,7 @@ func (n *Node) openStores(logger hclog.Logger) (raft.LogStore, raft.StableStore,
 	} else if id != "" {
 		n.clusterID.Store(&id)
 	}
-	bolt, err := raftboltdb.New(raftboltdb.Options{
-		Path:        filepath.Join(cfg.DataDir, "raft.db"),
-		BoltOptions: &bbolt.Options{Timeout: time.Second},
-	})
+	bolt, err := openLogStore(filepath.Join(cfg.DataDir, "raft.db"), cfg.CompactMinBytes, n.log)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("cluster: open raft log in %s (is another replica using it?): %w", cfg.DataDir, err)
 	}
@@ -456,6 +460,14 @@ func (n *Node) ClusterID() string {
 
 // ID is this replica's id.
 func (n *Node) ID() string { return n.cfg.ID }
+
+// LogStoreStats reports raft.db's size and compactions (zero for an in-memory node).
+func (n *Node) LogStoreStats() LogStoreStats {
+	if n.store == nil {
+		return LogStoreStats{}
+	}
+	return n.store.Stats()
+}
 
 // FSM is the node's state machine (read-only use).
 func (n *Node) FSM() *fsm.FSM { return n.fsm }

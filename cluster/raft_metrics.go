@@ -18,6 +18,8 @@ type raftCollector struct {
 	state, term, commit, applied, lastLog, lastSnapshot *prometheus.Desc
 	lastContact, voters, servers, leaderChanges         *prometheus.Desc
 	bindings, leaseRemaining, leaseRounds               *prometheus.Desc
+	logFile, logFree, logCompactions, logReclaimed      *prometheus.Desc
+	checkpointBytes, checkpointEntries                  *prometheus.Desc
 	// fromStats pairs gauges with the raft.Raft.Stats key each is read from.
 	fromStats []raftStat
 }
@@ -34,7 +36,10 @@ type raftStat struct {
 // kvrouter_raft_last_snapshot_index, kvrouter_raft_last_contact_seconds (0 on the leader,
 // -1 before any contact with a leader), kvrouter_raft_voters, kvrouter_raft_servers,
 // kvrouter_raft_leader_changes_total, kvrouter_fsm_bindings, and the read lease's
-// kvrouter_read_lease_remaining_seconds and kvrouter_read_lease_rounds_total{result}.
+// kvrouter_read_lease_remaining_seconds and kvrouter_read_lease_rounds_total{result}, and
+// raft.db's kvrouter_raft_log_file_bytes, kvrouter_raft_log_free_bytes,
+// kvrouter_raft_log_compactions_total and kvrouter_raft_log_reclaimed_bytes_total, and the
+// leader's kvrouter_checkpoint_bytes_total and kvrouter_checkpoint_entries_total.
 // README.md's metrics table says what each means.
 func NewRaftCollector(n *Node) prometheus.Collector {
 	c := &raftCollector{
@@ -54,6 +59,14 @@ func NewRaftCollector(n *Node) prometheus.Collector {
 			"Seconds left on this replica's read lease (0: none; bounded reads and /readyz fail).", nil, nil),
 		leaseRounds: prometheus.NewDesc("kvrouter_read_lease_rounds_total",
 			"Read-lease rounds by result: renewed, failed (no leader, no answer, not applied in time), discarded (the term or role changed meanwhile).", []string{"result"}, nil),
+		logFile:        prometheus.NewDesc("kvrouter_raft_log_file_bytes", "Size of raft.db, the Raft log and stable store, on disk.", nil, nil),
+		logFree:        prometheus.NewDesc("kvrouter_raft_log_free_bytes", "Bytes of raft.db that bbolt holds free (reused by later writes, given back only by a compaction).", nil, nil),
+		logCompactions: prometheus.NewDesc("kvrouter_raft_log_compactions_total", "Times raft.db was rewritten to give its free space back after a snapshot compacted the log.", nil, nil),
+		logReclaimed:   prometheus.NewDesc("kvrouter_raft_log_reclaimed_bytes_total", "Bytes raft.db shrank by in its compactions.", nil, nil),
+		checkpointBytes: prometheus.NewDesc("kvrouter_checkpoint_bytes_total",
+			"Bytes of TTL checkpoints this replica wrote to the Raft log while it led.", nil, nil),
+		checkpointEntries: prometheus.NewDesc("kvrouter_checkpoint_entries_total",
+			"Bindings whose remaining TTL this replica checkpointed while it led (only those touched since their last checkpoint, or never checkpointed).", nil, nil),
 	}
 	c.fromStats = []raftStat{
 		{c.term, "term"}, {c.commit, "commit_index"}, {c.applied, "applied_index"},
@@ -67,6 +80,7 @@ func (c *raftCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		c.state, c.term, c.commit, c.applied, c.lastLog, c.lastSnapshot,
 		c.lastContact, c.voters, c.servers, c.leaderChanges, c.bindings, c.leaseRemaining, c.leaseRounds,
+		c.logFile, c.logFree, c.logCompactions, c.logReclaimed, c.checkpointBytes, c.checkpointEntries,
 	} {
 		ch <- d
 	}
@@ -126,5 +140,14 @@ func (c *raftCollector) Collect(ch chan<- prometheus.Metric) {
 		v    uint64
 	}{{"renewed", l.renewed.Load()}, {"failed", l.failed.Load()}, {"discarded", l.discarded.Load()}} {
 		ch <- prometheus.MustNewConstMetric(c.leaseRounds, prometheus.CounterValue, float64(r.v), r.name)
+	}
+	ch <- prometheus.MustNewConstMetric(c.checkpointBytes, prometheus.CounterValue, float64(c.n.lead.checkpointBytes.Load()))
+	ch <- prometheus.MustNewConstMetric(c.checkpointEntries, prometheus.CounterValue, float64(c.n.lead.checkpointEntries.Load()))
+	if c.n.store != nil {
+		st := c.n.store.Stats()
+		ch <- prometheus.MustNewConstMetric(c.logFile, prometheus.GaugeValue, float64(st.FileBytes))
+		ch <- prometheus.MustNewConstMetric(c.logFree, prometheus.GaugeValue, float64(st.FreeBytes))
+		ch <- prometheus.MustNewConstMetric(c.logCompactions, prometheus.CounterValue, float64(st.Compactions))
+		ch <- prometheus.MustNewConstMetric(c.logReclaimed, prometheus.CounterValue, float64(st.Reclaimed))
 	}
 }

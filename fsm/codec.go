@@ -109,7 +109,7 @@ func decodeBody(t byte, body []byte) (Command, error) {
 		if n := len(m.GetEntries()); n > MaxCheckpointEntries {
 			return nil, fmt.Errorf("decode: %w: checkpoint of %d entries, over %d", ErrInvalid, n, MaxCheckpointEntries)
 		}
-		c := &Checkpoint{}
+		c := &Checkpoint{Aged: time.Duration(m.GetAgedNanos())}
 		if n := len(m.GetEntries()); n > 0 {
 			c.Entries = make([]Remaining, n)
 		}
@@ -160,7 +160,7 @@ func toProto(cmd Command) proto.Message {
 	case *InvalidateWorker:
 		return &fsmpb.InvalidateWorker{Worker: c.Worker}
 	case *Checkpoint:
-		m := &fsmpb.Checkpoint{Entries: make([]*fsmpb.Remaining, len(c.Entries))}
+		m := &fsmpb.Checkpoint{Entries: make([]*fsmpb.Remaining, len(c.Entries)), AgedNanos: int64(c.Aged)}
 		for i, e := range c.Entries {
 			m.Entries[i] = &fsmpb.Remaining{Session: e.Session, Revision: e.Revision, RemainingNanos: int64(e.Remaining)}
 		}

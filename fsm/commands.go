@@ -81,8 +81,12 @@ type Remaining struct {
 
 // Checkpoint records remaining idle TTLs, each applied only if the binding's revision
 // still matches, so a new leader can re-arm timers from them instead of from full TTLs.
+// Aged first takes that much off the remaining TTL of every binding checkpointed before
+// (never below a millisecond): the leader sends the time since its previous checkpoint,
+// so a binding idle since its last entry needs no new one (zero in older logs: no ageing).
 type Checkpoint struct {
 	Entries []Remaining
+	Aged    time.Duration
 }
 
 // AddWorker adds or replaces a registry worker and clears its Draining mark.
@@ -212,6 +216,9 @@ func (c *InvalidateWorker) validate() error { return ValidWorker(c.Worker) }
 func (c *Checkpoint) validate() error {
 	if len(c.Entries) > MaxCheckpointEntries {
 		return fmt.Errorf("%w: checkpoint of %d entries, over %d", ErrInvalid, len(c.Entries), MaxCheckpointEntries)
+	}
+	if c.Aged < 0 {
+		return fmt.Errorf("%w: checkpoint aged by %v, must not be negative", ErrInvalid, c.Aged)
 	}
 	for i, e := range c.Entries {
 		if err := ValidSession(e.Session); err != nil {

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/hashicorp/raft"
 )
@@ -302,6 +303,9 @@ func (c *InvalidateWorker) apply(f *FSM, index uint64) *Result {
 }
 
 func (c *Checkpoint) apply(f *FSM, _ uint64) *Result {
+	if c.Aged > 0 {
+		f.age(int64(c.Aged))
+	}
 	n := 0
 	for _, e := range c.Entries {
 		h := hashKey(e.Session)
@@ -317,6 +321,24 @@ func (c *Checkpoint) apply(f *FSM, _ uint64) *Result {
 		n++
 	}
 	return &Result{Status: OK, Count: n}
+}
+
+// age takes d off every checkpointed binding's remaining TTL, down to a millisecond at least
+// (a binding never checkpointed keeps 0: its whole TTL).
+func (f *FSM) age(d int64) {
+	for si := range numShards {
+		if !slices.ContainsFunc(f.st.Load().shards[si].slots, func(sl slot) bool { return sl.remaining > 0 }) {
+			continue
+		}
+		s := f.writable(si)
+		s.mu.Lock()
+		for i := range s.slots {
+			if r := s.slots[i].remaining; r > 0 {
+				s.slots[i].remaining = max(r-d, int64(time.Millisecond))
+			}
+		}
+		s.mu.Unlock()
+	}
 }
 
 func (c *AddWorker) apply(f *FSM, index uint64) *Result {

@@ -260,6 +260,41 @@ func TestCheckpointSetsRemainingOnMatchingRevisions(t *testing.T) {
 	}
 }
 
+// TestCheckpointAgesWhatItDoesNotList: a checkpoint lists only the bindings touched since the
+// last one; its Aged takes the time since then off every other checkpointed binding, so a
+// new leader re-arms an idle binding at what it really has left.
+func TestCheckpointAgesWhatItDoesNotList(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		aged          time.Duration
+		idle, touched time.Duration // remaining afterwards
+		fresh         time.Duration // never checkpointed: stays 0 (its whole TTL)
+	}{
+		{"not aged (a log from before Aged)", 0, 40 * time.Second, 50 * time.Second, 0},
+		{"aged by the interval", 30 * time.Second, 10 * time.Second, 50 * time.Second, 0},
+		{"aged past what was left", time.Minute, time.Millisecond, 50 * time.Second, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := newNode(t)
+			idle := n.expect(&Bind{Session: "idle", Worker: "w", TTL: time.Minute}, Created).Binding
+			touched := n.expect(&Bind{Session: "touched", Worker: "w", TTL: time.Minute}, Created).Binding
+			n.expect(&Bind{Session: "fresh", Worker: "w", TTL: time.Minute}, Created)
+			n.expect(&Checkpoint{Entries: []Remaining{
+				{Session: "idle", Revision: idle.Revision, Remaining: 40 * time.Second},
+				{Session: "touched", Revision: touched.Revision, Remaining: 40 * time.Second},
+			}}, OK)
+			n.expect(&Checkpoint{Aged: tc.aged, Entries: []Remaining{
+				{Session: "touched", Revision: touched.Revision, Remaining: 50 * time.Second},
+			}}, OK)
+			for s, want := range map[string]time.Duration{"idle": tc.idle, "touched": tc.touched, "fresh": tc.fresh} {
+				if got, _ := n.f.Get(s); got.Remaining != want {
+					t.Errorf("%s: remaining %v, want %v", s, got.Remaining, want)
+				}
+			}
+		})
+	}
+}
+
 func TestApplyRejectsBadBodiesAlikeOnEveryReplica(t *testing.T) {
 	long := strings.Repeat("x", MaxKeyLen+1)
 	for _, tc := range []struct {

@@ -179,7 +179,7 @@ func (g *gen) next(f *FSM) Command {
 	case p < 75:
 		return &InvalidateWorker{Worker: g.worker()}
 	case p < 85:
-		c := &Checkpoint{}
+		c := &Checkpoint{Aged: time.Duration(g.r.IntN(2)*g.r.IntN(500)) * time.Millisecond}
 		for range g.r.IntN(6) + 1 {
 			s := g.session()
 			rev := uint64(g.r.IntN(50) + 1)

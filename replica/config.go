@@ -142,6 +142,10 @@ type ClusterConfig struct {
 	SnapshotInterval     time.Duration
 	SnapshotThreshold    uint64
 	SnapshotRetain       int
+	// TrailingLogs is how many log entries a snapshot leaves; CompactMinBytes the least free
+	// space in raft.db worth rewriting it (cluster.Config has both).
+	TrailingLogs    uint64
+	CompactMinBytes int64
 	// WorkerGrace is how long a worker stays unhealthy before its bindings go (0: never).
 	WorkerGrace time.Duration
 	TouchFlush  time.Duration

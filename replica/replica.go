@@ -210,6 +210,7 @@ func (r *Replica) openNode(ctx context.Context) error {
 		HeartbeatTimeout: cc.Heartbeat, ElectionTimeout: cc.Election,
 		LeaderLeaseTimeout: cc.LeaderLease, CommitTimeout: cc.Commit,
 		SnapshotRetain: cc.SnapshotRetain, SnapshotThreshold: cc.SnapshotThreshold, SnapshotInterval: cc.SnapshotInterval,
+		TrailingLogs: cc.TrailingLogs, CompactMinBytes: cc.CompactMinBytes,
 		Level: level, StaleBound: cc.StaleBound, BindWait: cc.BindWait,
 		SessionTTL: r.cfg.SessionTTL, MaxBindings: r.cfg.MaxSessions,
 		CheckpointInterval: cc.CheckpointInterval, TouchFlush: cc.TouchFlush, OnChange: r.bindingChanged,

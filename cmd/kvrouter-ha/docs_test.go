@@ -155,6 +155,7 @@ func documentedCommands() []docCommand {
 					[]string{"data-dir", "raft-listen", "raft-advertise", "peer-listen", "peer-advertise", "bootstrap-expect", "join",
 						"consistency", "stale-bound", "bind-wait", "raft-heartbeat-timeout", "raft-election-timeout", "raft-leader-lease-timeout",
 						"raft-commit-timeout", "checkpoint-interval", "snapshot-interval", "snapshot-threshold", "snapshot-retain",
+						"raft-trailing-logs", "raft-log-compact-min-bytes",
 						"worker-grace", "touch-flush"}},
 				{"Gossip", "Membership (which replicas are Raft voters), merged worker health, routing decisions, load and index snapshots shared between replicas over memberlist. Gossip is a hint: losing it makes routing slightly worse, never changes a binding.",
 					[]string{"no-gossip", "gossip-listen", "gossip-advertise", "gossip-join", "gossip-join-wait", "gossip-max-bytes-per-second",

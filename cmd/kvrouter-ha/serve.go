@@ -17,6 +17,7 @@ import (
 
 	"github.com/peterbourgon/ff/v3/ffcli"
 
+	"github.com/kvrouter-ha/kvrouter-ha/cluster"
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/hints"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/telemetry"
@@ -302,6 +303,8 @@ func registerClusterFlags(fs *flag.FlagSet, c *replica.ClusterConfig, join *stri
 	fs.DurationVar(&c.SnapshotInterval, "snapshot-interval", 2*time.Minute, "how often Raft checks whether to snapshot")
 	fs.Uint64Var(&c.SnapshotThreshold, "snapshot-threshold", 65536, "log entries since the last snapshot that trigger one")
 	fs.IntVar(&c.SnapshotRetain, "snapshot-retain", 3, "snapshots kept on disk")
+	fs.Uint64Var(&c.TrailingLogs, "raft-trailing-logs", 10240, "log entries a snapshot leaves in raft.db for followers that lag a little (it sets raft.db's size after a snapshot)")
+	fs.Int64Var(&c.CompactMinBytes, "raft-log-compact-min-bytes", cluster.DefaultCompactMinBytes, "rewrite raft.db after a snapshot once at least this many bytes and half the file are free (bbolt never shrinks it otherwise)")
 	fs.DurationVar(&c.WorkerGrace, "worker-grace", 10*time.Second, "a worker unhealthy this long loses its session bindings")
 	fs.DurationVar(&c.TouchFlush, "touch-flush", 20*time.Millisecond, "how long session touches coalesce before they go to the leader")
 }

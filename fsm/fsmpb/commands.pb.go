@@ -276,10 +276,13 @@ func (x *Remaining) GetRemainingNanos() int64 {
 	return 0
 }
 
-// Checkpoint records remaining idle TTLs (type 5).
+// Checkpoint records remaining idle TTLs (type 5). aged_nanos (0 in logs written before
+// it existed) first takes that much off every checkpointed binding's remaining TTL: the
+// time since the leader's previous checkpoint, which then lists only what changed.
 type Checkpoint struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Entries       []*Remaining           `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
+	AgedNanos     int64                  `protobuf:"varint,2,opt,name=aged_nanos,json=agedNanos,proto3" json:"aged_nanos,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -319,6 +322,13 @@ func (x *Checkpoint) GetEntries() []*Remaining {
 		return x.Entries
 	}
 	return nil
+}
+
+func (x *Checkpoint) GetAgedNanos() int64 {
+	if x != nil {
+		return x.AgedNanos
+	}
+	return 0
 }
 
 // AddWorker adds or replaces a worker of the registry (type 6).
@@ -762,10 +772,12 @@ const file_commands_proto_rawDesc = "" +
 	"\tRemaining\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x12'\n" +
-	"\x0fremaining_nanos\x18\x03 \x01(\x03R\x0eremainingNanos\"8\n" +
+	"\x0fremaining_nanos\x18\x03 \x01(\x03R\x0eremainingNanos\"W\n" +
 	"\n" +
 	"Checkpoint\x12*\n" +
-	"\aentries\x18\x01 \x03(\v2\x10.fsmpb.RemainingR\aentries\"/\n" +
+	"\aentries\x18\x01 \x03(\v2\x10.fsmpb.RemainingR\aentries\x12\x1d\n" +
+	"\n" +
+	"aged_nanos\x18\x02 \x01(\x03R\tagedNanos\"/\n" +
 	"\tAddWorker\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04spec\x18\x02 \x01(\fR\x04spec\"\x1a\n" +
