@@ -7,6 +7,7 @@ import (
 	"encoding/base64"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -51,11 +52,11 @@ func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 		t.Fatal("the StatefulSet's --workers-file is not in a mounted ConfigMap")
 	}
 	cmFile := filepath.Join(dir, "workers-configmap.json")
-	if err := os.WriteFile(cmFile, []byte(workersCM), 0o600); err != nil {
+	if err := os.WriteFile(cmFile, []byte(onLoopback(t, workersCM)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	composeWorkers, err := filepath.Abs("workers.json")
-	if err != nil {
+	composeWorkers := filepath.Join(dir, "workers-compose.json")
+	if err := os.WriteFile(composeWorkers, []byte(onLoopback(t, readFile(t, "workers.json"))), 0o600); err != nil {
 		t.Fatal(err)
 	}
 
@@ -70,8 +71,10 @@ func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 	}
 	kubeSpec := k.pod("127.0.0.1")
 	runs := []*run{
+		// The simulated worker's publisher connects from 127.0.0.1, not from its URL's
+		// loopback address: a worker behind NAT, as --kv-events-publisher-hosts serves.
 		{name: "statefulset", spec: kubeSpec, workersFile: cmFile, wantWorkers: workerIDs(t, workersCM),
-			extra: []string{simWorker, "--kv-events-bind=tcp://" + kvBind}},
+			extra: []string{simWorker, "--kv-events-bind=tcp://" + kvBind, "--kv-events-publisher-hosts=127.0.0.1"}},
 		{name: "compose-r0", spec: c.replicas[0], workersFile: composeWorkers, wantWorkers: workerIDs(t, readFile(t, "workers.json")),
 			extra: []string{simWorker}},
 		{name: "systemd", spec: sysReplica, workersFile: "", extra: []string{simWorker}},
@@ -207,6 +210,19 @@ func newTestFiles(t *testing.T, dir string, hosts []string) testFiles {
 
 // listeners are one replica's loopback addresses.
 type listeners struct{ client, admin, raft, peer, gossip string }
+
+// onLoopback is a workers file with every worker's host name (vllm-0.vllm, w0: names that
+// resolve only where the file is deployed) replaced by a loopback address where nothing
+// listens, so that the replica's dials, scrapes and look-ups stay on this machine; the ids,
+// which the test checks, are the file's.
+func onLoopback(t *testing.T, workers string) string {
+	t.Helper()
+	host, _, err := net.SplitHostPort(loopbacktest.Addr(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return regexp.MustCompile(`//[A-Za-z0-9.-]+:`).ReplaceAllString(workers, "//"+host+":")
+}
 
 // overrides are the flags that make a deploy file's replica run alone on loopback. Every flag
 // the file sets that names an address, a peer or a file gets a local value; a file flag this

@@ -292,7 +292,9 @@ func (r *Replica) openRouting(context.Context) error {
 	pcfg.Registerer = r.promReg
 	if pcfg.ClientLimits.MaxSessions == 0 && cfg.MaxSessions > 0 {
 		// One client cannot fill --max-sessions alone (per replica: see transport/openai/limits.go).
-		pcfg.ClientLimits.MaxSessions = max(cfg.MaxSessions/10, 1)
+		// A tenth of it, but never under 1,000 (or the whole cap where it is smaller): a small
+		// cap is a small fleet's, where a tenth would refuse an honest client.
+		pcfg.ClientLimits.MaxSessions = max(cfg.MaxSessions/10, min(cfg.MaxSessions, 1000))
 	}
 	if cfg.Tokenizer == "worker" {
 		pcfg.Tokenizer = openai.NewWorkerTokenizer(r.registry, openai.TokenizerConfig{})
