@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -59,13 +60,24 @@ type fleet struct {
 
 func startFleet(t *testing.T, n int) *fleet {
 	t.Helper()
+	hosts := make([]string, n)
+	for i := range hosts {
+		hosts[i] = "127.0.0.1"
+	}
+	return startFleetAt(t, hosts...)
+}
+
+// startFleetAt serves one simulated worker on each host (a loopback address), w0, w1...
+func startFleetAt(t *testing.T, hosts ...string) *fleet {
+	t.Helper()
 	f := &fleet{}
-	for i := range n {
-		w, err := sim.New(sim.Config{ID: fmt.Sprintf("w%d", i)})
+	for i, host := range hosts {
+		id := fmt.Sprintf("w%d", i)
+		w, err := sim.New(sim.Config{ID: id})
 		if err != nil {
 			t.Fatal(err)
 		}
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+		l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -73,7 +85,7 @@ func startFleet(t *testing.T, n int) *fleet {
 		go srv.Serve(l)
 		t.Cleanup(func() { srv.Close() })
 		f.urls = append(f.urls, "http://"+l.Addr().String())
-		f.ids = append(f.ids, fmt.Sprintf("w%d", i))
+		f.ids = append(f.ids, id)
 	}
 	return f
 }
@@ -118,6 +130,13 @@ func startClusterOf(t testing.TB, bin string, n int, workers []string, extra ...
 // (nil: none).
 func startClusterTuned(t testing.TB, bin string, n int, workers []string, tune func(*proc.Replica), extra ...string) *cluster {
 	t.Helper()
+	return startClusterWith(t, bin, n, workers, tune, nil, extra...)
+}
+
+// startClusterWith is startClusterTuned with flagsOf adding each replica's own flags, from
+// its description once tuned (nil: none).
+func startClusterWith(t testing.TB, bin string, n int, workers []string, tune func(*proc.Replica), flagsOf func(proc.Replica) []string, extra ...string) *cluster {
+	t.Helper()
 	c := &cluster{t: t}
 	base := t.TempDir()
 	members, err := proc.LoopbackReplicas(n, base)
@@ -132,7 +151,11 @@ func startClusterTuned(t testing.TB, bin string, n int, workers []string, tune f
 	flags := append([]string{"--log-level", "info", "--health-interval", "200ms"}, extra...)
 	for _, m := range members {
 		r := &replica{Replica: m, logPath: filepath.Join(base, m.ID+".log")}
-		r.proc = newProcess(t, proc.Spec{Name: m.ID, Argv: m.ServeArgv(bin, members, workers, flags...), LogPath: r.logPath})
+		own := flags
+		if flagsOf != nil {
+			own = append(slices.Clip(flags), flagsOf(m)...)
+		}
+		r.proc = newProcess(t, proc.Spec{Name: m.ID, Argv: m.ServeArgv(bin, members, workers, own...), LogPath: r.logPath})
 		c.replicas = append(c.replicas, r)
 	}
 	for _, r := range c.replicas {

@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -32,31 +31,14 @@ import (
 // its own certificate from ca, naming its id and its Raft and peer hosts) plus extra flags.
 func hardenedCluster(t *testing.T, n int, fl *fleet, ca *testpki.CA, extra ...string) *cluster {
 	t.Helper()
-	base := t.TempDir()
-	members, err := proc.LoopbackReplicas(n, base)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var workers []string
 	for i, u := range fl.urls {
 		workers = append(workers, fl.ids[i]+"="+u)
 	}
-	c := &cluster{t: t}
-	for _, m := range members {
+	return startClusterWith(t, binary, n, workers, nil, func(m proc.Replica) []string {
 		cert, key := ca.IssueReplicaFiles(m.ID, m.Raft, m.Peer)
-		flags := append([]string{"--log-level", "info", "--health-interval", "200ms",
-			"--peer-tls-cert-file", cert, "--peer-tls-key-file", key, "--peer-tls-ca-file", ca.CAFile}, extra...)
-		r := &replica{Replica: m, logPath: filepath.Join(base, m.ID+".log")}
-		r.proc = newProcess(t, proc.Spec{Name: m.ID, Argv: m.ServeArgv(binary, members, workers, flags...), LogPath: r.logPath})
-		c.replicas = append(c.replicas, r)
-	}
-	for _, r := range c.replicas {
-		c.start(r)
-	}
-	for _, r := range c.replicas {
-		c.waitReady(r)
-	}
-	return c
+		return []string{"--peer-tls-cert-file", cert, "--peer-tls-key-file", key, "--peer-tls-ca-file", ca.CAFile}
+	}, extra...)
 }
 
 // intruderStream is a raft.StreamLayer that dials with a certificate of the cluster's CA

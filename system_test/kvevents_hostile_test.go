@@ -6,7 +6,6 @@ import (
 	byteorder "encoding/binary"
 	"encoding/json"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -32,29 +31,6 @@ const (
 	kvBlocks = 8                                   // blocks of each test prompt
 	kvTokens = kvBlocks * indexer.DefaultBlockSize // its tokens
 )
-
-// startFleetAt serves one simulated worker on each host (a loopback address), w0, w1...
-func startFleetAt(t *testing.T, hosts ...string) *fleet {
-	t.Helper()
-	f := &fleet{}
-	for i, host := range hosts {
-		id := fmt.Sprintf("w%d", i)
-		w, err := sim.New(sim.Config{ID: id})
-		if err != nil {
-			t.Fatal(err)
-		}
-		l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		srv := &http.Server{Handler: w.Handler()}
-		go srv.Serve(l)
-		t.Cleanup(func() { srv.Close() })
-		f.urls = append(f.urls, "http://"+l.Addr().String())
-		f.ids = append(f.ids, id)
-	}
-	return f
-}
 
 // startEventsReplica starts one replica of bin in front of fl with --kv-events-bind, and
 // returns it with the bound address.
