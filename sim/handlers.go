@@ -139,6 +139,7 @@ func (w *Worker) checkModel(name string) *apiError {
 	if name == "" || name == w.cfg.Model {
 		return nil
 	}
+	w.wrongModel.Add(1)
 	return &apiError{
 		status: http.StatusNotFound, typ: "invalid_request_error", param: "model", code: "model_not_found",
 		message: fmt.Sprintf("The model `%s` does not exist.", name),
