@@ -47,13 +47,7 @@ func TestModelFilterSendsARequestOnlyToItsModelsWorkers(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			reg := modelFleet(t, tc.open)
-			got := map[string]bool{}
-			for _, tg := range reg.Routable() {
-				if m := metaOf(&tg); eligible(&tc.req, &tg, &m, nil) {
-					got[tg.Worker.String()] = true
-				}
-			}
-			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+			if got := eligibleTargets(reg, &tc.req); fmt.Sprint(got) != fmt.Sprint(tc.want) {
 				t.Fatalf("eligible = %v, want %v", got, tc.want)
 			}
 		})

@@ -74,27 +74,28 @@ func startFleetAt(t *testing.T, hosts ...string) *fleet {
 	return startFleetServing(t, hosts, nil)
 }
 
-// startFleetOf serves one simulated worker of each model on 127.0.0.1, w0, w1...
-func startFleetOf(t *testing.T, models ...string) *fleet {
+// startFleetOf serves one simulated worker of each config on 127.0.0.1, w0, w1...
+func startFleetOf(t *testing.T, cfgs ...sim.Config) *fleet {
 	t.Helper()
-	hosts := make([]string, len(models))
+	hosts := make([]string, len(cfgs))
 	for i := range hosts {
 		hosts[i] = "127.0.0.1"
 	}
-	return startFleetServing(t, hosts, models)
+	return startFleetServing(t, hosts, cfgs)
 }
 
-// startFleetServing serves one simulated worker on each host, worker i serving models[i]
-// (models nil: the simulator's default model).
-func startFleetServing(t *testing.T, hosts, models []string) *fleet {
+// startFleetServing serves one simulated worker on each host, worker i of cfgs[i] (nil:
+// the simulator's defaults), its ID set to w0, w1...
+func startFleetServing(t *testing.T, hosts []string, cfgs []sim.Config) *fleet {
 	t.Helper()
 	f := &fleet{}
 	for i, host := range hosts {
 		id := fmt.Sprintf("w%d", i)
-		cfg := sim.Config{ID: id}
-		if models != nil {
-			cfg.Model = models[i]
+		var cfg sim.Config
+		if cfgs != nil {
+			cfg = cfgs[i]
 		}
+		cfg.ID = id
 		w, err := sim.New(cfg)
 		if err != nil {
 			t.Fatal(err)

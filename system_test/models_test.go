@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
 // getJSON GETs url and returns its status and body.
@@ -61,9 +63,9 @@ func postModel(ctx context.Context, base, api, model string, i int) (int, string
 }
 
 // TestTwoModelsBehindHAProxyNeverReachAnotherModelsWorker runs two models on three simulated
-// workers each behind three replicas and the deployment's HAProxy. The replicas learn each
-// worker's model from its own GET /v1/models; 2,000 requests of four APIs for both models go
-// through HAProxy, and none reaches a worker of the other model (each simulated worker
+// workers each (one of them also serving a LoRA adapter) behind three replicas and the
+// deployment's HAProxy. The replicas learn each worker's models from its own GET /v1/models;
+// 2,000 requests of four APIs for both models and the adapter go through HAProxy, and none reaches a worker of the other model (each simulated worker
 // counts what it refused as not its model, and every answer names its worker). A model no
 // worker serves is 404 model_not_found from the router, in OpenAI's shape and Anthropic's.
 func TestTwoModelsBehindHAProxyNeverReachAnotherModelsWorker(t *testing.T) {
@@ -71,10 +73,16 @@ func TestTwoModelsBehindHAProxyNeverReachAnotherModelsWorker(t *testing.T) {
 	if err != nil {
 		t.Skip("haproxy is not in PATH: this test runs the real HAProxy (.ci/run installs it; apt-get install haproxy)")
 	}
-	const small, large = "org/small-8b", "org/large-70b"
-	models := []string{small, small, small, large, large, large}
-	fl := startFleetOf(t, models...)
-	serves := map[string][]string{small: {"w0", "w1", "w2"}, large: {"w3", "w4", "w5"}}
+	const small, large, adapter = "org/small-8b", "org/large-70b", "large-sql"
+	var cfgs []sim.Config
+	for _, m := range []string{small, small, small, large, large, large} {
+		cfgs = append(cfgs, sim.Config{Model: m})
+	}
+	// w3 also serves a LoRA adapter of the large model, learned with its parent.
+	cfgs[3].LoRAs = []string{adapter}
+	fl := startFleetOf(t, cfgs...)
+	serves := map[string][]string{small: {"w0", "w1", "w2"}, large: {"w3", "w4", "w5"}, adapter: {"w3"}}
+	models := []string{small, large, small, large, small, adapter}
 	c := startCluster(t, 3, fl)
 	base := "http://" + startHAProxy(t, bin, c)
 	ctx, cancel := context.WithTimeout(t.Context(), 4*time.Minute)
@@ -95,7 +103,7 @@ func TestTwoModelsBehindHAProxyNeverReachAnotherModelsWorker(t *testing.T) {
 			for _, m := range list.Data {
 				ids = append(ids, m.ID)
 			}
-			if strings.Join(ids, ",") != large+","+small {
+			if strings.Join(ids, ",") != adapter+","+large+","+small {
 				return fmt.Errorf("%s lists %v", r.ID, ids)
 			}
 			if code, body, err := getJSON(ctx, "http://"+r.Client+"/v1/models/unknown-model"); err != nil || code != http.StatusNotFound {
@@ -168,7 +176,7 @@ func TestTwoModelsBehindHAProxyNeverReachAnotherModelsWorker(t *testing.T) {
 	var refused []string
 	for i, w := range fl.sims {
 		if n := w.Stats().WrongModel; n != 0 {
-			refused = append(refused, fmt.Sprintf("%s (%s): %d", fl.ids[i], models[i], n))
+			refused = append(refused, fmt.Sprintf("%s (%s): %d", fl.ids[i], cfgs[i].Model, n))
 		}
 	}
 	if len(refused) > 0 {
