@@ -43,7 +43,7 @@ func newMetrics() *metrics {
 	return &metrics{
 		models: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_model_requests_total",
-			Help: "Requests by the model they name: each model the fleet serves has its own value, every other name counts as \"" + routing.OtherModel + "\" (those are answered 404 model_not_found).",
+			Help: "Requests by the model they name: each model the fleet serves has its own value, every other name counts as \"" + routing.OtherModel + "\" (answered 404 model_not_found once every worker's models are known).",
 		}, []string{"model"}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_requests_total",
