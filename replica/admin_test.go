@@ -4,15 +4,29 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 )
 
 func adminDo(t *testing.T, rep *Replica, method, path, token string) (int, []byte) {
 	t.Helper()
-	req, err := http.NewRequest(method, "http://"+rep.AdminAddr()+path, nil)
+	return adminSend(t, rep, method, path, token, "")
+}
+
+// adminSend is adminDo with a JSON body ("" for none).
+func adminSend(t *testing.T, rep *Replica, method, path, token, body string) (int, []byte) {
+	t.Helper()
+	var rd io.Reader
+	if body != "" {
+		rd = strings.NewReader(body)
+	}
+	req, err := http.NewRequest(method, "http://"+rep.AdminAddr()+path, rd)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
 	}
 	if token != "" {
 		req.Header.Set("Authorization", "Bearer "+token)

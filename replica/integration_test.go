@@ -770,6 +770,15 @@ func TestBadInputGetsClearErrors(t *testing.T) {
 
 	requireNoTrace(t, rep, fleet, "bad requests")
 
+	// A model no worker serves, once the replica has learned the workers' models, is the
+	// router's own 404: no worker is asked, no session bound.
+	eventually(t, "the workers' models learned", func() (bool, string) {
+		return !rep.registry.Catalog().Open(), "some worker's models not known yet"
+	})
+	if a := c.post("/v1/completions", []byte(`{"model": "no-such-model", "prompt": [1, 2, 3]}`), session); a.wantError(t, http.StatusNotFound).Code != "model_not_found" || a.worker() != "" {
+		t.Errorf("unknown model: worker %q; want the router's own 404 model_not_found", a.worker())
+	}
+
 	// Requests the router cannot judge reach a worker, whose refusal the client sees as is;
 	// the session is not bound to a worker that refused its first request.
 	for _, tc := range []struct {
@@ -777,7 +786,6 @@ func TestBadInputGetsClearErrors(t *testing.T) {
 		body   string
 		status int
 	}{
-		{"unknown model", `{"model": "no-such-model", "prompt": [1, 2, 3]}`, http.StatusNotFound},
 		{"max_tokens 0", `{"model": "` + sim.DefaultModel + `", "prompt": [1, 2, 3], "max_tokens": 0}`, http.StatusBadRequest},
 	} {
 		a := c.post("/v1/completions", []byte(tc.body), session)

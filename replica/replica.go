@@ -408,6 +408,9 @@ func (r *Replica) startServing(ctx context.Context) error {
 	r.cancel = cancel
 	r.onClose(func() { cancel(); r.wg.Wait() })
 	r.goRun(func() { checker.Run(bg) })
+	// Each replica learns the models of the workers from the workers themselves (see
+	// DESIGN.md, "Models").
+	r.goRun(func() { r.server.LearnModels(bg) })
 	for _, sub := range r.subs {
 		r.goRun(func() {
 			if err := sub.Run(bg); err != nil && bg.Err() == nil {

@@ -67,8 +67,8 @@ func startFlakyWorkers(t *testing.T) *flakyWorkers {
 	fw := &flakyWorkers{}
 	for i := range 2 {
 		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if !strings.HasPrefix(r.URL.Path, "/v1/") {
-				return // health probes
+			if r.Method != http.MethodPost || !strings.HasPrefix(r.URL.Path, "/v1/") {
+				return // health probes, and the model learner's GET /v1/models
 			}
 			_, _ = io.Copy(io.Discard, r.Body)
 			fw.mu.Lock()

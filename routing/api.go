@@ -39,12 +39,32 @@ type WorkerSpec struct {
 	CapacityBlocks int `json:"capacity_blocks,omitempty"`
 	// LoRAs lists the adapters the worker serves; "*" serves any.
 	LoRAs []string `json:"loras,omitempty"`
+	// Models lists the models the worker serves (vLLM's --served-model-name). Empty: as
+	// learned from the worker's GET /v1/models, and until then any model (see Catalog).
+	Models []string `json:"models,omitempty"`
+}
+
+// Model is a model a worker serves; Parent names the base model of a LoRA adapter, as
+// vLLM's GET /v1/models lists adapters.
+type Model struct {
+	ID     string `json:"id"`
+	Parent string `json:"parent,omitempty"`
 }
 
 // Target is one routable destination: a worker and one of its data-parallel ranks.
 type Target struct {
 	Worker indexer.Worker
 	Spec   *WorkerSpec
+	// Serves is what the worker serves, declared and learned together; nil when neither is
+	// known (the worker then takes any model).
+	Serves *Serving
+}
+
+// Serving is the set of names a worker answers to: models (declared in its spec or
+// learned from it) and LoRA adapters (its spec's, "*" among them, and those learned).
+type Serving struct {
+	Models []string
+	LoRAs  []string
 }
 
 // Load is a worker's in-flight work as the kv cost model reads it.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -20,6 +21,9 @@ type WorkerStatus struct {
 	Healthy bool       `json:"healthy"`
 	Drained bool       `json:"drained"`
 	Reason  string     `json:"reason,omitempty"`
+	// Learned are the models this replica last read from the worker's GET /v1/models
+	// (SetLearned); they are this replica's own, not replicated.
+	Learned []Model `json:"learned_models,omitempty"`
 }
 
 // Registry is the in-memory set of workers with their health and drain state. It implements
@@ -29,6 +33,7 @@ type Registry struct {
 	mu       sync.Mutex
 	workers  map[string]*WorkerStatus
 	routable atomic.Pointer[[]Target]
+	catalog  atomic.Pointer[Catalog]
 	onChange []func(WorkerStatus, bool)
 }
 
@@ -78,6 +83,14 @@ func ValidateSpec(s *WorkerSpec) error {
 	if s.CapacityBlocks < 0 {
 		return fmt.Errorf("worker %s: capacity_blocks %d is negative", s.ID, s.CapacityBlocks)
 	}
+	if len(s.Models) > MaxModels {
+		return fmt.Errorf("worker %s: %d models, more than %d", s.ID, len(s.Models), MaxModels)
+	}
+	for _, m := range s.Models {
+		if err := ValidateModelName(m); err != nil {
+			return fmt.Errorf("worker %s: models: %w", s.ID, err)
+		}
+	}
 	return nil
 }
 
@@ -100,17 +113,21 @@ func (r *Registry) publish() {
 	}
 	sort.Strings(ids)
 	var out []Target
+	all := make([]WorkerStatus, 0, len(ids))
 	for _, id := range ids {
 		st := r.workers[id]
+		all = append(all, *st)
 		if !st.Healthy || st.Drained {
 			continue
 		}
 		spec := st.Spec
+		serves := servingOf(st)
 		for rank := 0; rank < spec.DPSize; rank++ {
-			out = append(out, Target{Worker: indexer.Worker{ID: id, DPRank: uint32(rank)}, Spec: &spec})
+			out = append(out, Target{Worker: indexer.Worker{ID: id, DPRank: uint32(rank)}, Spec: &spec, Serves: serves})
 		}
 	}
 	r.routable.Store(&out)
+	r.catalog.Store(newCatalog(all))
 }
 
 // OnChange registers fn to run after any change of a worker's state; removed is true when the
@@ -129,6 +146,43 @@ func (r *Registry) changed(st WorkerStatus, removed bool) {
 		fn(st, removed)
 	}
 }
+
+// SetLearned records the models this replica read from a worker's own GET /v1/models, at
+// most MaxModels of them; it reports whether they changed (and a changed set is published
+// to routing). An unknown worker, or a bad name, changes nothing.
+func (r *Registry) SetLearned(id string, models []Model) (bool, error) {
+	if len(models) > MaxModels {
+		return false, fmt.Errorf("worker %s: %d models learned, more than %d", id, len(models), MaxModels)
+	}
+	for _, m := range models {
+		if err := ValidateModelName(m.ID); err != nil {
+			return false, fmt.Errorf("worker %s: learned: %w", id, err)
+		}
+		if m.Parent != "" {
+			if err := ValidateModelName(m.Parent); err != nil {
+				return false, fmt.Errorf("worker %s: learned parent: %w", id, err)
+			}
+		}
+	}
+	models = slices.Clone(models)
+	sort.Slice(models, func(i, j int) bool { return models[i].ID < models[j].ID })
+	r.mu.Lock()
+	st, ok := r.workers[id]
+	if !ok {
+		r.mu.Unlock()
+		return false, fmt.Errorf("worker %s: %w", id, ErrUnknownTarget)
+	}
+	if slices.Equal(st.Learned, models) {
+		r.mu.Unlock()
+		return false, nil
+	}
+	st.Learned = models
+	r.changed(*st, false)
+	return true, nil
+}
+
+// Catalog returns the fleet's models as of the last change.
+func (r *Registry) Catalog() *Catalog { return r.catalog.Load() }
 
 // Routable implements Workers.
 func (r *Registry) Routable() []Target { return *r.routable.Load() }

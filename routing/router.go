@@ -27,6 +27,9 @@ type Request struct {
 	// Target is an explicit target worker (X-Target-Worker), nil for none.
 	Target *indexer.Worker
 	LoRA   string
+	// Model is the request's model: only a worker that serves it is a candidate, and a
+	// session bound to one that does not is rebound (see serves). "" is any.
+	Model string
 	// Role restricts candidates to workers of this role: RoleBoth, any but prefill-only;
 	// RoleDecode, decode or aggregated workers; RolePrefill (a prefill leg), prefill-only
 	// workers, chosen on prefill cost alone.
@@ -383,7 +386,7 @@ func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.W
 	}
 	if pref != nil {
 		for i, t := range routable {
-			if t.Worker == *pref && (req.Subset == nil || req.Subset(t)) {
+			if t.Worker == *pref && (req.Subset == nil || req.Subset(t)) && serves(req, &view.meta[i]) {
 				return Decision{Target: t, Overlap: overlaps[i], PromptBlocks: promptBlocks, Took: time.Since(start)}, nil
 			}
 		}
@@ -472,6 +475,15 @@ func eligible(req *Request, t *Target, m *targetMeta, exclude []indexer.Worker) 
 	if req.Subset != nil && !req.Subset(*t) {
 		return false
 	}
+	return serves(req, m)
+}
+
+// serves reports whether the target whose filter data is m serves req's adapter or model:
+// an adapter (req.LoRA) must be among its LoRAs (or "*"); any other model among its
+// models, unless those are not known. It is asked of a bound or explicit worker too, so
+// that a session bound to a worker of another model is rebound within the model's workers
+// as one whose worker left would be.
+func serves(req *Request, m *targetMeta) bool {
 	if req.LoRA != "" {
 		for _, l := range m.loras {
 			if l == req.LoRA || l == "*" {
@@ -480,7 +492,7 @@ func eligible(req *Request, t *Target, m *targetMeta, exclude []indexer.Worker) 
 		}
 		return false
 	}
-	return true
+	return req.Model == "" || m.models == nil || slices.Contains(m.models, req.Model)
 }
 
 func (r *Router) busy(c *candidate) bool {

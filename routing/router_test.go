@@ -182,6 +182,17 @@ func TestCacheAwareFollowsMatchUntilImbalanced(t *testing.T) {
 	}
 }
 
+// eligibleTargets names the routable targets of reg that pass req's filters.
+func eligibleTargets(reg *Registry, req *Request) map[string]bool {
+	got := map[string]bool{}
+	for _, tg := range reg.Routable() {
+		if m := metaOf(&tg); eligible(req, &tg, &m, nil) {
+			got[tg.Worker.String()] = true
+		}
+	}
+	return got
+}
+
 func TestFiltersRoleLoRAAndRank(t *testing.T) {
 	reg, err := NewRegistry([]WorkerSpec{
 		{ID: "p", URL: "http://127.0.0.1:1", Role: RolePrefill},
@@ -208,13 +219,7 @@ func TestFiltersRoleLoRAAndRank(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got := map[string]bool{}
-			for _, tg := range reg.Routable() {
-				if m := metaOf(&tg); eligible(&tc.req, &tg, &m, nil) {
-					got[tg.Worker.String()] = true
-				}
-			}
-			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+			if got := eligibleTargets(reg, &tc.req); fmt.Sprint(got) != fmt.Sprint(tc.want) {
 				t.Fatalf("eligible = %v, want %v", got, tc.want)
 			}
 		})

@@ -92,14 +92,20 @@ func newRoutableView(routable []Target, workers *map[indexer.Worker]*counters) *
 // targetMeta is a target's spec as the filters read it.
 type targetMeta struct {
 	role  Role
-	loras []string // shared with the spec, which is never modified
+	loras []string // shared with the spec or Serving, which are never modified
+	// models are the models the target serves; nil: not known, any.
+	models []string
 }
 
 func metaOf(t *Target) targetMeta {
-	if t.Spec == nil {
-		return targetMeta{}
+	var m targetMeta
+	if t.Spec != nil {
+		m.role, m.loras = t.Spec.Role, t.Spec.LoRAs
 	}
-	return targetMeta{role: t.Spec.Role, loras: t.Spec.LoRAs}
+	if t.Serves != nil {
+		m.loras, m.models = t.Serves.LoRAs, t.Serves.Models
+	}
+	return m
 }
 
 func (v *routableView) home(w indexer.Worker) int {

@@ -49,6 +49,9 @@ type Config struct {
 	ID string
 	// Model is the served model name.
 	Model string
+	// LoRAs are the LoRA adapters served on top of Model (vLLM's --lora-modules): requests
+	// may name them, and GET /v1/models lists them with Model as their parent.
+	LoRAs []string
 	// BlockSize is the KV block size in tokens.
 	BlockSize int
 	// CapacityBlocks is the KV cache size in blocks.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -94,10 +95,16 @@ func (w *Worker) readBody(rw http.ResponseWriter, r *http.Request) ([]byte, *api
 }
 
 func (w *Worker) handleModels(rw http.ResponseWriter, _ *http.Request) {
-	writeJSON(rw, http.StatusOK, modelList{Object: "list", Data: []modelCard{{
-		ID: w.cfg.Model, Object: "model", Created: time.Now().Unix(), OwnedBy: "sim",
+	now := time.Now().Unix()
+	list := modelList{Object: "list", Data: []modelCard{{
+		ID: w.cfg.Model, Object: "model", Created: now, OwnedBy: "sim",
 		Root: w.cfg.Model, MaxModelLen: w.cfg.MaxModelLen,
-	}}})
+	}}}
+	for _, l := range w.cfg.LoRAs {
+		list.Data = append(list.Data, modelCard{ID: l, Object: "model", Created: now, OwnedBy: "sim",
+			Root: l, Parent: &w.cfg.Model, MaxModelLen: w.cfg.MaxModelLen})
+	}
+	writeJSON(rw, http.StatusOK, list)
 }
 
 func (w *Worker) handleTokenize(rw http.ResponseWriter, r *http.Request) {
@@ -136,9 +143,10 @@ func (w *Worker) handleSetFaults(rw http.ResponseWriter, r *http.Request) {
 
 // checkModel rejects a request for a model this worker does not serve, as vLLM does.
 func (w *Worker) checkModel(name string) *apiError {
-	if name == "" || name == w.cfg.Model {
+	if name == "" || name == w.cfg.Model || slices.Contains(w.cfg.LoRAs, name) {
 		return nil
 	}
+	w.wrongModel.Add(1)
 	return &apiError{
 		status: http.StatusNotFound, typ: "invalid_request_error", param: "model", code: "model_not_found",
 		message: fmt.Sprintf("The model `%s` does not exist.", name),

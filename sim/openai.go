@@ -370,12 +370,14 @@ type response struct {
 }
 
 type modelCard struct {
-	ID          string `json:"id"`
-	Object      string `json:"object"`
-	Created     int64  `json:"created"`
-	OwnedBy     string `json:"owned_by"`
-	Root        string `json:"root"`
-	MaxModelLen int    `json:"max_model_len"`
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Created int64  `json:"created"`
+	OwnedBy string `json:"owned_by"`
+	Root    string `json:"root"`
+	// Parent is an adapter's base model (null for the base model), as vLLM lists it.
+	Parent      *string `json:"parent"`
+	MaxModelLen int     `json:"max_model_len"`
 }
 
 type modelList struct {

@@ -45,6 +45,7 @@ type Worker struct {
 	served       atomic.Uint64
 	aborted      atomic.Uint64
 	failed       atomic.Uint64
+	wrongModel   atomic.Uint64
 	promptTokens atomic.Uint64
 	cachedTokens atomic.Uint64
 	genTokens    atomic.Uint64
@@ -64,6 +65,9 @@ type Stats struct {
 	Aborted uint64 `json:"aborted"`
 	// Failed counts requests answered 500 by the error fault.
 	Failed uint64 `json:"failed"`
+	// WrongModel counts requests refused 404 model_not_found: a model this worker does not
+	// serve.
+	WrongModel uint64 `json:"wrong_model"`
 	// Running is how many requests hold an engine slot; Waiting how many queue for one.
 	Running int `json:"running"`
 	Waiting int `json:"waiting"`
@@ -245,6 +249,7 @@ func (w *Worker) Stats() Stats {
 		Served:          w.served.Load(),
 		Aborted:         w.aborted.Load(),
 		Failed:          w.failed.Load(),
+		WrongModel:      w.wrongModel.Load(),
 		Running:         running,
 		Waiting:         waiting,
 		PromptTokens:    w.promptTokens.Load(),

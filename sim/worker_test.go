@@ -463,3 +463,40 @@ func TestClearCacheOverHTTP(t *testing.T) {
 		t.Fatalf("events %v, want prompt blocks, output blocks, clear", kinds)
 	}
 }
+
+// TestLoRAModulesAreListedAndServed: adapters are listed with their parent, as vLLM lists
+// them, and served; another model is refused 404 model_not_found and counted.
+func TestLoRAModulesAreListedAndServed(t *testing.T) {
+	w, srv := newTestWorker(t, Config{Model: "base", LoRAs: []string{"sql"}})
+	resp, err := http.Get(srv.URL + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list struct {
+		Data []struct {
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
+		} `json:"data"`
+	}
+	err = json.NewDecoder(resp.Body).Decode(&list)
+	resp.Body.Close()
+	if err != nil || len(list.Data) != 2 || list.Data[0].Parent != nil || list.Data[1].ID != "sql" || list.Data[1].Parent == nil || *list.Data[1].Parent != "base" {
+		t.Fatalf("models %+v, %v", list, err)
+	}
+	for _, tc := range []struct {
+		model string
+		want  int
+	}{{"base", http.StatusOK}, {"sql", http.StatusOK}, {"other", http.StatusNotFound}} {
+		resp, err := http.Post(srv.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"`+tc.model+`","prompt":"hi","max_tokens":1}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != tc.want {
+			t.Fatalf("%s: %d, want %d", tc.model, resp.StatusCode, tc.want)
+		}
+	}
+	if n := w.Stats().WrongModel; n != 1 {
+		t.Fatalf("WrongModel = %d, want 1", n)
+	}
+}

@@ -56,6 +56,7 @@ func TestMain(m *testing.M) {
 type fleet struct {
 	urls []string
 	ids  []string
+	sims []*sim.Worker
 }
 
 func startFleet(t *testing.T, n int) *fleet {
@@ -70,10 +71,32 @@ func startFleet(t *testing.T, n int) *fleet {
 // startFleetAt serves one simulated worker on each host (a loopback address), w0, w1...
 func startFleetAt(t *testing.T, hosts ...string) *fleet {
 	t.Helper()
+	return startFleetServing(t, hosts, nil)
+}
+
+// startFleetOf serves one simulated worker of each config on 127.0.0.1, w0, w1...
+func startFleetOf(t *testing.T, cfgs ...sim.Config) *fleet {
+	t.Helper()
+	hosts := make([]string, len(cfgs))
+	for i := range hosts {
+		hosts[i] = "127.0.0.1"
+	}
+	return startFleetServing(t, hosts, cfgs)
+}
+
+// startFleetServing serves one simulated worker on each host, worker i of cfgs[i] (nil:
+// the simulator's defaults), its ID set to w0, w1...
+func startFleetServing(t *testing.T, hosts []string, cfgs []sim.Config) *fleet {
+	t.Helper()
 	f := &fleet{}
 	for i, host := range hosts {
 		id := fmt.Sprintf("w%d", i)
-		w, err := sim.New(sim.Config{ID: id})
+		var cfg sim.Config
+		if cfgs != nil {
+			cfg = cfgs[i]
+		}
+		cfg.ID = id
+		w, err := sim.New(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -86,6 +109,7 @@ func startFleetAt(t *testing.T, hosts ...string) *fleet {
 		t.Cleanup(func() { srv.Close() })
 		f.urls = append(f.urls, "http://"+l.Addr().String())
 		f.ids = append(f.ids, id)
+		f.sims = append(f.sims, w)
 	}
 	return f
 }

@@ -104,3 +104,24 @@ test('a session stays on its worker', async () => {
   workers.add(response.headers.get('x-kvrouter-worker'));
   assert.equal(workers.size, 1, `the session went to ${[...workers]}`);
 });
+
+test('models.list and models.retrieve', async () => {
+  const ids = [];
+  for await (const m of openai.models.list()) {
+    assert.equal(m.object, 'model');
+    ids.push(m.id);
+  }
+  assert.ok(ids.includes(model), `models.list() lacks ${model}: ${ids}`);
+  const m = await openai.models.retrieve(model);
+  assert.equal(m.id, model);
+  assert.equal(m.object, 'model');
+  await assert.rejects(openai.models.retrieve('no-such-model'),
+    (err) => err instanceof OpenAI.NotFoundError && err.code === 'model_not_found');
+});
+
+test('a model no worker serves: model_not_found', async () => {
+  await assert.rejects(openai.chat.completions.create({ model: 'no-such-model', messages: [{ role: 'user', content: 'hi' }] }),
+    (err) => err instanceof OpenAI.NotFoundError && err.code === 'model_not_found' && err.param === 'model');
+  await assert.rejects(anthropic.messages.create({ model: 'no-such-model', max_tokens: 4, messages: [{ role: 'user', content: 'hi' }] }),
+    (err) => err instanceof Anthropic.NotFoundError && err.error?.error?.type === 'not_found_error');
+});

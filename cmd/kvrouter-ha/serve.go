@@ -145,7 +145,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.ClientPort.HeaderTimeout, "client-header-timeout", replica.DefaultClientHeaderTimeout, "client port: time to send a request's headers")
 	fs.DurationVar(&cfg.ClientPort.BodyTimeout, "client-body-timeout", replica.DefaultClientBodyTimeout, "client port: time to send a request's whole body, from its headers on (408 past it); answers are not bounded by it")
 	fs.Var(workerFlag{&cfg.Workers}, "worker", "a worker as id=url (repeatable, or comma-separated)")
-	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events, role, dp_size, capacity_blocks, loras")
+	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events, role, dp_size, capacity_blocks, loras, models")
 	fs.StringVar(&cfg.Router.Policy, "policy", "kv", "selection policy: "+strings.Join(routing.Policies(), ", "))
 	fs.IntVar(&cfg.Router.BlockSize, "block-size", indexer.DefaultBlockSize, "KV block size in tokens (must match the workers')")
 	fs.Float64Var(&cfg.Router.PrefillWeight, "prefill-weight", 1, "kv policy: weight of prefill blocks in the cost")

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 
 	"github.com/peterbourgon/ff/v3/ffcli"
 
@@ -19,6 +20,14 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 	listen := fs.String("listen", "127.0.0.1:8001", "listen address")
 	fs.StringVar(&cfg.ID, "id", sim.DefaultID, "worker id, sent as X-Worker-ID")
 	fs.StringVar(&cfg.Model, "model", sim.DefaultModel, "served model name")
+	fs.Func("lora-modules", "LoRA adapters served on top of --model, comma-separated (listed in GET /v1/models with --model as their parent)", func(v string) error {
+		for l := range strings.SplitSeq(v, ",") {
+			if l = strings.TrimSpace(l); l != "" {
+				cfg.LoRAs = append(cfg.LoRAs, l)
+			}
+		}
+		return nil
+	})
 	fs.IntVar(&cfg.BlockSize, "block-size", sim.DefaultBlockSize, "KV block size in tokens")
 	fs.IntVar(&cfg.CapacityBlocks, "capacity-blocks", sim.DefaultCapacityBlocks, "KV cache size in blocks")
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", 262144, "largest prompt plus max_tokens")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -103,6 +104,13 @@ func (e *Error) write(w http.ResponseWriter) {
 	}
 	w.WriteHeader(e.Status)
 	_, _ = w.Write(e.Body())
+}
+
+// modelNotFound is the answer for a model no worker of the fleet serves, in OpenAI's words
+// (Anthropic's not_found_error on /v1/messages).
+func modelNotFound(model string) *Error {
+	return &Error{Status: http.StatusNotFound, Type: TypeInvalidRequest, Param: "model", Code: "model_not_found",
+		Message: fmt.Sprintf("The model `%s` does not exist.", model), Cause: "model_not_found"}
 }
 
 // routeError maps a routing error to the answer a client gets. A nil result means the

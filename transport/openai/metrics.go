@@ -34,10 +34,17 @@ type metrics struct {
 	tokenizeFallbacks *prometheus.CounterVec
 	// clientLimited counts requests refused by a limit per client, by what was limited.
 	clientLimited *prometheus.CounterVec
+	// models counts requests by model, bounded: a model the fleet does not serve is
+	// routing.OtherModel.
+	models *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
 	return &metrics{
+		models: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_model_requests_total",
+			Help: "Requests by the model they name: each model the fleet serves has its own value, every other name counts as \"" + routing.OtherModel + "\" (answered 404 model_not_found once every worker's models are known).",
+		}, []string{"model"}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_requests_total",
 			Help: "Client requests by endpoint and HTTP status (499: the client went away).",
@@ -120,7 +127,7 @@ func newMetrics() *metrics {
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
 	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,
-		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, m.tokenizeFallbacks, m.clientLimited, c} {
+		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, m.tokenizeFallbacks, m.clientLimited, m.models, c} {
 		if err := reg.Register(col); err != nil {
 			return fmt.Errorf("register metrics: %w", err)
 		}

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
 const (
@@ -37,21 +39,26 @@ type modelCache struct {
 	until time.Time
 }
 
-// modelEntry is one model in the OpenAI list shape.
+// modelEntry is one model in the OpenAI list shape; Parent is an adapter's base model, as
+// vLLM lists it.
 type modelEntry struct {
 	ID      string `json:"id"`
 	Object  string `json:"object"`
 	Created int64  `json:"created"`
 	OwnedBy string `json:"owned_by"`
+	Parent  string `json:"parent,omitempty"`
+}
+
+// modelList is the OpenAI list shape.
+type modelList struct {
+	Object string       `json:"object"`
+	Data   []modelEntry `json:"data"`
 }
 
 func newModelCache(s *Server) *modelCache {
 	c := &modelCache{s: s, fetch: make(chan struct{}, 1)}
 	if len(s.cfg.Models) > 0 {
-		list := struct {
-			Object string       `json:"object"`
-			Data   []modelEntry `json:"data"`
-		}{Object: "list"}
+		list := modelList{Object: "list"}
 		for _, m := range s.cfg.Models {
 			list.Data = append(list.Data, modelEntry{ID: m, Object: "model", OwnedBy: "kvrouter-ha"})
 		}
@@ -150,22 +157,187 @@ func (c *modelCache) askOne(ctx context.Context, base string) ([]byte, error) {
 	return body, nil
 }
 
-func (s *Server) serveModels(w *recorder, r *http.Request) {
-	body, err := s.models.get(r.Context())
-	if err != nil {
-		switch {
-		case r.Context().Err() != nil:
-			s.fail(w, r, nil)
-		case errors.Is(err, errNoModelSource):
-			s.fail(w, r, &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
-				Code: "no_worker", RetryAfter: "1", Cause: "no_worker"})
-		default:
-			s.fail(w, r, &Error{Status: http.StatusBadGateway, Message: "could not list models: " + err.Error(),
-				Type: TypeServer, Code: "upstream_failed", Cause: "upstream_models"})
+// modelList returns the model list: the configured one (--models); else the union of what
+// the routable workers serve when the fleet's models are known (declared or learned); else a
+// worker's own answer, reused briefly (a fleet that declares nothing).
+func (s *Server) modelList(ctx context.Context) ([]byte, error) {
+	if s.models.static != nil {
+		return s.models.static, nil
+	}
+	if list, ok := catalogList(s.workers.Catalog()); ok {
+		// A list of plain strings always encodes.
+		body, _ := json.Marshal(list)
+		return body, nil
+	}
+	return s.models.get(ctx)
+}
+
+// catalogList is the union of what cat's routable workers serve; false when no model of the
+// fleet is known.
+func catalogList(cat *routing.Catalog) (modelList, bool) {
+	all := cat.Models()
+	if len(all) == 0 {
+		return modelList{}, false
+	}
+	list := modelList{Object: "list", Data: []modelEntry{}}
+	for _, m := range all {
+		if m.Routable > 0 {
+			list.Data = append(list.Data, modelEntry{ID: m.ID, Object: "model", OwnedBy: "kvrouter-ha", Parent: m.Parent})
 		}
+	}
+	return list, true
+}
+
+func (s *Server) modelsFailed(w *recorder, r *http.Request, err error) {
+	switch {
+	case r.Context().Err() != nil:
+		s.fail(w, r, nil)
+	case errors.Is(err, errNoModelSource):
+		s.fail(w, r, &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
+			Code: "no_worker", RetryAfter: "1", Cause: "no_worker"})
+	default:
+		s.fail(w, r, &Error{Status: http.StatusBadGateway, Message: "could not list models: " + err.Error(),
+			Type: TypeServer, Code: "upstream_failed", Cause: "upstream_models"})
+	}
+}
+
+func (s *Server) serveModels(w *recorder, r *http.Request) {
+	body, err := s.modelList(r.Context())
+	if err != nil {
+		s.modelsFailed(w, r, err)
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusOK)
 	_, _ = w.Write(body)
+}
+
+// serveModel answers GET /v1/models/{id}: the model's entry in the list, or 404
+// model_not_found.
+func (s *Server) serveModel(w *recorder, r *http.Request) {
+	id := r.PathValue("id")
+	body, err := s.modelList(r.Context())
+	if err != nil {
+		s.modelsFailed(w, r, err)
+		return
+	}
+	entries, err := decodeModelList(body)
+	if err != nil {
+		s.modelsFailed(w, r, err)
+		return
+	}
+	for _, e := range entries {
+		if e.ID == id {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusOK)
+			_, _ = w.Write(e.raw)
+			return
+		}
+	}
+	s.fail(w, r, modelNotFound(id))
+}
+
+// listedModel is one entry of a GET /v1/models answer: its id, its parent (an adapter's
+// base model) and the entry as it came.
+type listedModel struct {
+	routing.Model
+	raw json.RawMessage
+}
+
+// decodeModelList reads an OpenAI model list ({"data": [{"id", "parent"}, ...]}), at most
+// routing.MaxModels entries, each id (and parent) a valid model name. It never panics,
+// whatever the bytes.
+func decodeModelList(body []byte) ([]listedModel, error) {
+	var list struct {
+		Data []json.RawMessage `json:"data"`
+	}
+	if err := json.Unmarshal(body, &list); err != nil {
+		return nil, fmt.Errorf("model list: %w", err)
+	}
+	if len(list.Data) > routing.MaxModels {
+		return nil, fmt.Errorf("model list: %d entries, more than %d", len(list.Data), routing.MaxModels)
+	}
+	out := make([]listedModel, 0, len(list.Data))
+	for i, raw := range list.Data {
+		var e struct {
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
+		}
+		if err := json.Unmarshal(raw, &e); err != nil {
+			return nil, fmt.Errorf("model list entry %d: %w", i, err)
+		}
+		if err := routing.ValidateModelName(e.ID); err != nil {
+			return nil, fmt.Errorf("model list entry %d: %w", i, err)
+		}
+		m := listedModel{Model: routing.Model{ID: e.ID}, raw: raw}
+		if e.Parent != nil && *e.Parent != "" && *e.Parent != e.ID {
+			if err := routing.ValidateModelName(*e.Parent); err != nil {
+				return nil, fmt.Errorf("model list entry %d: parent: %w", i, err)
+			}
+			m.Parent = *e.Parent
+		}
+		out = append(out, m)
+	}
+	return out, nil
+}
+
+// LearnModels asks every configured worker for its GET /v1/models at once, then each again
+// modelsTTL after its last answer, until ctx is done, and records what each serves in the
+// registry (Registry.SetLearned): the worker's base models and its LoRA adapters with
+// their parents. A worker that does not answer, or answers garbage, keeps what was learned
+// of it before (its health is the health checker's business).
+func (s *Server) LearnModels(ctx context.Context) {
+	next := make(map[string]time.Time)
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		s.learnDue(ctx, next, time.Now())
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// learnDue asks the workers whose turn has come (next: when each is due), one at a time.
+func (s *Server) learnDue(ctx context.Context, next map[string]time.Time, now time.Time) {
+	present := make(map[string]bool)
+	for _, st := range s.workers.List() {
+		id := st.Spec.ID
+		present[id] = true
+		if due, ok := next[id]; ok && now.Before(due) {
+			continue
+		}
+		next[id] = now.Add(modelsTTL)
+		if err := s.learnOne(ctx, id, st.Spec.URL); err != nil && ctx.Err() == nil {
+			s.log.Debug("could not learn the worker's models", "worker", id, "err", err)
+		}
+	}
+	for id := range next {
+		if !present[id] {
+			delete(next, id)
+		}
+	}
+}
+
+// learnOne asks one worker for its models and records them.
+func (s *Server) learnOne(ctx context.Context, id, base string) error {
+	body, err := s.models.askOne(ctx, base)
+	if err != nil {
+		return err
+	}
+	entries, err := decodeModelList(body)
+	if err != nil {
+		return err
+	}
+	models := make([]routing.Model, len(entries))
+	for i, e := range entries {
+		models[i] = e.Model
+	}
+	changed, err := s.workers.SetLearned(id, models)
+	if changed {
+		s.log.Info("worker models learned", "worker", id, "models", models)
+	}
+	return err
 }

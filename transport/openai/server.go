@@ -55,10 +55,6 @@ const maxSessionKey = 256
 // stuck.
 const maxEmptyReads = 100
 
-// loraRefresh is how long the set of configured LoRA names is reused before re-reading the
-// registry; adapters change rarely and the set is read on every request.
-const loraRefresh = time.Second
-
 // Config tunes the front. Zero values take the documented defaults.
 type Config struct {
 	// ReplicaID names this replica in X-Kvrouter-Replica (default: the host name).
@@ -166,7 +162,6 @@ type Server struct {
 	answers     sync.Pool
 	metrics     *metrics
 	ready       atomic.Pointer[func() error]
-	loras       atomic.Pointer[loraSet]
 	models      *modelCache
 	handler     http.Handler
 	res         reservations
@@ -180,12 +175,6 @@ type Server struct {
 	// request's header map (h.Values would canonicalise each, which costs an allocation
 	// for a name that is not canonical already, as X-Session-ID is not).
 	sessionKeys []string
-}
-
-// loraSet is a snapshot of the adapter names configured workers serve.
-type loraSet struct {
-	names map[string]struct{}
-	taken time.Time
 }
 
 // NewServer builds the front over a router, the worker registry and this replica's tracker.
@@ -241,6 +230,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		}))
 	}
 	mux.Handle("/v1/models", s.endpoint("models", http.MethodGet, s.serveModels))
+	mux.Handle("/v1/models/{id...}", s.endpoint("model", http.MethodGet, s.serveModel))
 	mux.Handle("/v1/route", s.endpoint("route", http.MethodPost, s.serveRoute))
 	mux.Handle("/v1/reserve", s.endpoint("reserve", http.MethodPost, s.serveReserve))
 	mux.Handle("/v1/reservations/{id}", s.endpoint("release", http.MethodDelete, s.serveRelease))
@@ -461,8 +451,13 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	if apiErr := s.rankExists(rank); apiErr != nil {
 		return nil, apiErr
 	}
+	catalog := s.workers.Catalog()
+	s.metrics.models.WithLabelValues(catalog.Label(p.Model)).Inc()
+	if p.Model != "" && !catalog.Known(p.Model) {
+		return nil, modelNotFound(p.Model)
+	}
 	lora := ""
-	if s.isLoRA(p.Model) {
+	if catalog.Adapter(p.Model) {
 		lora = p.Model
 	}
 	req := &routing.Request{
@@ -470,6 +465,7 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		Session:      session,
 		Target:       target,
 		LoRA:         lora,
+		Model:        p.Model,
 		Role:         routing.RoleBoth,
 		DPRank:       rank,
 		QueryOnly:    queryOnly,
@@ -605,26 +601,6 @@ func (s *Server) rankExists(rank int) *Error {
 		return nil
 	}
 	return badHeader(headerDPRank, fmt.Sprintf("%s %d: no worker has that data-parallel rank (the largest dp_size is %d)", headerDPRank, rank, size))
-}
-
-// isLoRA reports whether some configured worker lists model among its adapters.
-func (s *Server) isLoRA(model string) bool {
-	set := s.loras.Load()
-	if set == nil || time.Since(set.taken) > loraRefresh {
-		fresh := &loraSet{names: make(map[string]struct{}), taken: time.Now()}
-		for _, st := range s.workers.List() {
-			for _, name := range st.Spec.LoRAs {
-				// "*" means the worker serves any adapter; it does not make every model one.
-				if name != "*" {
-					fresh.names[name] = struct{}{}
-				}
-			}
-		}
-		s.loras.Store(fresh)
-		set = fresh
-	}
-	_, ok := set.names[model]
-	return ok
 }
 
 // serveCompletion handles /v1/chat/completions and /v1/completions.
