@@ -98,6 +98,61 @@ func EncodeSpec(spec routing.WorkerSpec) ([]byte, error) {
 	return b, nil
 }
 
+// sourced is a spec as the cluster registry stores it for a worker that a discovery source
+// owns: the spec's own fields and, beside them, the source's name. A replica that does not
+// know the field ignores it (DecodeSpec reads unknown fields as nothing).
+type sourced struct {
+	routing.WorkerSpec
+	Source string `json:"source,omitempty"`
+}
+
+// EncodeOwned is a worker spec as the cluster registry stores it for the owner source (the
+// worker's marker: discovery removes only the workers it owns).
+func EncodeOwned(spec routing.WorkerSpec, source string) ([]byte, error) {
+	b, err := json.Marshal(sourced{WorkerSpec: spec, Source: source})
+	if err != nil {
+		return nil, fmt.Errorf("workers: encode spec of %s: %w", spec.ID, err)
+	}
+	return b, nil
+}
+
+// OwnerOf is the source a stored spec names as its owner ("" for a worker from the admin
+// API, a drain of a flag worker, or bytes that do not decode).
+func OwnerOf(raw []byte) string {
+	var s struct {
+		Source string `json:"source"`
+	}
+	if json.Unmarshal(raw, &s) != nil {
+		return ""
+	}
+	return s.Source
+}
+
+// ParseSpecs reads a JSON array of worker specs (the --workers-file shape): an unknown field
+// is an error, as is a spec ValidateSpec refuses or an id given twice.
+func ParseSpecs(b []byte) ([]routing.WorkerSpec, error) {
+	var specs []routing.WorkerSpec
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&specs); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if dec.More() {
+		return nil, fmt.Errorf("%w: more than one JSON value", ErrInvalid)
+	}
+	seen := make(map[string]bool, len(specs))
+	for i := range specs {
+		if err := routing.ValidateSpec(&specs[i]); err != nil {
+			return nil, fmt.Errorf("%w: entry %d: %w", ErrInvalid, i, err)
+		}
+		if seen[specs[i].ID] {
+			return nil, fmt.Errorf("%w: worker id %q given twice", ErrInvalid, specs[i].ID)
+		}
+		seen[specs[i].ID] = true
+	}
+	return specs, nil
+}
+
 // DecodeSpec reads a spec stored under id by EncodeSpec; the registry's id wins over one
 // in the bytes.
 func DecodeSpec(id string, raw []byte) (routing.WorkerSpec, error) {
