@@ -18,6 +18,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -220,7 +222,7 @@ func (t *term) lookAt(ctx context.Context, s Source, now time.Time) {
 	t.reconcile(ctx, s, t.last[s.Name()], now)
 }
 
-// reconcile moves the registry's workers owned by s towards want.
+// reconcile moves the registry's workers owned by s towards want, in the order of the ids.
 func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.WorkerSpec, now time.Time) {
 	owner := Owner(s)
 	inCluster := map[string]fsm.Worker{}
@@ -232,7 +234,8 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 		}
 	}
 	// Present: added (or brought back from draining, or updated).
-	for id, spec := range want {
+	for _, id := range slices.Sorted(maps.Keys(want)) {
+		spec := want[id]
 		w, ours := owned[id]
 		if _, taken := inCluster[id]; (taken && !ours) || (!taken && t.cfg.Static(id)) {
 			t.logs.Log(t.cfg.Logger, "taken "+id, slog.LevelWarn, "discovered worker id is configured otherwise; left alone",
@@ -240,7 +243,12 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 			continue
 		}
 		raw, err := workers.EncodeOwned(spec, owner)
+		if err == nil && len(raw) > fsm.MaxSpecLen {
+			err = fmt.Errorf("spec of %d bytes, over %d", len(raw), fsm.MaxSpecLen)
+		}
 		if err != nil {
+			// One bad entry must not stop the rest of the fleet's changes.
+			t.logs.Log(t.cfg.Logger, "spec "+id, slog.LevelWarn, "discovered worker left out", "source", s.Name(), "worker", id, "err", err)
 			continue
 		}
 		if ours && !w.Draining && bytes.Equal(w.Spec, raw) {
@@ -255,7 +263,8 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 	// source's active workers in one look waits out the suspect period first.
 	var drain []string
 	active := 0
-	for id, w := range owned {
+	for _, id := range slices.Sorted(maps.Keys(owned)) {
+		w := owned[id]
 		if _, present := want[id]; present {
 			if !w.Draining {
 				active++
@@ -320,7 +329,8 @@ func (t *term) apply(ctx context.Context, s Source, action, id string, cmd fsm.C
 	defer cancel()
 	if _, err := t.cfg.Cluster.Apply(cctx, cmd); err != nil {
 		if ctx.Err() == nil {
-			t.cfg.Logger.Warn("discovery proposal failed", "source", s.Name(), "action", action, "worker", id, "err", err)
+			t.logs.Log(t.cfg.Logger, "propose "+s.Name(), slog.LevelWarn, "discovery proposal failed; the next look tries again",
+				"source", s.Name(), "action", action, "worker", id, "err", err)
 		}
 		return false
 	}

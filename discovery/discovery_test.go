@@ -251,3 +251,26 @@ func sorted(s []string) []string {
 	slices.Sort(out)
 	return out
 }
+
+// bigSource offers one worker whose spec is over the registry's limit, beside a good one.
+type bigSource struct{ fakeSource }
+
+func (s *bigSource) Lookup(ctx context.Context) ([]routing.WorkerSpec, error) {
+	specs, _ := s.fakeSource.Lookup(ctx)
+	big := routing.WorkerSpec{ID: "big", URL: "http://127.0.0.1:1", DPSize: 1}
+	for range fsm.MaxSpecLen / 8 {
+		big.LoRAs = append(big.LoRAs, "adapter")
+	}
+	return append(specs, big), nil
+}
+
+func TestASpecTheRegistryRefusesDoesNotHoldUpTheRest(t *testing.T) {
+	c := newMemCluster()
+	tm, _ := testTerm(t, c)
+	// Ids after "big": a look that stopped at the refused spec would add none of them.
+	src := &bigSource{fakeSource{ids: []string{"x", "y"}}}
+	tm.lookAt(context.Background(), src, time.Unix(1000, 0))
+	if got := c.took(); fmt.Sprint(got) != "[add x add y]" {
+		t.Fatalf("proposed %v, want [add x add y]", got)
+	}
+}
