@@ -207,6 +207,18 @@ func TestFileDiscoveryAddsAndRemovesWorkersOnEveryReplicaAndMovesOnlyTheGoneWork
 		t.Fatalf("no session was bound to %s: the test proves nothing", gone)
 	}
 	t.Logf("%d of %d sessions were on %s and moved once; the rest kept their worker and revision", moved, len(bound), gone)
+
+	// A half-written file (not renamed into place) is a failed look: the set stays, past the
+	// suspect and drain periods, and the leader counts it.
+	if err := os.WriteFile(path, []byte(`[{"id":"w0","url":`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	holdsFleet(t, c.replicas, kept, 8*time.Second)
+	failed, err := metricValue(t.Context(), c.leader(), `kvrouter_discovery_errors_total{source="file"}`)
+	if err != nil || failed == 0 {
+		t.Fatalf("the leader's kvrouter_discovery_errors_total{source=\"file\"}: %v, %v; want failed looks counted", failed, err)
+	}
+	t.Logf("an invalid file kept %d workers on every replica for 8 s; the leader counted %v failed looks", len(kept), failed)
 }
 
 // discoveryLines counts, over the logs of rs (a killed leader's included), the registry
