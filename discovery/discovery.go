@@ -229,7 +229,7 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 	owned := map[string]fsm.Worker{}
 	for _, w := range t.cfg.Cluster.Workers() {
 		inCluster[w.ID] = w
-		if workers.OwnerOf(w.Spec) == owner {
+		if workers.OwnerOf(w.Spec).Source == owner {
 			owned[w.ID] = w
 		}
 	}
@@ -242,7 +242,12 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 				"source", s.Name(), "worker", id)
 			continue
 		}
-		raw, err := workers.EncodeOwned(spec, owner)
+		if ours && w.Draining && !workers.OwnerOf(w.Spec).Gone {
+			// An operator's drain (ctl workers drain), not this source's: it stands while the
+			// source lists the worker, and the worker goes once the source drops it.
+			continue
+		}
+		raw, err := workers.EncodeOwned(spec, workers.Owned{Source: owner})
 		if err == nil && len(raw) > fsm.MaxSpecLen {
 			err = fmt.Errorf("spec of %d bytes, over %d", len(raw), fsm.MaxSpecLen)
 		}
@@ -307,6 +312,22 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 		t.m.held.WithLabelValues(s.Kind()).Set(0)
 	}
 	for _, id := range drain {
+		// Marked gone first, so that whoever leads when it comes back knows the drain was
+		// this source's and undoes it (a leader lost between the two commands leaves a marked,
+		// undrained worker, which the next look drains or clears).
+		if o := workers.OwnerOf(owned[id].Spec); !o.Gone {
+			spec, err := workers.DecodeSpec(id, owned[id].Spec)
+			if err != nil {
+				continue
+			}
+			raw, err := workers.EncodeOwned(spec, workers.Owned{Source: owner, Gone: true})
+			if err != nil {
+				continue
+			}
+			if !t.apply(ctx, s, "mark-gone", id, &fsm.AddWorker{ID: id, Spec: raw}) {
+				return
+			}
+		}
 		if !t.apply(ctx, s, "drain", id, &fsm.DrainWorker{ID: id}) {
 			return
 		}

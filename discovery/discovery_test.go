@@ -42,6 +42,10 @@ func (c *memCluster) Apply(_ context.Context, cmd fsm.Command) (*fsm.Result, err
 	idx := c.index
 	switch v := cmd.(type) {
 	case *fsm.AddWorker:
+		if workers.OwnerOf(v.Spec).Gone {
+			c.applied = append(c.applied, "mark "+v.ID)
+			break
+		}
 		c.applied = append(c.applied, "add "+v.ID)
 	case *fsm.DrainWorker:
 		c.applied = append(c.applied, "drain "+v.ID)
@@ -117,14 +121,14 @@ func TestAWorkersLifeThroughLooks(t *testing.T) {
 		{"present is added once, gone is drained once, then removed after the drain period", []step{
 			{ids: []string{"a", "b", "c"}, want: []string{"add a", "add b", "add c"}},
 			{ids: []string{"a", "b", "c"}},
-			{ids: []string{"a", "b"}, want: []string{"drain c"}},
+			{ids: []string{"a", "b"}, want: []string{"mark c", "drain c"}},
 			{ids: []string{"a", "b"}, advance: 5 * time.Second},
 			{ids: []string{"a", "b"}, advance: 6 * time.Second, want: []string{"remove c"}},
 			{ids: []string{"a", "b"}, advance: time.Minute},
 		}},
 		{"a drained worker that comes back is added again, not removed", []step{
 			{ids: []string{"a", "b", "c"}, want: []string{"add a", "add b", "add c"}},
-			{ids: []string{"a", "b"}, want: []string{"drain c"}},
+			{ids: []string{"a", "b"}, want: []string{"mark c", "drain c"}},
 			{ids: []string{"a", "b", "c"}, advance: time.Second, want: []string{"add c"}},
 			{ids: []string{"a", "b", "c"}, advance: time.Minute},
 		}},
@@ -136,14 +140,14 @@ func TestAWorkersLifeThroughLooks(t *testing.T) {
 		}},
 		{"a failed look keeps a drain going to its removal", []step{
 			{ids: []string{"a", "b", "c"}, want: []string{"add a", "add b", "add c"}},
-			{ids: []string{"a", "b"}, want: []string{"drain c"}},
+			{ids: []string{"a", "b"}, want: []string{"mark c", "drain c"}},
 			{err: fail, advance: time.Minute, want: []string{"remove c"}},
 		}},
 		{"a drop of more than half is held for the suspect period, then acted on", []step{
 			{ids: []string{"a", "b", "c", "d"}, want: []string{"add a", "add b", "add c", "add d"}},
 			{ids: []string{"a"}},
 			{ids: []string{"a"}, advance: 20 * time.Second},
-			{ids: []string{"a"}, advance: 11 * time.Second, want: []string{"drain b", "drain c", "drain d"}},
+			{ids: []string{"a"}, advance: 11 * time.Second, want: []string{"mark b", "drain b", "mark c", "drain c", "mark d", "drain d"}},
 		}},
 		{"a suspect drop that recovers within the period drains nothing", []step{
 			{ids: []string{"a", "b", "c", "d"}, want: []string{"add a", "add b", "add c", "add d"}},
@@ -151,11 +155,11 @@ func TestAWorkersLifeThroughLooks(t *testing.T) {
 			{ids: []string{"a", "b", "c", "d"}, advance: 20 * time.Second},
 			{ids: []string{}, advance: 20 * time.Second},
 			{ids: []string{}, advance: 20 * time.Second},
-			{ids: []string{}, advance: 11 * time.Second, want: []string{"drain a", "drain b", "drain c", "drain d"}},
+			{ids: []string{}, advance: 11 * time.Second, want: []string{"mark a", "drain a", "mark b", "drain b", "mark c", "drain c", "mark d", "drain d"}},
 		}},
 		{"half at once is not suspect", []step{
 			{ids: []string{"a", "b", "c", "d"}, want: []string{"add a", "add b", "add c", "add d"}},
-			{ids: []string{"a", "b"}, want: []string{"drain c", "drain d"}},
+			{ids: []string{"a", "b"}, want: []string{"mark c", "drain c", "mark d", "drain d"}},
 		}},
 	}
 	for _, tc := range cases {
@@ -184,7 +188,7 @@ func TestANewTermResumesFromTheRegistry(t *testing.T) {
 	first.lookAt(context.Background(), src, now)
 	src.ids = []string{"a", "b"}
 	first.lookAt(context.Background(), src, now)
-	if got := c.took(); len(got) != 4 {
+	if got := c.took(); len(got) != 5 {
 		t.Fatalf("first term proposed %v", got)
 	}
 	// The leader dies; the next one knows only the registry.
@@ -272,5 +276,62 @@ func TestASpecTheRegistryRefusesDoesNotHoldUpTheRest(t *testing.T) {
 	tm.lookAt(context.Background(), src, time.Unix(1000, 0))
 	if got := c.took(); fmt.Sprint(got) != "[add x add y]" {
 		t.Fatalf("proposed %v, want [add x add y]", got)
+	}
+}
+
+func TestAnOperatorsDrainStandsWhileTheSourceListsTheWorker(t *testing.T) {
+	c := newMemCluster()
+	tm, _ := testTerm(t, c)
+	src := &fakeSource{ids: []string{"a", "b", "c"}}
+	now := time.Unix(1000, 0)
+	tm.lookAt(context.Background(), src, now)
+	c.took()
+	// ctl workers drain c
+	if _, err := c.Apply(context.Background(), &fsm.DrainWorker{ID: "c"}); err != nil {
+		t.Fatal(err)
+	}
+	c.took()
+	tm.lookAt(context.Background(), src, now.Add(time.Hour))
+	if got := c.took(); len(got) != 0 {
+		t.Fatalf("proposed %v: the operator's drain was undone", got)
+	}
+	src.ids = []string{"a", "b"}
+	tm.lookAt(context.Background(), src, now.Add(time.Hour))
+	tm.lookAt(context.Background(), src, now.Add(2*time.Hour))
+	if got := c.took(); fmt.Sprint(got) != "[remove c]" {
+		t.Fatalf("proposed %v once the source dropped the drained worker, want [remove c]", got)
+	}
+}
+
+func TestALeaderLostBetweenTheMarkAndTheDrainLeavesNothingHalfDone(t *testing.T) {
+	for _, back := range []bool{false, true} {
+		t.Run(fmt.Sprintf("back=%v", back), func(t *testing.T) {
+			c := newMemCluster()
+			first, _ := testTerm(t, c)
+			src := &fakeSource{ids: []string{"a", "b", "c"}}
+			now := time.Unix(1000, 0)
+			first.lookAt(context.Background(), src, now)
+			c.took()
+			// The mark went through; the leader died before the drain.
+			raw, err := workers.EncodeOwned(routing.WorkerSpec{ID: "c", URL: "http://127.0.0.1:1/c", DPSize: 1}, workers.Owned{Source: Owner(src), Gone: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := c.Apply(context.Background(), &fsm.AddWorker{ID: "c", Spec: raw}); err != nil {
+				t.Fatal(err)
+			}
+			c.took()
+			next, _ := testTerm(t, c)
+			want := "[drain c]"
+			if back {
+				want = "[add c]"
+			} else {
+				src.ids = []string{"a", "b"}
+			}
+			next.lookAt(context.Background(), src, now)
+			if got := c.took(); fmt.Sprint(got) != want {
+				t.Fatalf("the next term proposed %v, want %s", got, want)
+			}
+		})
 	}
 }

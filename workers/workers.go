@@ -98,34 +98,41 @@ func EncodeSpec(spec routing.WorkerSpec) ([]byte, error) {
 	return b, nil
 }
 
-// sourced is a spec as the cluster registry stores it for a worker that a discovery source
-// owns: the spec's own fields and, beside them, the source's name. A replica that does not
-// know the field ignores it (DecodeSpec reads unknown fields as nothing).
-type sourced struct {
-	routing.WorkerSpec
+// Owned is what a stored spec says of the discovery source that owns its worker.
+type Owned struct {
+	// Source is the owner's name ("" for a worker from the admin API or a drain of a flag
+	// worker).
 	Source string `json:"source,omitempty"`
+	// Gone marks a worker its source drained because it was gone (not an operator's drain).
+	Gone bool `json:"gone,omitempty"`
 }
 
-// EncodeOwned is a worker spec as the cluster registry stores it for the owner source (the
-// worker's marker: discovery removes only the workers it owns).
-func EncodeOwned(spec routing.WorkerSpec, source string) ([]byte, error) {
-	b, err := json.Marshal(sourced{WorkerSpec: spec, Source: source})
+// sourced is a spec as the cluster registry stores it for a worker that a discovery source
+// owns: the spec's own fields and, beside them, the owner's. A replica that does not know
+// the fields ignores them (DecodeSpec reads unknown fields as nothing).
+type sourced struct {
+	routing.WorkerSpec
+	Owned
+}
+
+// EncodeOwned is a worker spec as the cluster registry stores it for its owner (the marker
+// by which discovery knows the workers it may drain and remove).
+func EncodeOwned(spec routing.WorkerSpec, owner Owned) ([]byte, error) {
+	b, err := json.Marshal(sourced{WorkerSpec: spec, Owned: owner})
 	if err != nil {
 		return nil, fmt.Errorf("workers: encode spec of %s: %w", spec.ID, err)
 	}
 	return b, nil
 }
 
-// OwnerOf is the source a stored spec names as its owner ("" for a worker from the admin
-// API, a drain of a flag worker, or bytes that do not decode).
-func OwnerOf(raw []byte) string {
-	var s struct {
-		Source string `json:"source"`
+// OwnerOf is what a stored spec says of its owner (the zero Owned for bytes that do not
+// decode or name none).
+func OwnerOf(raw []byte) Owned {
+	var o Owned
+	if json.Unmarshal(raw, &o) != nil {
+		return Owned{}
 	}
-	if json.Unmarshal(raw, &s) != nil {
-		return ""
-	}
-	return s.Source
+	return o
 }
 
 // ParseSpecs reads a JSON array of worker specs (the --workers-file shape): an unknown field
