@@ -20,6 +20,7 @@ FUZZ_TARGETS := \
 	./transport/kvevents:FuzzGuardFraming \
 	./fsm:FuzzDecode \
 	./fsm:FuzzRestore \
+	./workers:FuzzParseSpecs \
 	./transport/openai:FuzzParseMatchesEncodingJSON \
 	./indexer:FuzzSnapshotDecode \
 	./cluster/hints:FuzzHealthDecode \

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/admin"
+	"github.com/kvrouter-ha/kvrouter-ha/discovery"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
@@ -90,7 +91,19 @@ type Config struct {
 	// the client port has closed (0: 30s).
 	ShutdownTimeout time.Duration
 	Cluster         ClusterConfig
-	Logger          *slog.Logger
+	// Discovery finds workers as they come and go (a leader duty writing the cluster registry).
+	Discovery DiscoveryConfig
+	Logger    *slog.Logger
+}
+
+// DiscoveryConfig is where the replicas find their workers at run time (discovery.Parse
+// reads each source); zero durations take discovery's defaults.
+type DiscoveryConfig struct {
+	// Sources are "file:PATH", "dns:NAME:PORT" or "dns-srv:NAME".
+	Sources []string
+	// DNSServer (host:port), when set, is the only DNS server the dns sources ask.
+	DNSServer                      string
+	Interval, DrainFor, SuspectFor time.Duration
 }
 
 // ClientPortConfig bounds what a client connection may hold without sending: zero takes the
@@ -208,6 +221,14 @@ func (c *Config) check() error {
 	case 0, 16, 24, 32:
 	default:
 		errs = append(errs, fmt.Errorf("gossip key: %d bytes, want 16, 24 or 32", n))
+	}
+	if d := c.Discovery; d.Interval < 0 || d.DrainFor < 0 || d.SuspectFor < 0 {
+		errs = append(errs, errors.New("--discovery-interval, --discovery-drain-for and --discovery-suspect-for must not be negative"))
+	}
+	for _, s := range c.Discovery.Sources {
+		if _, err := discovery.Parse(s, c.Discovery.DNSServer); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if err := c.checkOpenCluster(); err != nil {
 		errs = append(errs, err)

@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/admin"
 	"github.com/kvrouter-ha/kvrouter-ha/cluster"
+	"github.com/kvrouter-ha/kvrouter-ha/discovery"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/version"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -271,6 +272,9 @@ func (r *Replica) openRouting(context.Context) error {
 		return err
 	}
 	r.lifecycle = lc
+	if err := r.openDiscovery(); err != nil {
+		return err
+	}
 	var index routing.PrefixIndex = r.approx
 	if r.precise != nil {
 		index = routing.Overlay{r.precise, r.approx}
@@ -513,3 +517,29 @@ func (r *Replica) Policy() string { return r.router.Policy() }
 
 // Scheme is the client port's URL scheme (https with a certificate).
 func (r *Replica) Scheme() string { return r.cfg.TLS.Scheme() }
+
+// openDiscovery registers the discovery leader duty over the configured sources (none: off).
+func (r *Replica) openDiscovery() error {
+	d := r.cfg.Discovery
+	if len(d.Sources) == 0 {
+		return nil
+	}
+	var sources []discovery.Source
+	for _, spec := range d.Sources {
+		s, err := discovery.Parse(spec, d.DNSServer)
+		if err != nil {
+			return err
+		}
+		sources = append(sources, s)
+	}
+	return discovery.Start(discovery.Config{
+		Sources: sources, Cluster: r.node, Interval: d.Interval, DrainFor: d.DrainFor, SuspectFor: d.SuspectFor,
+		// A worker from --worker or the workers file is in the routing registry and not the
+		// cluster's: discovery leaves its id alone.
+		Static: func(id string) bool {
+			_, ok := r.registry.Lookup(id)
+			return ok && !r.lifecycle.InCluster(id)
+		},
+		Registerer: r.promReg, Logger: r.log.With("duty", "discovery"),
+	})
+}

@@ -98,6 +98,68 @@ func EncodeSpec(spec routing.WorkerSpec) ([]byte, error) {
 	return b, nil
 }
 
+// Owned is what a stored spec says of the discovery source that owns its worker.
+type Owned struct {
+	// Source is the owner's name ("" for a worker from the admin API or a drain of a flag
+	// worker).
+	Source string `json:"source,omitempty"`
+	// Gone marks a worker its source drained because it was gone (not an operator's drain).
+	Gone bool `json:"gone,omitempty"`
+}
+
+// sourced is a spec as the cluster registry stores it for a worker that a discovery source
+// owns: the spec's own fields and, beside them, the owner's. A replica that does not know
+// the fields ignores them (DecodeSpec reads unknown fields as nothing).
+type sourced struct {
+	routing.WorkerSpec
+	Owned
+}
+
+// EncodeOwned is a worker spec as the cluster registry stores it for its owner (the marker
+// by which discovery knows the workers it may drain and remove).
+func EncodeOwned(spec routing.WorkerSpec, owner Owned) ([]byte, error) {
+	b, err := json.Marshal(sourced{WorkerSpec: spec, Owned: owner})
+	if err != nil {
+		return nil, fmt.Errorf("workers: encode spec of %s: %w", spec.ID, err)
+	}
+	return b, nil
+}
+
+// OwnerOf is what a stored spec says of its owner (the zero Owned for bytes that do not
+// decode or name none).
+func OwnerOf(raw []byte) Owned {
+	var o Owned
+	if json.Unmarshal(raw, &o) != nil {
+		return Owned{}
+	}
+	return o
+}
+
+// ParseSpecs reads a JSON array of worker specs (the --workers-file shape): an unknown field
+// is an error, as is a spec ValidateSpec refuses or an id given twice.
+func ParseSpecs(b []byte) ([]routing.WorkerSpec, error) {
+	var specs []routing.WorkerSpec
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&specs); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if dec.More() {
+		return nil, fmt.Errorf("%w: more than one JSON value", ErrInvalid)
+	}
+	seen := make(map[string]bool, len(specs))
+	for i := range specs {
+		if err := routing.ValidateSpec(&specs[i]); err != nil {
+			return nil, fmt.Errorf("%w: entry %d: %w", ErrInvalid, i, err)
+		}
+		if seen[specs[i].ID] {
+			return nil, fmt.Errorf("%w: worker id %q given twice", ErrInvalid, specs[i].ID)
+		}
+		seen[specs[i].ID] = true
+	}
+	return specs, nil
+}
+
 // DecodeSpec reads a spec stored under id by EncodeSpec; the registry's id wins over one
 // in the bytes.
 func DecodeSpec(id string, raw []byte) (routing.WorkerSpec, error) {

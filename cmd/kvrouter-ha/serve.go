@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"encoding/base64"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -26,6 +25,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
+	"github.com/kvrouter-ha/kvrouter-ha/workers"
 )
 
 // workerFlag collects --worker values: "id=url" or a bare url (id w<n>).
@@ -80,16 +80,15 @@ func readSecret(value, file, env, what string) (string, error) {
 	return strings.TrimSpace(value), nil
 }
 
-// loadWorkersFile reads a JSON array of worker specs.
+// loadWorkersFile reads a JSON array of worker specs (workers.ParseSpecs, which the file
+// discovery source reads with too).
 func loadWorkersFile(path string) ([]routing.WorkerSpec, error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("workers file: %w", err)
 	}
-	var specs []routing.WorkerSpec
-	dec := json.NewDecoder(strings.NewReader(string(b)))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&specs); err != nil {
+	specs, err := workers.ParseSpecs(b)
+	if err != nil {
 		return nil, fmt.Errorf("workers file %s: %w", path, err)
 	}
 	return specs, nil
@@ -146,6 +145,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.ClientPort.BodyTimeout, "client-body-timeout", replica.DefaultClientBodyTimeout, "client port: time to send a request's whole body, from its headers on (408 past it); answers are not bounded by it")
 	fs.Var(workerFlag{&cfg.Workers}, "worker", "a worker as id=url (repeatable, or comma-separated)")
 	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events, role, dp_size, capacity_blocks, loras, models")
+	registerDiscoveryFlags(fs, &cfg.Discovery)
 	fs.StringVar(&cfg.Router.Policy, "policy", "kv", "selection policy: "+strings.Join(routing.Policies(), ", "))
 	fs.IntVar(&cfg.Router.BlockSize, "block-size", indexer.DefaultBlockSize, "KV block size in tokens (must match the workers')")
 	fs.Float64Var(&cfg.Router.PrefillWeight, "prefill-weight", 1, "kv policy: weight of prefill blocks in the cost")
@@ -281,6 +281,31 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 			return rep.Shutdown(skip)
 		},
 	}
+}
+
+// registerDiscoveryFlags declares the discovery flags on fs: where the leader finds workers
+// at run time, beside --worker, --workers-file and the admin API.
+func registerDiscoveryFlags(fs *flag.FlagSet, d *replica.DiscoveryConfig) {
+	fs.Var(listFlag{&d.Sources}, "discovery", "find workers at run time (repeatable, or comma-separated): file:PATH (a JSON array of worker specs, the --workers-file shape, re-read when it changes), dns:NAME:PORT (the name's A/AAAA records, each address:port a worker) or dns-srv:NAME (its SRV records); the leader adds, drains and removes them through Raft")
+	fs.StringVar(&d.DNSServer, "discovery-dns-server", "", "host:port of the DNS server the dns discovery sources ask (default: the system's resolvers)")
+	fs.DurationVar(&d.Interval, "discovery-interval", 10*time.Second, "how often the leader looks at each discovery source")
+	fs.DurationVar(&d.DrainFor, "discovery-drain-for", 30*time.Second, "a discovered worker that is gone drains (no new requests, in-flight ones finish, its sessions move) this long before it is removed")
+	fs.DurationVar(&d.SuspectFor, "discovery-suspect-for", time.Minute, "a look that would drain more than half of a source's workers at once waits this long (still saying so) before the drains go ahead")
+}
+
+// listFlag collects a repeatable, comma-separated flag's values.
+type listFlag struct{ values *[]string }
+
+func (l listFlag) String() string {
+	if l.values == nil {
+		return ""
+	}
+	return strings.Join(*l.values, ",")
+}
+
+func (l listFlag) Set(v string) error {
+	*l.values = append(*l.values, splitList(v)...)
+	return nil
 }
 
 // registerClusterFlags declares the cluster flags on fs (--join into join, comma-separated).

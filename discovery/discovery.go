@@ -1,0 +1,385 @@
+// Package discovery finds workers as they come and go and writes what it finds into the
+// cluster's worker registry through Raft, as a leader duty: every replica routes to the same
+// set, a removed worker's bindings go once, and a new leader resumes from the registry.
+//
+// A Source says which workers it sees now (a file of specs, a DNS name; a Kubernetes watch
+// answers the same question from its cache). The leader looks every interval, compares what
+// the sources see with the workers each source owns in the registry (a stored spec names its
+// owner: see workers.EncodeOwned), and proposes AddWorker for a new or changed worker,
+// DrainWorker for one that is gone (its bindings go; each session moves on its next request)
+// and RemoveWorker once it has drained for the drain period. A source that fails keeps its
+// last known set; a look that would drain more than half of a source's workers at once is
+// held as suspect (see DESIGN.md for the rules).
+package discovery
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/ratelog"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/workers"
+)
+
+// Source is one place the fleet is read from.
+type Source interface {
+	// Name identifies the source for good: it marks the workers the source owns in the
+	// registry, so a new leader (or a restarted one) knows them again. "file:PATH", "dns:NAME:PORT".
+	Name() string
+	// Kind is the metric label of the source ("file", "dns"): a small, fixed set.
+	Kind() string
+	// Lookup returns the workers the source sees now; an error means it cannot tell (and
+	// the source's workers stay as they are).
+	Lookup(ctx context.Context) ([]routing.WorkerSpec, error)
+}
+
+// Cluster is what discovery needs of the replicated state (cluster.Node is one).
+type Cluster interface {
+	// Workers lists the cluster registry's workers.
+	Workers() []fsm.Worker
+	// Apply proposes a command through the leader and waits for its result.
+	Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error)
+	// AddDuty runs work while this replica leads, from each term's start to its end.
+	AddDuty(name string, run func(ctx context.Context))
+}
+
+// Config configures discovery.
+type Config struct {
+	Sources []Source
+	Cluster Cluster
+	// Static reports whether a worker id is configured on this replica outside the cluster
+	// registry (a --worker flag or the workers file): discovery never takes such an id over.
+	Static func(id string) bool
+	// Interval between looks (default 10 s).
+	Interval time.Duration
+	// DrainFor is how long a gone worker drains (no new requests, in-flight ones finish)
+	// before it is removed (default 30 s).
+	DrainFor time.Duration
+	// SuspectFor is how long a look that would drain more than half of a source's workers
+	// at once is held before it is acted on (default 1 min; it still says so then).
+	SuspectFor time.Duration
+	// Registerer, when set, gets the discovery metrics.
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// Owner is the marker a source's workers carry in the registry.
+func Owner(s Source) string { return "discovery:" + s.Name() }
+
+// Start registers the discovery leader duty with cfg.Cluster; it runs while this replica
+// leads, from each term's start to its end.
+func Start(cfg Config) error {
+	if cfg.Cluster == nil {
+		return errors.New("discovery: a cluster is required")
+	}
+	if len(cfg.Sources) == 0 {
+		return nil
+	}
+	if cfg.Interval <= 0 {
+		cfg.Interval = 10 * time.Second
+	}
+	if cfg.DrainFor <= 0 {
+		cfg.DrainFor = 30 * time.Second
+	}
+	if cfg.SuspectFor <= 0 {
+		cfg.SuspectFor = time.Minute
+	}
+	if cfg.Static == nil {
+		cfg.Static = func(string) bool { return false }
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	names := map[string]bool{}
+	for _, s := range cfg.Sources {
+		if names[s.Name()] {
+			return fmt.Errorf("discovery: source %s given twice", s.Name())
+		}
+		names[s.Name()] = true
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return err
+	}
+	cfg.Cluster.AddDuty("discover workers", func(ctx context.Context) {
+		t := newTerm(cfg, m)
+		t.run(ctx)
+	})
+	return nil
+}
+
+// metrics are the discovery counters (on the leader, which does the looking).
+type metrics struct {
+	errors  *prometheus.CounterVec
+	changes *prometheus.CounterVec
+	held    *prometheus.GaugeVec
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	m := &metrics{
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_discovery_errors_total",
+			Help: "Looks at a discovery source that failed (the source's last known set is kept).",
+		}, []string{"source"}),
+		changes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_discovery_changes_total",
+			Help: "Worker registry changes discovery proposed: add, drain, remove.",
+		}, []string{"source", "action"}),
+		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvrouter_discovery_suspect_drains",
+			Help: "Drains held because one look would drain more than half of a source's workers at once.",
+		}, []string{"source"}),
+	}
+	if reg != nil {
+		for _, c := range []prometheus.Collector{m.errors, m.changes, m.held} {
+			if err := reg.Register(c); err != nil {
+				return nil, fmt.Errorf("discovery: metrics: %w", err)
+			}
+		}
+	}
+	return m, nil
+}
+
+// term is one leadership term's discovery: what it knows lives only as long as the term; the
+// registry is the state a new term starts from.
+type term struct {
+	cfg  Config
+	m    *metrics
+	logs *ratelog.Limiter
+	// last is each source's last good look (absent: none yet this term, so its workers
+	// are left as they are).
+	last map[string]map[string]routing.WorkerSpec
+	// drainingSince is when this term first saw each gone worker draining.
+	drainingSince map[string]time.Time
+	// suspectSince is when a source's looks started to be suspect (absent: not suspect).
+	suspectSince map[string]time.Time
+}
+
+func newTerm(cfg Config, m *metrics) *term {
+	return &term{
+		cfg: cfg, m: m, logs: ratelog.New(time.Minute, 64),
+		last:          map[string]map[string]routing.WorkerSpec{},
+		drainingSince: map[string]time.Time{},
+		suspectSince:  map[string]time.Time{},
+	}
+}
+
+func (t *term) run(ctx context.Context) {
+	tick := time.NewTicker(t.cfg.Interval)
+	defer tick.Stop()
+	for {
+		for _, s := range t.cfg.Sources {
+			t.look(ctx, s)
+			if ctx.Err() != nil {
+				return
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// look asks source s what it sees and reconciles its workers in the registry.
+func (t *term) look(ctx context.Context, s Source) { t.lookAt(ctx, s, time.Now()) }
+
+// lookAt is look with the time it happens at.
+func (t *term) lookAt(ctx context.Context, s Source, now time.Time) {
+	lctx, cancel := context.WithTimeout(ctx, max(t.cfg.Interval, 5*time.Second))
+	specs, err := s.Lookup(lctx)
+	cancel()
+	if err != nil {
+		if ctx.Err() != nil {
+			return
+		}
+		t.m.errors.WithLabelValues(s.Kind()).Inc()
+		_, known := t.last[s.Name()]
+		t.logs.Log(t.cfg.Logger, "lookup "+s.Name(), slog.LevelWarn, "discovery source failed; its workers stay as they are",
+			"source", s.Name(), "last_known", known, "err", err)
+		if !known {
+			return
+		}
+	} else {
+		want := make(map[string]routing.WorkerSpec, len(specs))
+		for _, sp := range specs {
+			want[sp.ID] = sp
+		}
+		t.last[s.Name()] = want
+	}
+	t.reconcile(ctx, s, t.last[s.Name()], now)
+}
+
+// reconcile moves the registry's workers owned by s towards want, in the order of the ids.
+func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.WorkerSpec, now time.Time) {
+	owner := Owner(s)
+	inCluster := map[string]fsm.Worker{}
+	owned := map[string]fsm.Worker{}
+	for _, w := range t.cfg.Cluster.Workers() {
+		inCluster[w.ID] = w
+		if workers.OwnerOf(w.Spec).Source == owner {
+			owned[w.ID] = w
+		}
+	}
+	// Present: added (or brought back from draining, or updated).
+	for _, id := range slices.Sorted(maps.Keys(want)) {
+		spec := want[id]
+		w, ours := owned[id]
+		if _, taken := inCluster[id]; (taken && !ours) || (!taken && t.cfg.Static(id)) {
+			t.logs.Log(t.cfg.Logger, "taken "+id, slog.LevelWarn, "discovered worker id is configured otherwise; left alone",
+				"source", s.Name(), "worker", id)
+			continue
+		}
+		if ours && w.Draining && !workers.OwnerOf(w.Spec).Gone {
+			// An operator's drain (ctl workers drain), not this source's: it stands while the
+			// source lists the worker, and the worker goes once the source drops it.
+			continue
+		}
+		raw, err := workers.EncodeOwned(spec, workers.Owned{Source: owner})
+		if err == nil && len(raw) > fsm.MaxSpecLen {
+			err = fmt.Errorf("spec of %d bytes, over %d", len(raw), fsm.MaxSpecLen)
+		}
+		if err != nil {
+			// One bad entry must not stop the rest of the fleet's changes.
+			t.logs.Log(t.cfg.Logger, "spec "+id, slog.LevelWarn, "discovered worker left out", "source", s.Name(), "worker", id, "err", err)
+			continue
+		}
+		if ours && !w.Draining && bytes.Equal(w.Spec, raw) {
+			continue
+		}
+		if !t.apply(ctx, s, "add", id, &fsm.AddWorker{ID: id, Spec: raw}) {
+			return
+		}
+		delete(t.drainingSince, id)
+	}
+	// Gone: drained, then removed after the drain period. A drop of more than half of the
+	// source's active workers in one look waits out the suspect period first.
+	var drain []string
+	active := 0
+	for _, id := range slices.Sorted(maps.Keys(owned)) {
+		w := owned[id]
+		if _, present := want[id]; present {
+			if !w.Draining {
+				active++
+			}
+			continue
+		}
+		if !w.Draining {
+			active++
+			drain = append(drain, id)
+			continue
+		}
+		since, ok := t.drainingSince[id]
+		if !ok {
+			// Drained by an earlier term (or this one): the drain period starts afresh,
+			// which only lengthens it.
+			t.drainingSince[id] = now
+			continue
+		}
+		if now.Sub(since) >= t.cfg.DrainFor {
+			if !t.apply(ctx, s, "remove", id, &fsm.RemoveWorker{ID: id}) {
+				return
+			}
+			delete(t.drainingSince, id)
+		}
+	}
+	if suspect(len(drain), active) {
+		since, ok := t.suspectSince[s.Name()]
+		if !ok {
+			t.suspectSince[s.Name()] = now
+			since = now
+		}
+		t.m.held.WithLabelValues(s.Kind()).Set(float64(len(drain)))
+		if now.Sub(since) < t.cfg.SuspectFor {
+			t.logs.Log(t.cfg.Logger, "suspect "+s.Name(), slog.LevelWarn, "discovery source dropped more than half of its workers at once; holding the drains",
+				"source", s.Name(), "gone", len(drain), "active", active, "hold", t.cfg.SuspectFor)
+			return
+		}
+	} else {
+		delete(t.suspectSince, s.Name())
+		t.m.held.WithLabelValues(s.Kind()).Set(0)
+	}
+	for _, id := range drain {
+		// Marked gone first, so that whoever leads when it comes back knows the drain was
+		// this source's and undoes it (a leader lost between the two commands leaves a marked,
+		// undrained worker, which the next look drains or clears).
+		if o := workers.OwnerOf(owned[id].Spec); !o.Gone {
+			spec, err := workers.DecodeSpec(id, owned[id].Spec)
+			if err != nil {
+				continue
+			}
+			raw, err := workers.EncodeOwned(spec, workers.Owned{Source: owner, Gone: true})
+			if err != nil {
+				continue
+			}
+			if !t.apply(ctx, s, "mark-gone", id, &fsm.AddWorker{ID: id, Spec: raw}) {
+				return
+			}
+		}
+		if !t.apply(ctx, s, "drain", id, &fsm.DrainWorker{ID: id}) {
+			return
+		}
+		t.drainingSince[id] = now
+	}
+	if len(drain) > 0 {
+		delete(t.suspectSince, s.Name())
+		t.m.held.WithLabelValues(s.Kind()).Set(0)
+	}
+}
+
+// suspect is the panic rule: one look that would drain more than half of a source's active
+// workers is suspect.
+func suspect(gone, active int) bool { return gone > 0 && 2*gone > active }
+
+// apply proposes cmd and reports whether it went through (false ends this look: the next
+// one starts again from the registry).
+func (t *term) apply(ctx context.Context, s Source, action, id string, cmd fsm.Command) bool {
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := t.cfg.Cluster.Apply(cctx, cmd); err != nil {
+		if ctx.Err() == nil {
+			t.logs.Log(t.cfg.Logger, "propose "+s.Name(), slog.LevelWarn, "discovery proposal failed; the next look tries again",
+				"source", s.Name(), "action", action, "worker", id, "err", err)
+		}
+		return false
+	}
+	t.m.changes.WithLabelValues(s.Kind(), action).Inc()
+	t.cfg.Logger.Info("discovery changed the worker registry", "source", s.Name(), "action", action, "worker", id)
+	return true
+}
+
+// Parse makes a source from its flag form: "file:PATH", "dns:NAME:PORT" (A/AAAA records with
+// the port) or "dns-srv:NAME" (SRV records). dnsServer (host:port), when set, is the DNS
+// server the dns sources ask instead of the system's.
+func Parse(spec, dnsServer string) (Source, error) {
+	kind, rest, _ := strings.Cut(spec, ":")
+	switch kind {
+	case "file":
+		if rest == "" {
+			return nil, fmt.Errorf("discovery %q: file:PATH needs a path", spec)
+		}
+		return NewFile(rest), nil
+	case "dns":
+		name, port, ok := strings.Cut(rest, ":")
+		p, err := strconv.Atoi(port)
+		if !ok || err != nil || p < 1 || p > 65535 {
+			return nil, fmt.Errorf("discovery %q: dns:NAME:PORT needs a port from 1 to 65535", spec)
+		}
+		return NewDNS(name, p, dnsServer)
+	case "dns-srv":
+		return NewDNS(rest, 0, dnsServer)
+	}
+	return nil, fmt.Errorf("discovery %q: want file:PATH, dns:NAME:PORT or dns-srv:NAME", spec)
+}

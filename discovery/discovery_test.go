@@ -1,0 +1,337 @@
+package discovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/raft"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/workers"
+)
+
+// memCluster is the real state machine applied in process: what a one-replica cluster's
+// leader does, without Raft underneath. It records each command it applied.
+type memCluster struct {
+	mu      sync.Mutex
+	f       *fsm.FSM
+	index   uint64
+	applied []string
+}
+
+func newMemCluster() *memCluster { return &memCluster{f: fsm.New(fsm.Options{})} }
+
+func (c *memCluster) Workers() []fsm.Worker                       { return c.f.Workers() }
+func (c *memCluster) AddDuty(_ string, run func(context.Context)) {}
+
+func (c *memCluster) Apply(_ context.Context, cmd fsm.Command) (*fsm.Result, error) {
+	b, err := fsm.Encode(cmd)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	c.index++
+	idx := c.index
+	switch v := cmd.(type) {
+	case *fsm.AddWorker:
+		if workers.OwnerOf(v.Spec).Gone {
+			c.applied = append(c.applied, "mark "+v.ID)
+			break
+		}
+		c.applied = append(c.applied, "add "+v.ID)
+	case *fsm.DrainWorker:
+		c.applied = append(c.applied, "drain "+v.ID)
+	case *fsm.RemoveWorker:
+		c.applied = append(c.applied, "remove "+v.ID)
+	}
+	c.mu.Unlock()
+	res := c.f.Apply(&raft.Log{Type: raft.LogCommand, Index: idx, Data: b}).(*fsm.Result)
+	return res, res.Err
+}
+
+// took returns the commands applied since the last call.
+func (c *memCluster) took() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := c.applied
+	c.applied = nil
+	return out
+}
+
+// fakeSource answers what the test set (or its error).
+type fakeSource struct {
+	ids []string
+	err error
+}
+
+func (s *fakeSource) Name() string { return "fake" }
+func (s *fakeSource) Kind() string { return "fake" }
+func (s *fakeSource) Lookup(context.Context) ([]routing.WorkerSpec, error) {
+	if s.err != nil {
+		return nil, s.err
+	}
+	out := []routing.WorkerSpec{}
+	for _, id := range s.ids {
+		out = append(out, routing.WorkerSpec{ID: id, URL: "http://127.0.0.1:1/" + id, DPSize: 1})
+	}
+	return out, nil
+}
+
+func testTerm(t *testing.T, c *memCluster, static ...string) (*term, *metrics) {
+	t.Helper()
+	m, err := newMetrics(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := Config{Cluster: c, Logger: slog.New(slog.DiscardHandler), Interval: time.Second, DrainFor: 10 * time.Second, SuspectFor: 30 * time.Second,
+		Static: func(id string) bool {
+			for _, s := range static {
+				if s == id {
+					return true
+				}
+			}
+			return false
+		}}
+	return newTerm(cfg, m), m
+}
+
+// step is one look: what the source says (or fails with), how far the clock moved, and the
+// commands the look must propose, in order.
+type step struct {
+	ids     []string
+	err     error
+	advance time.Duration
+	want    []string
+}
+
+func TestAWorkersLifeThroughLooks(t *testing.T) {
+	fail := errors.New("source down")
+	cases := []struct {
+		name  string
+		steps []step
+	}{
+		{"present is added once, gone is drained once, then removed after the drain period", []step{
+			{ids: []string{"a", "b", "c"}, want: []string{"add a", "add b", "add c"}},
+			{ids: []string{"a", "b", "c"}},
+			{ids: []string{"a", "b"}, want: []string{"mark c", "drain c"}},
+			{ids: []string{"a", "b"}, advance: 5 * time.Second},
+			{ids: []string{"a", "b"}, advance: 6 * time.Second, want: []string{"remove c"}},
+			{ids: []string{"a", "b"}, advance: time.Minute},
+		}},
+		{"a drained worker that comes back is added again, not removed", []step{
+			{ids: []string{"a", "b", "c"}, want: []string{"add a", "add b", "add c"}},
+			{ids: []string{"a", "b"}, want: []string{"mark c", "drain c"}},
+			{ids: []string{"a", "b", "c"}, advance: time.Second, want: []string{"add c"}},
+			{ids: []string{"a", "b", "c"}, advance: time.Minute},
+		}},
+		{"a failed look keeps the last set and drains nothing", []step{
+			{ids: []string{"a", "b", "c"}, want: []string{"add a", "add b", "add c"}},
+			{err: fail, advance: time.Minute},
+			{err: fail, advance: time.Hour},
+			{ids: []string{"a", "b", "c"}},
+		}},
+		{"a failed look keeps a drain going to its removal", []step{
+			{ids: []string{"a", "b", "c"}, want: []string{"add a", "add b", "add c"}},
+			{ids: []string{"a", "b"}, want: []string{"mark c", "drain c"}},
+			{err: fail, advance: time.Minute, want: []string{"remove c"}},
+		}},
+		{"a drop of more than half is held for the suspect period, then acted on", []step{
+			{ids: []string{"a", "b", "c", "d"}, want: []string{"add a", "add b", "add c", "add d"}},
+			{ids: []string{"a"}},
+			{ids: []string{"a"}, advance: 20 * time.Second},
+			{ids: []string{"a"}, advance: 11 * time.Second, want: []string{"mark b", "drain b", "mark c", "drain c", "mark d", "drain d"}},
+		}},
+		{"a suspect drop that recovers within the period drains nothing", []step{
+			{ids: []string{"a", "b", "c", "d"}, want: []string{"add a", "add b", "add c", "add d"}},
+			{ids: []string{}},
+			{ids: []string{"a", "b", "c", "d"}, advance: 20 * time.Second},
+			{ids: []string{}, advance: 20 * time.Second},
+			{ids: []string{}, advance: 20 * time.Second},
+			{ids: []string{}, advance: 11 * time.Second, want: []string{"mark a", "drain a", "mark b", "drain b", "mark c", "drain c", "mark d", "drain d"}},
+		}},
+		{"half at once is not suspect", []step{
+			{ids: []string{"a", "b", "c", "d"}, want: []string{"add a", "add b", "add c", "add d"}},
+			{ids: []string{"a", "b"}, want: []string{"mark c", "drain c", "mark d", "drain d"}},
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newMemCluster()
+			tm, _ := testTerm(t, c)
+			src := &fakeSource{}
+			now := time.Unix(1000, 0)
+			for i, st := range tc.steps {
+				now = now.Add(st.advance)
+				src.ids, src.err = st.ids, st.err
+				tm.lookAt(context.Background(), src, now)
+				if got := c.took(); fmt.Sprint(sorted(got)) != fmt.Sprint(sorted(st.want)) {
+					t.Fatalf("step %d: proposed %v, want %v", i, got, st.want)
+				}
+			}
+		})
+	}
+}
+
+func TestANewTermResumesFromTheRegistry(t *testing.T) {
+	c := newMemCluster()
+	src := &fakeSource{ids: []string{"a", "b", "c"}}
+	first, _ := testTerm(t, c)
+	now := time.Unix(1000, 0)
+	first.lookAt(context.Background(), src, now)
+	src.ids = []string{"a", "b"}
+	first.lookAt(context.Background(), src, now)
+	if got := c.took(); len(got) != 5 {
+		t.Fatalf("first term proposed %v", got)
+	}
+	// The leader dies; the next one knows only the registry.
+	next, _ := testTerm(t, c)
+	next.lookAt(context.Background(), src, now)
+	if got := c.took(); len(got) != 0 {
+		t.Fatalf("the new term proposed %v at once, want nothing: no worker added twice, none drained twice", got)
+	}
+	next.lookAt(context.Background(), src, now.Add(11*time.Second))
+	if got := c.took(); fmt.Sprint(got) != "[remove c]" {
+		t.Fatalf("the new term proposed %v after the drain period, want [remove c]", got)
+	}
+}
+
+func TestAFailedFirstLookLeavesTheSourcesWorkersAlone(t *testing.T) {
+	c := newMemCluster()
+	src := &fakeSource{ids: []string{"a", "b"}}
+	first, _ := testTerm(t, c)
+	first.lookAt(context.Background(), src, time.Unix(1000, 0))
+	c.took()
+	next, m := testTerm(t, c)
+	src.err = errors.New("DNS timeout")
+	next.lookAt(context.Background(), src, time.Unix(5000, 0))
+	if got := c.took(); len(got) != 0 {
+		t.Fatalf("a failed look proposed %v", got)
+	}
+	if n := testutil.ToFloat64(m.errors.WithLabelValues("fake")); n != 1 {
+		t.Fatalf("kvrouter_discovery_errors_total{source=fake} = %v, want 1", n)
+	}
+	if len(c.Workers()) != 2 {
+		t.Fatalf("registry holds %d workers, want 2", len(c.Workers()))
+	}
+}
+
+func TestWorkersDiscoveryDoesNotOwnAreLeftAlone(t *testing.T) {
+	c := newMemCluster()
+	raw, err := workers.EncodeSpec(routing.WorkerSpec{ID: "admin", URL: "http://127.0.0.1:2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Apply(context.Background(), &fsm.AddWorker{ID: "admin", Spec: raw}); err != nil {
+		t.Fatal(err)
+	}
+	c.took()
+	tm, _ := testTerm(t, c, "flag")
+	src := &fakeSource{ids: []string{"admin", "flag", "mine"}}
+	now := time.Unix(1000, 0)
+	tm.lookAt(context.Background(), src, now)
+	if got := c.took(); fmt.Sprint(got) != "[add mine]" {
+		t.Fatalf("proposed %v, want [add mine]: ids from the admin API or flags are not taken over", got)
+	}
+	src.ids = []string{"mine"}
+	tm.lookAt(context.Background(), src, now.Add(time.Hour))
+	if got := c.took(); len(got) != 0 {
+		t.Fatalf("proposed %v when the source dropped workers it does not own", got)
+	}
+	if _, ok := c.f.Worker("admin"); !ok {
+		t.Fatal("the admin API's worker is gone")
+	}
+}
+
+func sorted(s []string) []string {
+	out := slices.Clone(s)
+	slices.Sort(out)
+	return out
+}
+
+// bigSource offers one worker whose spec is over the registry's limit, beside a good one.
+type bigSource struct{ fakeSource }
+
+func (s *bigSource) Lookup(ctx context.Context) ([]routing.WorkerSpec, error) {
+	specs, _ := s.fakeSource.Lookup(ctx)
+	big := routing.WorkerSpec{ID: "big", URL: "http://127.0.0.1:1", DPSize: 1}
+	for range fsm.MaxSpecLen / 8 {
+		big.LoRAs = append(big.LoRAs, "adapter")
+	}
+	return append(specs, big), nil
+}
+
+func TestASpecTheRegistryRefusesDoesNotHoldUpTheRest(t *testing.T) {
+	c := newMemCluster()
+	tm, _ := testTerm(t, c)
+	// Ids after "big": a look that stopped at the refused spec would add none of them.
+	src := &bigSource{fakeSource{ids: []string{"x", "y"}}}
+	tm.lookAt(context.Background(), src, time.Unix(1000, 0))
+	if got := c.took(); fmt.Sprint(got) != "[add x add y]" {
+		t.Fatalf("proposed %v, want [add x add y]", got)
+	}
+}
+
+func TestAnOperatorsDrainStandsWhileTheSourceListsTheWorker(t *testing.T) {
+	c := newMemCluster()
+	tm, _ := testTerm(t, c)
+	src := &fakeSource{ids: []string{"a", "b", "c"}}
+	now := time.Unix(1000, 0)
+	tm.lookAt(context.Background(), src, now)
+	c.took()
+	// ctl workers drain c
+	if _, err := c.Apply(context.Background(), &fsm.DrainWorker{ID: "c"}); err != nil {
+		t.Fatal(err)
+	}
+	c.took()
+	tm.lookAt(context.Background(), src, now.Add(time.Hour))
+	if got := c.took(); len(got) != 0 {
+		t.Fatalf("proposed %v: the operator's drain was undone", got)
+	}
+	src.ids = []string{"a", "b"}
+	tm.lookAt(context.Background(), src, now.Add(time.Hour))
+	tm.lookAt(context.Background(), src, now.Add(2*time.Hour))
+	if got := c.took(); fmt.Sprint(got) != "[remove c]" {
+		t.Fatalf("proposed %v once the source dropped the drained worker, want [remove c]", got)
+	}
+}
+
+func TestALeaderLostBetweenTheMarkAndTheDrainLeavesNothingHalfDone(t *testing.T) {
+	for _, back := range []bool{false, true} {
+		t.Run(fmt.Sprintf("back=%v", back), func(t *testing.T) {
+			c := newMemCluster()
+			first, _ := testTerm(t, c)
+			src := &fakeSource{ids: []string{"a", "b", "c"}}
+			now := time.Unix(1000, 0)
+			first.lookAt(context.Background(), src, now)
+			c.took()
+			// The mark went through; the leader died before the drain.
+			raw, err := workers.EncodeOwned(routing.WorkerSpec{ID: "c", URL: "http://127.0.0.1:1/c", DPSize: 1}, workers.Owned{Source: Owner(src), Gone: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := c.Apply(context.Background(), &fsm.AddWorker{ID: "c", Spec: raw}); err != nil {
+				t.Fatal(err)
+			}
+			c.took()
+			next, _ := testTerm(t, c)
+			want := "[drain c]"
+			if back {
+				want = "[add c]"
+			} else {
+				src.ids = []string{"a", "b"}
+			}
+			next.lookAt(context.Background(), src, now)
+			if got := c.took(); fmt.Sprint(got) != want {
+				t.Fatalf("the next term proposed %v, want %s", got, want)
+			}
+		})
+	}
+}
