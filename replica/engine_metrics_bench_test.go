@@ -27,7 +27,7 @@ import (
 
 // The replay behind the README's before/after figures for engine metrics.
 const (
-	extTracePath = "/work/shared/traces/mooncake_synthetic_trace.jsonl" // else the bundled copy
+	extTracePath = "../../shared/traces/mooncake_synthetic_trace.jsonl" // ../shared beside the repo, else the bundled copy
 	extStart     = 2500                                                 // where sessions are in full swing, as the demo starts
 	extRequests  = 400
 	extSpeedup   = 5

@@ -11,7 +11,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
 
-const realTrace = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+const realTrace = "../../../shared/traces/mooncake_synthetic_trace.jsonl" // ../shared beside the repo
 
 func loadReal(tb testing.TB, n int) []trace.Request {
 	tb.Helper()

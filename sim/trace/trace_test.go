@@ -11,7 +11,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
 
-const realTrace = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+const realTrace = "../../../shared/traces/mooncake_synthetic_trace.jsonl" // ../shared beside the repo
 
 func TestReadParsesGoodLines(t *testing.T) {
 	in := `{"timestamp": 0, "input_length": 1000, "output_length": 6, "hash_ids": [0, 1]}
