@@ -392,6 +392,11 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, 
 	a := l.a
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if err == nil && res.Status == fsm.Rejected {
+		// The worker began draining after it was chosen: nothing is bound, and the lease
+		// keeps the gate, so the request's next choice commits through it.
+		return routing.Binding{}, fmt.Errorf("bind session %q to %s: %w", l.session, w, routing.ErrWorkerDraining)
+	}
 	defer func() {
 		l.ls.init.Open()
 		l.gate = false

@@ -443,3 +443,39 @@ func TestRebindIsOneCompareAndSet(t *testing.T) {
 		t.Fatal("the binding outlived a reopened lease that gave up")
 	}
 }
+
+// TestCommitToAWorkerDrainedMeanwhileLeavesTheLeaseOpenForTheNextChoice: a worker drained
+// between a request's choice and its commit refuses the binding with ErrWorkerDraining, binds
+// nothing, and the same lease then commits the request's next choice (another request of the
+// session would otherwise wait on a gate nobody opens, or the client get a 503 for a worker
+// that answered).
+func TestCommitToAWorkerDrainedMeanwhileLeavesTheLeaseOpenForTheNextChoice(t *testing.T) {
+	c := newTestCluster(t, 3, nil)
+	li, leader := c.leader()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, id := range []string{"w1", "w2"} {
+		if _, err := leader.Apply(ctx, &fsm.AddWorker{ID: id, Spec: []byte(`{"id":"` + id + `"}`)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := NewAffinity(c.nodes[(li+1)%3])
+	l, err := a.Acquire(ctx, "s", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	if _, err := leader.Apply(ctx, &fsm.DrainWorker{ID: "w1"}); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := l.Commit(ctx, indexer.Worker{ID: "w1"}); !errors.Is(err, routing.ErrWorkerDraining) {
+		t.Fatalf("commit to the draining worker: %+v %v, want ErrWorkerDraining", b, err)
+	}
+	if _, ok := leader.FSM().Get("s"); ok {
+		t.Fatal("a binding was made to the draining worker")
+	}
+	b, err := l.Commit(ctx, indexer.Worker{ID: "w2"})
+	if err != nil || b.Worker.ID != "w2" || b.Revision == 0 {
+		t.Fatalf("commit of the next choice: %+v %v", b, err)
+	}
+}

@@ -159,6 +159,10 @@ var (
 	// ErrBoundElsewhere: a concurrent first request on another replica bound the session to
 	// another worker first; the request moves there before its first byte.
 	ErrBoundElsewhere = errors.New("session was bound to another worker by a concurrent request")
+	// ErrWorkerDraining: the state machine refused a new binding because its worker began
+	// draining after it was chosen; the lease stays the session's initializer, so the
+	// request can go to its next choice (no byte has reached the client yet).
+	ErrWorkerDraining = errors.New("the chosen worker is draining")
 	// ErrRetriesExhausted: the bounded retries before the first byte are used up (502).
 	ErrRetriesExhausted = errors.New("retries exhausted")
 )

@@ -110,6 +110,15 @@ func (s *Server) hold(ctx context.Context, h http.Header, body []byte, opts Hold
 	// a concurrent request made first wins, and the decision moves to its worker.
 	wasBound := att.Decision().Bound
 	b, err := att.Commit(ctx)
+	for errors.Is(err, routing.ErrWorkerDraining) {
+		// The worker began draining after it was chosen: the next choice (Retry's bound
+		// ends the loop).
+		if rerr := att.Retry(ctx, err); rerr != nil {
+			return nil, routeError(rerr)
+		}
+		wasBound = att.Decision().Bound
+		b, err = att.Commit(ctx)
+	}
 	if err != nil && !errors.Is(err, routing.ErrBoundElsewhere) {
 		att.Finish()
 		return nil, commitError(err)

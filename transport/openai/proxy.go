@@ -291,6 +291,11 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 			"worker", c.att.Decision().Target.Worker.String())
 		return moved, failure{}
 	}
+	if errors.Is(err, routing.ErrWorkerDraining) {
+		// Nothing has reached the client: drop this worker's answer and try the next choice,
+		// as for a worker that failed (a draining worker takes no new session).
+		return retry, failure{cause: "draining", err: err}
+	}
 	if err != nil {
 		// Closing the body unread drops the connection, which cancels the worker's request.
 		s.fail(c.w, c.r, commitError(err))
