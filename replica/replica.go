@@ -327,6 +327,12 @@ func (r *Replica) openRouting(context.Context) error {
 	r.admin = &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: admin.Handler(admin.Config{
 		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry,
 		Metrics: openai.AdminHandler(r.promReg),
+		StaticSource: func(id string) string {
+			if cfg.WorkersFromFile[id] {
+				return admin.SourceFile
+			}
+			return admin.SourceFlags
+		},
 	})}
 	return nil
 }
