@@ -261,6 +261,9 @@ func (f *eventFeed) sync(ctx context.Context) {
 	f.mu.Unlock()
 	for _, wf := range stop {
 		wf.stop()
+		for _, sub := range wf.subs {
+			sub.Forget()
+		}
 		// Events applied between the registry's purge (Forget) and the stop are purged too.
 		for rank := range max(wf.spec.DPSize, 1) {
 			f.base.Sink.RemoveWorker(indexer.Worker{ID: wf.spec.ID, DPRank: uint32(rank)})

@@ -86,6 +86,18 @@ func (s *Subscriber) SetWorkers(ctx context.Context, ws Workers) error {
 	return nil
 }
 
+// Forget drops, once Run has returned, what the subscriber keeps per worker: its streams,
+// engine maps and gauges (a Connect subscriber of a worker that left the registry; the
+// counters stay, as counters do).
+func (s *Subscriber) Forget() {
+	s.acquire()
+	defer s.release()
+	for w := range s.streams {
+		delete(s.streams, w)
+		s.forgetLabels(w)
+	}
+}
+
 // forgetLabels deletes the per-worker series of a worker the subscriber no longer serves.
 func (s *Subscriber) forgetLabels(w indexer.Worker) {
 	label := w.String()

@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 )
 
@@ -72,5 +74,27 @@ func TestSetWorkersRefusesAConnectSubscriber(t *testing.T) {
 	}
 	if err := sub.SetWorkers(context.Background(), Workers{}); err == nil {
 		t.Fatal("a connect-mode subscriber took a set of workers")
+	}
+}
+
+func TestForgetDropsAStoppedSubscribersWorkers(t *testing.T) {
+	m, err := NewMetrics(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := indexer.Worker{ID: "w", DPRank: 1}
+	sub, err := NewSubscriber(Config{Endpoint: "tcp://127.0.0.1:1", Worker: w, BlockSize: 16, Sink: newSink(), Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sub.acquire()
+	sub.stream(w).lastSeq.Set(7)
+	sub.release()
+	sub.Forget()
+	if len(sub.streams) != 0 {
+		t.Error("streams kept")
+	}
+	if n := testutil.CollectAndCount(m.lastSeq); n != 0 {
+		t.Errorf("%d last-sequence series kept for a forgotten worker", n)
 	}
 }
