@@ -45,32 +45,6 @@ func tokenBody(tokens []uint32) []byte {
 	return b
 }
 
-// routeOf asks replica r's POST /v1/route where tokens would go and how many of their blocks
-// that worker is credited with.
-func routeOf(ctx context.Context, r *replica, tokens []uint32) (worker string, overlap int, err error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+r.Client+"/v1/route", bytes.NewReader(tokenBody(tokens)))
-	if err != nil {
-		return "", 0, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := httpClient.Do(req)
-	if err != nil {
-		return "", 0, err
-	}
-	defer resp.Body.Close()
-	var out struct {
-		Worker  string `json:"worker"`
-		Overlap int    `json:"overlap_blocks"`
-	}
-	if resp.StatusCode != http.StatusOK {
-		return "", 0, fmt.Errorf("%s: route: %s", r.ID, resp.Status)
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
-		return "", 0, err
-	}
-	return out.Worker, out.Overlap, nil
-}
-
 func TestDiscoveredWorkersKVEventsReachEveryReplicaAndStopWhenItIsGone(t *testing.T) {
 	fl := startFleet(t, 1) // w0: from flags, without events
 	url, events := startEventWorker(t, "e0")
@@ -107,7 +81,7 @@ func TestDiscoveredWorkersKVEventsReachEveryReplicaAndStopWhenItIsGone(t *testin
 	var sent time.Time
 	eventually(t, 30*time.Second, func() error {
 		for _, r := range c.replicas {
-			w, n, err := routeOf(t.Context(), r, prefix)
+			w, n, err := kvRoute(t.Context(), r, prefix)
 			if err != nil {
 				return err
 			}
@@ -129,7 +103,7 @@ func TestDiscoveredWorkersKVEventsReachEveryReplicaAndStopWhenItIsGone(t *testin
 	waitFleet(t, c.replicas, []string{"w0"}, 30*time.Second)
 	direct(prefix) // published after e0 is gone: applied nowhere
 	for _, r := range c.replicas {
-		w, n, err := routeOf(t.Context(), r, prefix)
+		w, n, err := kvRoute(t.Context(), r, prefix)
 		if err != nil {
 			t.Fatal(err)
 		}
