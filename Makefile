@@ -93,7 +93,7 @@ jepsen: build
 
 ## jepsen-ci: the short schedule CI runs.
 jepsen-ci:
-	$(MAKE) jepsen JEPSEN_DURATION=2m JEPSEN_FAULTS=kill,stop,restart,partition,worker,stale JEPSEN_OUT=jepsen-ci-out
+	$(MAKE) jepsen JEPSEN_DURATION=2m JEPSEN_FAULTS=kill,stop,restart,partition,worker,stale,discovery JEPSEN_OUT=jepsen-ci-out
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \

@@ -66,6 +66,8 @@ type Workers interface {
 	Drain(ctx context.Context, id string) (int, error)
 	Remove(ctx context.Context, id string) (int, error)
 	InCluster(id string) bool
+	// Owners is each cluster-registered worker's owner, by id (see workers.Owned).
+	Owners() map[string]workers.Owned
 }
 
 // Registry lists the workers this replica routes to (*routing.Registry is one).
@@ -83,7 +85,25 @@ type Config struct {
 	Registry Registry
 	// Metrics serves /metrics beside the API (nil: none).
 	Metrics http.Handler
+	// StaticSource names where a worker that is not in the cluster registry came from:
+	// SourceFlags or SourceFile (nil: SourceFlags).
+	StaticSource func(id string) string
 }
+
+// Where a worker came from (WorkerView.Source); a discovered worker's source is its
+// discovery source's owner name, "discovery:" and the source (discovery:file:/etc/fleet.json).
+const (
+	SourceFlags = "flags" // --worker
+	SourceFile  = "file"  // --workers-file
+	SourceAdmin = "admin" // the admin API (ctl workers add), or a drain of a flags or file worker
+)
+
+// A worker's state (WorkerView.State).
+const (
+	StateActive   = "active"   // routable when healthy
+	StateDraining = "draining" // drained: no new requests, in-flight ones finish
+	StateGone     = "gone"     // its discovery source no longer lists it: drained, then removed
+)
 
 // Error is the API's error shape.
 type Error struct {
@@ -95,6 +115,11 @@ type WorkerView struct {
 	routing.WorkerStatus
 	Bindings int  `json:"bindings"`
 	Cluster  bool `json:"in_cluster_registry"`
+	// Source is where the worker came from: SourceFlags, SourceFile, SourceAdmin or
+	// "discovery:NAME".
+	Source string `json:"source"`
+	// State is StateActive, StateDraining or StateGone.
+	State string `json:"state"`
 }
 
 // SessionView is a binding as GET /admin/sessions/{id} shows it.
@@ -197,9 +222,27 @@ func (a *api) listWorkers(w http.ResponseWriter, _ *http.Request) {
 		counts[b.Worker]++
 		return true
 	})
+	owners := a.cfg.Workers.Owners()
 	out := []WorkerView{}
 	for _, st := range a.cfg.Registry.List() {
-		out = append(out, WorkerView{WorkerStatus: st, Bindings: counts[st.Spec.ID], Cluster: a.cfg.Workers.InCluster(st.Spec.ID)})
+		owner, inCluster := owners[st.Spec.ID]
+		v := WorkerView{WorkerStatus: st, Bindings: counts[st.Spec.ID], Cluster: inCluster,
+			Source: owner.Source, State: StateActive}
+		switch {
+		case !inCluster && a.cfg.StaticSource != nil:
+			v.Source = a.cfg.StaticSource(st.Spec.ID)
+		case !inCluster:
+			v.Source = SourceFlags
+		case owner.Source == "":
+			v.Source = SourceAdmin
+		}
+		switch {
+		case st.Drained && owner.Gone:
+			v.State = StateGone
+		case st.Drained:
+			v.State = StateDraining
+		}
+		out = append(out, v)
 	}
 	writeJSON(w, http.StatusOK, out)
 }

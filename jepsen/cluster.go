@@ -102,8 +102,12 @@ type fleet struct {
 	log      *slog.Logger
 	replicas []*replica
 	workers  []*workerNode
-	lb       *proc.Process
-	lbAddr   string
+	// spares are workers not started with the fleet, which the discovery fault starts and
+	// lists in fleetFile, the replicas' discovery file (both only with that fault).
+	spares    []*workerNode
+	fleetFile string
+	lb        *proc.Process
+	lbAddr    string
 	// client carries the workload (each request has its own deadline); admin the harness's
 	// own calls.
 	client *http.Client
@@ -193,6 +197,12 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 		f.workers = append(f.workers, w)
 		specs = append(specs, w.id+"=http://"+addr)
 	}
+	var discovery []string
+	if slices.Contains(cfg.Faults, FaultDiscovery) {
+		if discovery, err = f.openDiscovery(dir, logs); err != nil {
+			return nil, err
+		}
+	}
 	var members []proc.Replica
 	for i := range cfg.Replicas {
 		host := nw.replicaHost(i)
@@ -218,6 +228,7 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 			// The namespaces' subnet is the harness's own, reachable from nowhere else: the
 			// replicas' cluster ports there need neither peer TLS nor a gossip key.
 			"--insecure-open-cluster")
+		argv = append(argv, discovery...)
 		f.replicas = append(f.replicas, &replica{Replica: m, index: i, proc: proc.New(proc.Spec{
 			Name:    m.ID,
 			Argv:    append(argv, cfg.ServeArgs...),
@@ -285,7 +296,7 @@ func (f *fleet) stop() {
 	for _, r := range f.replicas {
 		wg.Go(r.proc.Kill)
 	}
-	for _, w := range f.workers {
+	for _, w := range append(slices.Clone(f.workers), f.spares...) {
 		wg.Go(w.proc.Kill)
 	}
 	if f.lb != nil {

@@ -83,6 +83,12 @@ const (
 	// others meanwhile, and probes it directly as it resumes or heals: it must not answer
 	// with a binding older than the stale bound.
 	FaultStale FaultKind = "stale"
+	// FaultDiscovery starts a new worker process and lists it in the replicas' discovery
+	// file, leaves it there for the step's hold (sessions bind to it), then takes it out of
+	// the file and stops it once no replica has it. The listing is recorded as Discovery, the
+	// taking out as a Drain of the worker (discovery drains it, then removes it), which
+	// explains its sessions moving.
+	FaultDiscovery FaultKind = "discovery"
 )
 
 // Fault is one injected fault: Start when it began, End when it was healed (the process

@@ -46,6 +46,8 @@ func (s Step) String() string {
 		return fmt.Sprintf("partition %s %v for %s", s.Mode, s.Perm, s.Hold.Round(time.Millisecond))
 	case FaultStale:
 		return fmt.Sprintf("stale: %s %s, rebind, probe (at least %s)", s.Mode, target, s.Hold.Round(time.Millisecond))
+	case FaultDiscovery:
+		return fmt.Sprintf("discover spare worker %d for %s, then take it out", s.Index, s.Hold.Round(time.Millisecond))
 	}
 	return fmt.Sprintf("%s %s for %s", s.Kind, target, s.Hold.Round(time.Millisecond))
 }
@@ -61,7 +63,7 @@ type PlanConfig struct {
 }
 
 // nemesisKinds are the fault kinds a plan may hold, as --faults names them (read only).
-var nemesisKinds = []FaultKind{FaultKill, FaultStop, FaultRestart, FaultPartition, FaultWorker, FaultStale}
+var nemesisKinds = []FaultKind{FaultKill, FaultStop, FaultRestart, FaultPartition, FaultWorker, FaultStale, FaultDiscovery}
 
 // ParseFaults reads a comma-separated list of fault kinds ("all" for every kind).
 func ParseFaults(s string) ([]FaultKind, error) {
@@ -76,7 +78,7 @@ func ParseFaults(s string) ([]FaultKind, error) {
 		case slices.Contains(nemesisKinds, FaultKind(f)):
 			out = append(out, FaultKind(f))
 		default:
-			return nil, fmt.Errorf("unknown fault %q (want some of kill, stop, restart, partition, worker, stale, or all)", f)
+			return nil, fmt.Errorf("unknown fault %q (want some of kill, stop, restart, partition, worker, stale, discovery, or all)", f)
 		}
 	}
 	slices.Sort(out)
@@ -174,6 +176,8 @@ func Plan(cfg PlanConfig) ([]Step, error) {
 			s.Mode = []string{"stop", "partition"}[r.IntN(2)]
 			s.Leader = r.IntN(2) == 0
 			s.Index = r.IntN(cfg.Replicas)
+		case FaultDiscovery:
+			s.Index = r.IntN(spareWorkers)
 		}
 		if i > 0 && used+s.Gap+s.Hold+recoveryEstimate > window {
 			break
@@ -396,6 +400,8 @@ func (n *nemesis) step(ctx context.Context, s Step) error {
 		}
 	case FaultStale:
 		return n.staleStep(ctx, s)
+	case FaultDiscovery:
+		n.discoveryStep(ctx, s)
 	default:
 		return fmt.Errorf("unknown fault kind %q", s.Kind)
 	}

@@ -25,7 +25,7 @@ func TestPlanIsReproducibleFromItsSeed(t *testing.T) {
 	}
 	// The kinds are given in another order: the plan must not depend on it.
 	cfg.Seed = 42
-	cfg.Kinds = []FaultKind{FaultWorker, FaultStale, FaultRestart, FaultPartition, FaultStop, FaultKill}
+	cfg.Kinds = []FaultKind{FaultWorker, FaultStale, FaultRestart, FaultDiscovery, FaultPartition, FaultStop, FaultKill}
 	d, _ := Plan(cfg)
 	if !reflect.DeepEqual(a, d) {
 		t.Fatal("the order of --faults changed the schedule")
@@ -85,7 +85,8 @@ func TestParseFaults(t *testing.T) {
 	}{
 		{"kill,stop", []FaultKind{FaultKill, FaultStop}, false},
 		{" stop , kill,kill ", []FaultKind{FaultKill, FaultStop}, false},
-		{"all", []FaultKind{FaultKill, FaultPartition, FaultRestart, FaultStale, FaultStop, FaultWorker}, false},
+		{"all", []FaultKind{FaultDiscovery, FaultKill, FaultPartition, FaultRestart, FaultStale, FaultStop, FaultWorker}, false},
+		{"discovery,kill", []FaultKind{FaultDiscovery, FaultKill}, false},
 		{"", nil, false},
 		{"kill,meteor", nil, true},
 	}

@@ -37,7 +37,10 @@ type Config struct {
 	ClientPort ClientPortConfig
 	// Workers are the workers from flags; more come from the cluster's registry.
 	Workers []routing.WorkerSpec
-	Router  routing.Config
+	// WorkersFromFile are the ids of the Workers read from --workers-file (the workers list
+	// shows their source as "file", the others' as "flags").
+	WorkersFromFile map[string]bool
+	Router          routing.Config
 	// ApproxTTL is how long a routing decision counts as cached on its worker;
 	// ApproxMaxBlocks caps a worker's remembered blocks.
 	ApproxTTL       time.Duration

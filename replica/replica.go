@@ -31,7 +31,6 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
-	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 	"github.com/kvrouter-ha/kvrouter-ha/workers"
@@ -45,8 +44,8 @@ type Replica struct {
 	registry *routing.Registry
 	tracker  *routing.Tracker
 	approx   *indexer.Index
-	precise  *indexer.Index // fed by KV events; nil without them
-	subs     []*kvevents.Subscriber
+	precise  *indexer.Index // fed by KV events (empty while no worker sends them)
+	feed     *eventFeed     // the KV event subscribers, following the registry
 	promReg  *prometheus.Registry
 
 	// The ports, bound first (eln, the picker's, only when configured).
@@ -275,10 +274,7 @@ func (r *Replica) openRouting(context.Context) error {
 	if err := r.openDiscovery(); err != nil {
 		return err
 	}
-	var index routing.PrefixIndex = r.approx
-	if r.precise != nil {
-		index = routing.Overlay{r.precise, r.approx}
-	}
+	index := routing.Overlay{r.precise, r.approx}
 	deps := routing.Deps{Index: index, Recorder: r.approx, Workers: r.registry, Tracker: r.tracker, Affinity: r.affinity}
 	if r.share != nil {
 		deps.Recorder = r.share.decisions
@@ -331,6 +327,12 @@ func (r *Replica) openRouting(context.Context) error {
 	r.admin = &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: admin.Handler(admin.Config{
 		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry,
 		Metrics: openai.AdminHandler(r.promReg),
+		StaticSource: func(id string) string {
+			if cfg.WorkersFromFile[id] {
+				return admin.SourceFile
+			}
+			return admin.SourceFlags
+		},
 	})}
 	return nil
 }
@@ -382,9 +384,7 @@ func (r *Replica) forgetWorker(spec routing.WorkerSpec) {
 	for rank := range max(spec.DPSize, 1) {
 		w := indexer.Worker{ID: spec.ID, DPRank: uint32(rank)}
 		r.approx.RemoveWorker(w)
-		if r.precise != nil {
-			r.precise.RemoveWorker(w)
-		}
+		r.precise.RemoveWorker(w)
 		r.tracker.Forget(w)
 	}
 	if r.share != nil {
@@ -415,13 +415,7 @@ func (r *Replica) startServing(ctx context.Context) error {
 	// Each replica learns the models of the workers from the workers themselves (see
 	// DESIGN.md, "Models").
 	r.goRun(func() { r.server.LearnModels(bg) })
-	for _, sub := range r.subs {
-		r.goRun(func() {
-			if err := sub.Run(bg); err != nil && bg.Err() == nil {
-				r.log.Error("KV event subscriber stopped", "err", err)
-			}
-		})
-	}
+	r.goRun(func() { r.feed.run(bg) })
 	if r.share != nil {
 		r.share.run(r, bg)
 	}

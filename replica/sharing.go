@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"net"
 	"sync/atomic"
 	"time"
@@ -15,7 +14,6 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/version"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
-	"github.com/kvrouter-ha/kvrouter-ha/transport/kvevents"
 )
 
 // sharing is what a replica shares over gossip: membership, worker health, decisions, load
@@ -145,12 +143,8 @@ func (r *Replica) openSharing(context.Context) error {
 		// and nothing to wait for.
 		discovery = time.Nanosecond
 	}
-	var engine hints.EngineMaps
-	if len(r.subs) > 0 {
-		engine = subscriberMaps(r.subs)
-	}
 	s.sync, err = hints.NewIndexSync(hints.IndexSyncConfig{
-		Self: r.cfg.ID, Approx: r.approx, Precise: r.precise, EngineMaps: engine,
+		Self: r.cfg.ID, Approx: r.approx, Precise: r.precise, EngineMaps: r.feed,
 		Peers: hints.GossipPeers(voters), Fetch: hints.PoolFetcher(r.pool, r.cfg.ID, gc.SnapshotMaxBytes),
 		DiscoveryWait: discovery, Metrics: s.metrics, Logger: r.log.With("part", "index-sync"),
 	})
@@ -219,31 +213,6 @@ func (s *sharing) run(r *Replica, bg context.Context) {
 func (s *sharing) ready() error {
 	if !s.sync.Warm() {
 		return errors.New("index snapshot not loaded from a peer yet")
-	}
-	return nil
-}
-
-// subscriberMaps are precise mode's engine-hash maps across all of a replica's KV event
-// subscribers (each serves its own workers).
-type subscriberMaps []*kvevents.Subscriber
-
-func (m subscriberMaps) SnapshotEngineMaps(ctx context.Context) (map[indexer.Worker]map[uint64]uint64, error) {
-	out := map[indexer.Worker]map[uint64]uint64{}
-	for _, sub := range m {
-		part, err := sub.SnapshotEngineMaps(ctx)
-		if err != nil {
-			return nil, err
-		}
-		maps.Copy(out, part)
-	}
-	return out, nil
-}
-
-func (m subscriberMaps) RestoreEngineMaps(in map[indexer.Worker]map[uint64]uint64) error {
-	for _, sub := range m {
-		if err := sub.RestoreEngineMaps(in); err != nil {
-			return err
-		}
 	}
 	return nil
 }

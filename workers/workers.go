@@ -354,6 +354,17 @@ func (l *Lifecycle) Remove(ctx context.Context, id string) (int, error) {
 	return res.Count, nil
 }
 
+// Owners is what the cluster registry's stored specs say of their owners, by worker id; a
+// worker absent from it is not in the cluster registry (only in this replica's flags).
+func (l *Lifecycle) Owners() map[string]Owned {
+	ws := l.cfg.Cluster.Workers()
+	out := make(map[string]Owned, len(ws))
+	for _, w := range ws {
+		out[w.ID] = OwnerOf(w.Spec)
+	}
+	return out
+}
+
 // InCluster reports whether the cluster registry holds worker id (not only this replica's flags).
 func (l *Lifecycle) InCluster(id string) bool { return l.inCluster(id) }
 

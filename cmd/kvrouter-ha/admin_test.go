@@ -122,7 +122,8 @@ func TestCtlOperatesSessionsWorkersAndCluster(t *testing.T) {
 		t.Fatalf("cluster status JSON: %v %+v", err, view)
 	}
 	out, err = runCtl(t, rep, "workers", "list")
-	if err != nil || !strings.Contains(out, "BINDINGS") || !strings.Contains(out, bound) {
+	if err != nil || !strings.Contains(out, "BINDINGS") || !strings.Contains(out, bound) ||
+		!strings.Contains(out, "SOURCE") || !strings.Contains(out, admin.SourceFlags) || !strings.Contains(out, admin.StateActive) {
 		t.Fatalf("ctl workers list: %v\n%s", err, out)
 	}
 

@@ -159,9 +159,9 @@ func (c *ctlClient) workersList(ctx context.Context, _ []string) error {
 	}
 	var ws []admin.WorkerView
 	return c.show(b, &ws, func(w *tabwriter.Writer) {
-		fmt.Fprintln(w, "ID\tURL\tHEALTHY\tDRAINED\tBINDINGS\tREASON")
+		fmt.Fprintln(w, "ID\tURL\tSOURCE\tSTATE\tHEALTHY\tBINDINGS\tREASON")
 		for _, x := range ws {
-			fmt.Fprintf(w, "%s\t%s\t%v\t%v\t%d\t%s\n", x.Spec.ID, x.Spec.URL, x.Healthy, x.Drained, x.Bindings, x.Reason)
+			fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%v\t%d\t%s\n", x.Spec.ID, x.Spec.URL, x.Source, x.State, x.Healthy, x.Bindings, x.Reason)
 		}
 	})
 }

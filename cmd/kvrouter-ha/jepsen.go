@@ -34,7 +34,7 @@ func jepsenCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.IntVar(&cfg.Clients, "clients", 8, "concurrent clients, each owning a few sessions")
 	fs.DurationVar(&cfg.Duration, "duration", 2*time.Minute, "how long the workload runs (faults stop 8s before the end)")
 	fs.Int64Var(&cfg.Seed, "seed", 1, "seed of the fault schedule and the clients' choices")
-	faults := fs.String("faults", "kill,stop,restart,partition,worker,stale", "fault kinds: kill, stop, restart, partition, worker, stale, or all")
+	faults := fs.String("faults", "kill,stop,restart,partition,worker,stale", "fault kinds: kill, stop, restart, partition, worker, stale, discovery (a new worker listed in a discovery file, then taken out), or all")
 	fs.StringVar(&cfg.OutDir, "out", "jepsen-out", "directory for summary.txt, report.json, history.json, logs and porcupine pages")
 	fs.BoolVar(&cfg.HAProxy, "haproxy", false, "put HAProxy (from PATH) in front of the replicas; half the requests go through it")
 	fs.StringVar(&cfg.Netns, "netns", "auto", "network namespaces (needed for partitions; root on Linux): auto, on or off")

@@ -245,6 +245,10 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 					return err
 				}
 				cfg.Workers = append(cfg.Workers, specs...)
+				cfg.WorkersFromFile = map[string]bool{}
+				for _, s := range specs {
+					cfg.WorkersFromFile[s.ID] = true
+				}
 			}
 			if cfg.AdminToken, err = readSecret(cfg.AdminToken, *adminTokenFile, "", "admin token"); err != nil {
 				return err

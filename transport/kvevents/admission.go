@@ -151,12 +151,12 @@ func addrIP(a net.Addr) netip.Addr {
 // workerHosts maps each worker to the hosts (names or literal addresses) its publishers connect
 // from, and resolves names with a cache.
 type workerHosts struct {
-	byWorker map[string][]string
-	lookup   func(ctx context.Context, host string) ([]netip.Addr, error)
-	now      func() time.Time
+	lookup func(ctx context.Context, host string) ([]netip.Addr, error)
+	now    func() time.Time
 
-	mu    sync.Mutex
-	cache map[string]resolved
+	mu       sync.Mutex
+	byWorker map[string][]string
+	cache    map[string]resolved
 }
 
 type resolved struct {
@@ -175,9 +175,23 @@ func newWorkerHosts(byWorker map[string][]string) *workerHosts {
 	}
 }
 
+// set replaces the workers and their hosts (the resolved names stay cached).
+func (h *workerHosts) set(byWorker map[string][]string) {
+	h.mu.Lock()
+	h.byWorker = byWorker
+	h.mu.Unlock()
+}
+
+// workers is the map of workers to hosts as it is now (never written after set).
+func (h *workerHosts) workers() map[string][]string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.byWorker
+}
+
 // any reports whether ip is the address of some worker.
 func (h *workerHosts) any(ctx context.Context, ip netip.Addr) bool {
-	for id := range h.byWorker {
+	for id := range h.workers() {
 		if h.of(ctx, id, ip) {
 			return true
 		}
@@ -190,7 +204,7 @@ func (h *workerHosts) of(ctx context.Context, id string, ip netip.Addr) bool {
 	if !ip.IsValid() {
 		return false
 	}
-	for _, host := range h.byWorker[id] {
+	for _, host := range h.workers()[id] {
 		for _, a := range h.addrs(ctx, host) {
 			if a == ip {
 				return true

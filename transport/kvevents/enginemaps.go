@@ -101,5 +101,5 @@ func (s *Subscriber) serves(w indexer.Worker) bool {
 	if s.cfg.Mode == Connect {
 		return w == s.cfg.Worker
 	}
-	return s.ids[w.ID]
+	return s.roster.Load().ids[w.ID]
 }

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -125,9 +126,9 @@ type Subscriber struct {
 	log     *slog.Logger
 	m       *Metrics
 	pattern *topicPattern
-	hosts   map[string]string // host:port -> worker ID, for the pattern
-	from    *workerHosts      // Bind mode: where each worker publishes from; nil: anywhere
-	ids     map[string]bool   // Bind mode: the worker IDs a topic can name
+	from    *workerHosts // Bind mode: where each worker publishes from; nil: anywhere
+	// roster is, in Bind mode, the workers a topic can name (SetWorkers replaces it).
+	roster atomic.Pointer[roster]
 
 	mu   sync.Mutex
 	addr net.Addr
@@ -203,26 +204,18 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 		if cfg.Rank < 0 || cfg.Rank > MaxDPRank {
 			return nil, fmt.Errorf("kvevents: rank %d out of 0..%d", cfg.Rank, MaxDPRank)
 		}
-		s.ids = make(map[string]bool, len(cfg.Topics)+len(cfg.URLs))
-		for _, w := range cfg.Topics {
-			s.ids[w.ID] = true
-		}
 		if cfg.TopicPattern != "" {
 			p, err := parseTopicPattern(cfg.TopicPattern)
 			if err != nil {
 				return nil, err
 			}
 			s.pattern = p
-			s.hosts = make(map[string]string, len(cfg.URLs))
-			for id, raw := range cfg.URLs {
-				hp, err := hostPort(raw)
-				if err != nil {
-					return nil, fmt.Errorf("kvevents: worker %s: %w", id, err)
-				}
-				s.hosts[hp] = id
-				s.ids[id] = true
-			}
 		}
+		r, err := s.newRoster(cfg.URLs, cfg.Replays)
+		if err != nil {
+			return nil, err
+		}
+		s.roster.Store(r)
 		if cfg.Hosts != nil {
 			s.from = newWorkerHosts(cfg.Hosts)
 		}
@@ -521,7 +514,7 @@ func (s *Subscriber) workerOf(topic string) (string, bool) {
 	}
 	if s.pattern != nil {
 		if hp, ok := s.pattern.match(topic); ok {
-			id, ok := s.hosts[hp]
+			id, ok := s.roster.Load().hosts[hp]
 			return id, ok
 		}
 	}
@@ -757,8 +750,8 @@ func (s *Subscriber) stream(w indexer.Worker) *stream {
 	switch {
 	case s.cfg.Mode == Connect:
 		st.replay = s.cfg.Replay
-	case s.cfg.Replays[w.ID] != "":
-		ep, err := OffsetPort(s.cfg.Replays[w.ID], int(w.DPRank))
+	case s.roster.Load().replays[w.ID] != "":
+		ep, err := OffsetPort(s.roster.Load().replays[w.ID], int(w.DPRank))
 		if err != nil {
 			s.log.Warn("kv events: bad replay endpoint", "worker", label, "err", err)
 		}
