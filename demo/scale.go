@@ -210,11 +210,12 @@ func scaleRun(ctx context.Context, cfg Config, reqs []trace.Request, plan scaleP
 		}
 		at = time.Since(start)
 		gone := ff.remove(plan.down)
-		ff.removedAt = at
 		if err := ff.write(); err != nil {
 			cfg.Logger.Error("scale down", "err", err)
 			return
 		}
+		// A drain can move a session only after this (discovery has yet to read the file).
+		ff.removedAt = time.Since(start)
 		run.Steps = append(run.Steps, sets.converge(stepCtx, "scale down", ff.ids(), at, start))
 		// Drained on every replica (or the bound passed): no new request goes there, and
 		// those in flight get the worker's shutdown grace.
