@@ -75,6 +75,8 @@ type ScaleRun struct {
 	// one, MovesByDrain those whose previous worker had left the file by then.
 	Moves        int `json:"moves"`
 	MovesByDrain int `json:"moves_by_drain"`
+	// OtherMoves describes the first few moves no drain explains.
+	OtherMoves []string `json:"other_moves,omitempty"`
 }
 
 // UnexplainedFailures is the failed requests neither in flight on a stopped worker nor
@@ -265,7 +267,12 @@ func (r *ScaleRun) explain(log io.Reader, removedAt time.Duration) error {
 	}
 	slices.SortStableFunc(recs, func(a, b replay.RequestRecord) int { return cmp.Compare(a.SentMs, b.SentMs) })
 	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-	last := map[string]string{}
+	type seen struct {
+		worker string
+		sentMs float64
+		index  int
+	}
+	last := map[string]seen{}
 	for _, rec := range recs {
 		if !rec.OK {
 			if slices.Contains(r.Stopped, rec.Worker) && rec.SentMs < ms(r.StoppedAt) {
@@ -276,13 +283,17 @@ func (r *ScaleRun) explain(log io.Reader, removedAt time.Duration) error {
 		if rec.Session == "" || rec.Worker == "" {
 			continue
 		}
-		if prev, ok := last[rec.Session]; ok && prev != rec.Worker {
+		if prev, ok := last[rec.Session]; ok && prev.worker != rec.Worker {
 			r.Moves++
-			if slices.Contains(r.Stopped, prev) && rec.SentMs >= ms(removedAt) {
+			switch {
+			case slices.Contains(r.Stopped, prev.worker) && rec.SentMs >= ms(removedAt):
 				r.MovesByDrain++
+			case len(r.OtherMoves) < 5:
+				r.OtherMoves = append(r.OtherMoves, fmt.Sprintf("session %s: request %d on %s (sent at %.0f ms), request %d on %s (sent at %.0f ms)",
+					rec.Session, prev.index, prev.worker, prev.sentMs, rec.Index, rec.Worker, rec.SentMs))
 			}
 		}
-		last[rec.Session] = rec.Worker
+		last[rec.Session] = seen{worker: rec.Worker, sentMs: rec.SentMs, index: rec.Index}
 	}
 	return nil
 }
@@ -533,6 +544,9 @@ func (r *ScaleReport) print(w io.Writer) {
 		s.Summary.Failed, s.Summary.Requests, s.FailedOnStopped, s.FailedAtBinding, s.UnexplainedFailures(), s.Summary.Errors)
 	fmt.Fprintf(w, "sessions that changed worker: %d of %d; moves: %d, %d because their worker left the file (drained), %d otherwise\n",
 		s.Summary.SessionsMoved, s.Summary.Sessions, s.Moves, s.MovesByDrain, s.Moves-s.MovesByDrain)
+	for _, m := range s.OtherMoves {
+		fmt.Fprintf(w, "  a move no drain explains: %s\n", m)
+	}
 	fmt.Fprintln(w, "each replica's routable workers (not drained) over time, from the replay's start:")
 	ids := make([]string, 0, len(s.Timeline))
 	for id := range s.Timeline {
