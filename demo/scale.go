@@ -130,6 +130,15 @@ func Scale(ctx context.Context, cfg Config, stdout, progress io.Writer) (*ScaleR
 		}
 	}
 	rep.print(stdout)
+	if cfg.JSONPath != "" {
+		b, err := json.MarshalIndent(rep, "", "  ")
+		if err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(cfg.JSONPath, b, 0o644); err != nil {
+			return nil, fmt.Errorf("write %s: %w", cfg.JSONPath, err)
+		}
+	}
 	return rep, nil
 }
 
@@ -160,12 +169,14 @@ func scaleRun(ctx context.Context, cfg Config, reqs []trace.Request, plan scaleP
 	if _, err := addWorkers(0, plan.start); err != nil {
 		return nil, err
 	}
-	// Discovery looks often here (time runs cfg.Speedup times faster), and a gone worker
-	// drains for a while before it is removed.
+	// Discovery looks often here; a gone worker drains for a while before it is removed, and
+	// a scale-down of more than half the fleet is held as suspect for a while first (both
+	// the serve defaults, in time that runs cfg.Speedup times faster).
 	h := &haCluster{cfg: cfg, dir: dir, hc: &http.Client{Timeout: 2 * time.Second}}
 	defer h.stop(ctx)
 	if err := h.start(ctx, nil, "--discovery", "file:"+ff.path, "--discovery-interval", "100ms",
-		"--discovery-drain-for", scaled(30*time.Second, cfg.Speedup).String()); err != nil {
+		"--discovery-drain-for", scaled(30*time.Second, cfg.Speedup).String(),
+		"--discovery-suspect-for", scaled(time.Minute, cfg.Speedup).String()); err != nil {
 		return nil, err
 	}
 	targets, front, stopLB, err := startBalancer(ctx, cfg, dir, h.members, h.hc)

@@ -3,12 +3,16 @@ package demo
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"log/slog"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
 )
 
 // buildBinary builds kvrouter-ha into the test's temporary directory: the scale demo runs it
@@ -38,7 +42,7 @@ func TestScalingThroughTheFleetFileMovesOnlyDrainedSessions(t *testing.T) {
 	cfg := Config{
 		Binary:  buildBinary(t),
 		Workers: 2, ScaleUp: 2, ScaleDown: 2, ScaleNoFixed: true,
-		CapacityBlocks: 4096, Start: 2500, Limit: 300, Speedup: 10, Concurrency: 32, MaxOutput: 32,
+		CapacityBlocks: 32768, Start: 2500, Limit: 300, Speedup: 10, Concurrency: 32, MaxOutput: 32,
 		// The client sends to the replicas in turn: HAProxy's health checks on a loaded
 		// machine would add failures that are the balancer's, not the fleet's.
 		HAProxyConfig: filepath.Join(t.TempDir(), "no-haproxy.cfg"),
@@ -95,4 +99,65 @@ func TestScalingThroughTheFleetFileMovesOnlyDrainedSessions(t *testing.T) {
 	}
 	t.Logf("moves %d (by drain %d), failed %d (in flight on a stopped worker %d), hit rate %.1f%%",
 		run.Moves, run.MovesByDrain, run.Summary.Failed, run.FailedOnStopped, 100*run.Summary.HitRate)
+}
+
+// TestExplainCountsOnlyDrainsAndStops reads request logs: a move is a drain's only when its
+// session's previous worker left the file before the request was sent, and a failure is
+// expected only when it was in flight on a stopped worker.
+func TestExplainCountsOnlyDrainsAndStops(t *testing.T) {
+	rec := func(i int, session, worker string, sentMs float64, ok bool) replay.RequestRecord {
+		return replay.RequestRecord{Index: i, Session: session, Worker: worker, SentMs: sentMs, OK: ok}
+	}
+	cases := []struct {
+		name                      string
+		recs                      []replay.RequestRecord
+		moves, byDrain, onStopped int
+	}{
+		{"no move", []replay.RequestRecord{rec(1, "a", "w0", 10, true), rec(2, "a", "w0", 20, true)}, 0, 0, 0},
+		{"moved after its worker left", []replay.RequestRecord{rec(1, "a", "w0", 10, true), rec(2, "a", "w2", 600, true)}, 1, 1, 0},
+		{"moved before its worker left", []replay.RequestRecord{rec(1, "a", "w0", 10, true), rec(2, "a", "w2", 400, true)}, 1, 0, 0},
+		{"moved off a worker that stayed", []replay.RequestRecord{rec(1, "a", "w2", 10, true), rec(2, "a", "w3", 600, true)}, 1, 0, 0},
+		{"sent order, not log order", []replay.RequestRecord{rec(2, "a", "w2", 600, true), rec(1, "a", "w0", 10, true)}, 1, 1, 0},
+		{"in flight on a stopped worker", []replay.RequestRecord{rec(1, "a", "w0", 900, false)}, 0, 0, 1},
+		{"sent to a stopped worker after it stopped", []replay.RequestRecord{rec(1, "a", "w0", 1100, false)}, 0, 0, 0},
+		{"failed elsewhere", []replay.RequestRecord{rec(1, "a", "w2", 900, false)}, 0, 0, 0},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var log bytes.Buffer
+			enc := json.NewEncoder(&log)
+			for _, r := range tc.recs {
+				if err := enc.Encode(r); err != nil {
+					t.Fatal(err)
+				}
+			}
+			run := &ScaleRun{Stopped: []string{"w0", "w1"}, StoppedAt: time.Second}
+			if err := run.explain(&log, 500*time.Millisecond); err != nil {
+				t.Fatal(err)
+			}
+			if run.Moves != tc.moves || run.MovesByDrain != tc.byDrain || run.FailedOnStopped != tc.onStopped {
+				t.Errorf("moves %d by drain %d, failed on stopped %d; want %d, %d, %d",
+					run.Moves, run.MovesByDrain, run.FailedOnStopped, tc.moves, tc.byDrain, tc.onStopped)
+			}
+		})
+	}
+	if err := (&ScaleRun{}).explain(strings.NewReader("{not json"), 0); err == nil {
+		t.Error("a broken request log was read without an error")
+	}
+}
+
+func TestScalePlanAverage(t *testing.T) {
+	cases := []struct {
+		plan scalePlan
+		want int
+	}{
+		{scalePlan{start: 8, up: 4, down: 4}, 9},
+		{scalePlan{start: 2, up: 2, down: 2}, 3},
+		{scalePlan{start: 5}, 5},
+	}
+	for _, tc := range cases {
+		if got := tc.plan.average(); got != tc.want {
+			t.Errorf("%+v.average() = %d, want %d", tc.plan, got, tc.want)
+		}
+	}
 }
