@@ -38,7 +38,7 @@ FUZZ_TARGETS := \
 	./transport/openai:FuzzParseAPIs \
 	./sim:FuzzDecodeAPIs
 
-.PHONY: all build test unit fuzz demo bench bench-report lint clean jepsen jepsen-ci
+.PHONY: all build test unit fuzz demo demo-scale bench bench-report lint clean jepsen jepsen-ci
 
 all: build
 
@@ -71,6 +71,10 @@ fuzz:
 ## demo: the main job on its embedded defaults: three replicas behind HAProxy (when installed), simulated workers, a trace replayed, the leader killed half-way.
 demo: build
 	./$(BIN) demo
+
+## demo-scale: three replicas find their workers in a fleet file that grows at one third of the replay and shrinks at two thirds; what moved, beside a fixed fleet of the same average size.
+demo-scale: build
+	./$(BIN) demo --scenario scale
 
 ## bench: the microbenchmarks behind the performance targets (figures, not assertions).
 bench:

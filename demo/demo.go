@@ -72,6 +72,11 @@ type Config struct {
 	// dispatch-only (not again at the end) and commit (only at the worker's first answer, as
 	// before issue 14).
 	RecordAt []string
+	// ScaleUp is how many workers the scale demo adds at one third (to Workers), ScaleDown
+	// how many of the oldest it removes at two thirds; ScaleNoFixed skips its run over a
+	// fixed fleet of the same average size.
+	ScaleUp, ScaleDown int
+	ScaleNoFixed       bool
 	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with.
 	HAProxyConfig string
 	Logger        *slog.Logger
@@ -83,12 +88,9 @@ func Compare(ctx context.Context, cfg Config, stdout, progress io.Writer) error 
 	if len(cfg.Policies) == 0 {
 		return errors.New("no policies to compare")
 	}
-	reqs, err := trace.ForReplay(cfg.TracePath, cfg.Start)
+	reqs, err := cfg.traceSlice()
 	if err != nil {
 		return err
-	}
-	if cfg.Limit > 0 && cfg.Limit < len(reqs) {
-		reqs = reqs[:cfg.Limit]
 	}
 	blocks, tokens := trace.Ceiling(reqs)
 	fmt.Fprintf(stdout, "replaying %d requests over %d simulated workers (%d blocks of 16 tokens each), %.0fx speed\n",
@@ -147,6 +149,29 @@ func Compare(ctx context.Context, cfg Config, stdout, progress io.Writer) error 
 		}
 	}
 	return nil
+}
+
+// traceSlice is the trace's requests the demo replays: Limit of them (0: all) from Start.
+func (cfg Config) traceSlice() ([]trace.Request, error) {
+	reqs, err := trace.ForReplay(cfg.TracePath, cfg.Start)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Limit > 0 && cfg.Limit < len(reqs) {
+		reqs = reqs[:cfg.Limit]
+	}
+	return reqs, nil
+}
+
+// simConfig is the simulated workers' configuration: cfg.Sim on the demo's cache size and
+// speed, logging to log.
+func (cfg Config) simConfig(log *slog.Logger) sim.Config {
+	sc := cfg.Sim
+	sc.CapacityBlocks = cfg.CapacityBlocks
+	sc.Speedup = cfg.Speedup
+	sc.MaxModelLen = 262144
+	sc.Logger = log
+	return sc
 }
 
 // scaledTTL is scaled for a TTL, where 0 means none and stays 0.
@@ -274,10 +299,12 @@ func freeLoopback() string {
 	return a
 }
 
-// simFleet is a set of simulated workers serving on loopback.
+// simFleet is a set of simulated workers serving on loopback; each can be stopped alone.
 type simFleet struct {
+	ctx        context.Context
 	specs      []routing.WorkerSpec
 	publishers []*kvevents.Publisher
+	stops      map[string]func()
 	cancel     context.CancelFunc
 	wg         sync.WaitGroup
 }
@@ -286,42 +313,67 @@ type simFleet struct {
 // role; with events, each also publishes its KV events (and serves replay) on its own ZMQ
 // ports, named in its spec.
 func startSimFleet(ctx context.Context, fl Fleet, base sim.Config, events bool) (*simFleet, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	f := &simFleet{cancel: cancel}
+	f := newSimFleet(ctx)
 	for _, w := range fl.roles() {
-		c := base
-		c.ID = w.id
-		c.Role = map[routing.Role]string{routing.RolePrefill: sim.RolePrefill, routing.RoleDecode: sim.RoleDecode, routing.RoleBoth: sim.RoleBoth}[w.role]
-		spec := routing.WorkerSpec{ID: c.ID, CapacityBlocks: c.CapacityBlocks, Role: w.role}
-		if events {
-			pub, err := kvevents.NewPublisher(kvevents.PublisherConfig{
-				Endpoint: "tcp://127.0.0.1:0", Bind: true, ReplayEndpoint: "tcp://127.0.0.1:0", Logger: c.Logger,
-			})
-			if err != nil {
-				f.Close()
-				return nil, err
-			}
-			f.publishers = append(f.publishers, pub)
-			spec.KVEvents = "tcp://" + pub.Addr().String()
-			spec.KVReplay = "tcp://" + pub.ReplayAddr().String()
-			c.OnEvent = sim.PublishEvents(ctx, pub, max(c.BlockSize, sim.DefaultBlockSize), c.Logger)
-		}
-		w, err := sim.New(c)
-		if err != nil {
+		if _, err := f.add(w.id, w.role, base, events); err != nil {
 			f.Close()
 			return nil, err
 		}
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			f.Close()
-			return nil, err
-		}
-		spec.URL = "http://" + ln.Addr().String()
-		f.specs = append(f.specs, spec)
-		f.wg.Add(1)
-		go func() { defer f.wg.Done(); w.Serve(ctx, ln) }()
 	}
 	return f, nil
+}
+
+// newSimFleet is an empty fleet whose workers serve until ctx ends or Close.
+func newSimFleet(ctx context.Context) *simFleet {
+	ctx, cancel := context.WithCancel(ctx)
+	return &simFleet{ctx: ctx, cancel: cancel, stops: map[string]func(){}}
+}
+
+// add starts one simulated worker, id in role, and returns its spec (also kept in specs).
+func (f *simFleet) add(id string, role routing.Role, base sim.Config, events bool) (routing.WorkerSpec, error) {
+	ctx, cancel := context.WithCancel(f.ctx)
+	c := base
+	c.ID = id
+	c.Role = map[routing.Role]string{routing.RolePrefill: sim.RolePrefill, routing.RoleDecode: sim.RoleDecode, routing.RoleBoth: sim.RoleBoth}[role]
+	spec := routing.WorkerSpec{ID: c.ID, CapacityBlocks: c.CapacityBlocks, Role: role}
+	if events {
+		pub, err := kvevents.NewPublisher(kvevents.PublisherConfig{
+			Endpoint: "tcp://127.0.0.1:0", Bind: true, ReplayEndpoint: "tcp://127.0.0.1:0", Logger: c.Logger,
+		})
+		if err != nil {
+			cancel()
+			return spec, err
+		}
+		f.publishers = append(f.publishers, pub)
+		spec.KVEvents = "tcp://" + pub.Addr().String()
+		spec.KVReplay = "tcp://" + pub.ReplayAddr().String()
+		c.OnEvent = sim.PublishEvents(ctx, pub, max(c.BlockSize, sim.DefaultBlockSize), c.Logger)
+	}
+	w, err := sim.New(c)
+	if err != nil {
+		cancel()
+		return spec, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		cancel()
+		return spec, err
+	}
+	spec.URL = "http://" + ln.Addr().String()
+	f.specs = append(f.specs, spec)
+	done := make(chan struct{})
+	f.stops[id] = func() { cancel(); <-done }
+	f.wg.Add(1)
+	go func() { defer f.wg.Done(); defer close(done); w.Serve(ctx, ln) }()
+	return spec, nil
+}
+
+// stop shuts worker id down (its in-flight requests get the worker's shutdown grace) and
+// waits for it.
+func (f *simFleet) stop(id string) {
+	if s, ok := f.stops[id]; ok {
+		s()
+	}
 }
 
 // Close stops every worker and publisher and waits for them.
@@ -399,11 +451,7 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	tp, policy, precise := r.tp, r.policy, r.precise
 	over := new(atomic.Bool)
 	quiet := slog.New(untilOver{Handler: cfg.Logger.Handler(), over: over})
-	sc := cfg.Sim
-	sc.CapacityBlocks = cfg.CapacityBlocks
-	sc.Speedup = cfg.Speedup
-	sc.MaxModelLen = 262144
-	sc.Logger = quiet
+	sc := cfg.simConfig(quiet)
 	fleet, err := startSimFleet(ctx, r.fleet, sc, precise)
 	if err != nil {
 		return nil, err

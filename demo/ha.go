@@ -16,7 +16,6 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
-	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
 
 // The high-availability demo, make demo's main job: three replica processes of this binary
@@ -64,12 +63,9 @@ func (w *leaderWatch) total(now time.Time) (time.Duration, time.Duration, int) {
 // HA is the high-availability demo: the Raft leader of three replica processes is killed
 // with SIGKILL half-way through the replay and started again; it reports what the client saw.
 func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
-	reqs, err := trace.ForReplay(cfg.TracePath, cfg.Start)
+	reqs, err := cfg.traceSlice()
 	if err != nil {
 		return err
-	}
-	if cfg.Limit > 0 && cfg.Limit < len(reqs) {
-		reqs = reqs[:cfg.Limit]
 	}
 	if len(reqs) < 2 {
 		return errors.New("the trace slice needs at least two requests")
@@ -79,19 +75,18 @@ func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	sc := cfg.Sim
-	sc.CapacityBlocks = cfg.CapacityBlocks
-	sc.Speedup = cfg.Speedup
-	sc.MaxModelLen = 262144
-	sc.Logger = cfg.Logger
-	fleet, err := startSimFleet(ctx, Fleet{Aggregated: cfg.Workers}, sc, false)
+	fleet, err := startSimFleet(ctx, Fleet{Aggregated: cfg.Workers}, cfg.simConfig(cfg.Logger), false)
 	if err != nil {
 		return err
 	}
 	defer fleet.Close()
 	h := &haCluster{cfg: cfg, dir: dir, hc: &http.Client{Timeout: 2 * time.Second}}
 	defer h.stop(ctx)
-	if err := h.start(ctx, fleet); err != nil {
+	var workers []string
+	for _, s := range fleet.specs {
+		workers = append(workers, s.ID+"="+s.URL)
+	}
+	if err := h.start(ctx, workers); err != nil {
 		return err
 	}
 	targets, front, stopLB, err := startBalancer(ctx, cfg, dir, h.members, h.hc)
@@ -131,8 +126,9 @@ type haCluster struct {
 	admins  []string
 }
 
-// start runs three replicas of this binary over the fleet and waits until they are ready.
-func (h *haCluster) start(ctx context.Context, fleet *simFleet) error {
+// start runs three replicas of this binary over the static workers (id=url; none: they come
+// from the extra flags, --discovery) and waits until they are ready.
+func (h *haCluster) start(ctx context.Context, workers []string, extra ...string) error {
 	cfg := h.cfg
 	self := cfg.Binary
 	if self == "" {
@@ -140,10 +136,6 @@ func (h *haCluster) start(ctx context.Context, fleet *simFleet) error {
 		if self, err = os.Executable(); err != nil {
 			return fmt.Errorf("find this binary: %w", err)
 		}
-	}
-	var workers []string
-	for _, s := range fleet.specs {
-		workers = append(workers, s.ID+"="+s.URL)
 	}
 	const replicas = 3
 	members, err := proc.LoopbackReplicas(replicas, h.dir)
@@ -153,8 +145,7 @@ func (h *haCluster) start(ctx context.Context, fleet *simFleet) error {
 	h.members = members
 	for _, m := range members {
 		h.admins = append(h.admins, m.Admin)
-		h.procs = append(h.procs, proc.New(proc.Spec{Name: m.ID, LogPath: h.log(m.ID), Argv: m.ServeArgv(self, members, workers,
-			"--log-level", "warn",
+		flags := append([]string{"--log-level", "warn",
 			// Time runs cfg.Speedup times faster: the TTLs and hint intervals shrink with it.
 			"--approx-ttl", scaledTTL(cfg.ApproxTTL, cfg.Speedup).String(),
 			"--approx-max-blocks", fmt.Sprint(cfg.CapacityBlocks),
@@ -163,7 +154,8 @@ func (h *haCluster) start(ctx context.Context, fleet *simFleet) error {
 			"--decision-flush-interval", scaled(50*time.Millisecond, cfg.Speedup).String(),
 			"--health-timeout", "2s",
 			// Nothing needs draining when the demo ends.
-			"--shutdown-delay", "0")}))
+			"--shutdown-delay", "0"}, extra...)
+		h.procs = append(h.procs, proc.New(proc.Spec{Name: m.ID, LogPath: h.log(m.ID), Argv: m.ServeArgv(self, members, workers, flags...)}))
 	}
 	for _, p := range h.procs {
 		if err := p.Start(); err != nil {
@@ -223,10 +215,8 @@ type killReport struct {
 // killLeader kills the leader after the delay (SIGKILL), starts it again and waits until it
 // is ready.
 func (h *haCluster) killLeader(ctx context.Context, start time.Time, after time.Duration) (r killReport) {
-	select {
-	case <-ctx.Done():
+	if !sleepCtx(ctx, after) {
 		return r
-	case <-time.After(after):
 	}
 	i, err := h.leader(ctx)
 	if err != nil {

@@ -20,12 +20,15 @@ import (
 func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs := flag.NewFlagSet("kvrouter-ha demo", flag.ContinueOnError)
 	var cfg demo.Config
-	scenario := fs.String("scenario", "ha", "ha: three replica processes behind HAProxy, the leader killed half-way (make demo); compare: side-by-side runs of --policies x --replicas x --modes")
+	scenario := fs.String("scenario", "ha", "ha: three replica processes behind HAProxy, the leader killed half-way (make demo); scale: three replicas find their workers in a fleet file (--discovery file:PATH) that grows by --scale-up at one third and shrinks by --scale-down at two thirds, beside a fixed fleet of the same average size (make demo-scale); compare: side-by-side runs of --policies x --replicas x --modes")
 	fs.StringVar(&cfg.HAProxyConfig, "haproxy-config", filepath.Join("deploy", "haproxy.cfg"), "ha: the HAProxy config (its addresses come from KVR_LISTEN and KVR_REPLICA0..2)")
 	policies := fs.String("policies", "kv,round-robin", "comma-separated policies to compare ("+strings.Join(routing.Policies(), ", ")+")")
 	topologies := fs.String("replicas", "1", "router topologies to compare: N replicas behind a round-robin client, N-nogossip for N replicas that share nothing but bindings (e.g. 1,3,3-nogossip)")
 	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
-	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers (aggregated; see --fleet)")
+	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers (aggregated; see --fleet); scale: the fleet it starts with")
+	fs.IntVar(&cfg.ScaleUp, "scale-up", 4, "scale: simulated workers started and added to the fleet file at one third of the replay")
+	fs.IntVar(&cfg.ScaleDown, "scale-down", 4, "scale: the oldest workers taken out of the fleet file at two thirds of the replay, and stopped once every replica has drained them")
+	fs.BoolVar(&cfg.ScaleNoFixed, "scale-no-fixed", false, "scale: skip the run over a fixed fleet of the same average size")
 	fleets := fs.String("fleet", "", "compare: worker fleets to compare at the same number of simulated GPUs, as counts of p (prefill), d (decode) and agg (aggregated) workers, e.g. 8agg,4p4d (default: --workers aggregated)")
 	disagg := fs.String("disagg", routing.DisaggConditional, "compare: the routers' disaggregation modes to run on fleets with prefill workers: "+strings.Join(routing.DisaggModes(), ", "))
 	fs.IntVar(&cfg.MinUncachedTokens, "disagg-min-uncached-tokens", 1024, "compare: conditional disaggregation's threshold, as serve's flag of that name")
@@ -99,10 +102,13 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 			switch *scenario {
 			case "ha":
 				return demo.HA(ctx, cfg, stdout, progress)
+			case "scale":
+				_, err := demo.Scale(ctx, cfg, stdout, progress)
+				return err
 			case "compare":
 				return demo.Compare(ctx, cfg, stdout, progress)
 			}
-			return fmt.Errorf("--scenario %q: want ha or compare", *scenario)
+			return fmt.Errorf("--scenario %q: want ha, scale or compare", *scenario)
 		},
 	}
 }

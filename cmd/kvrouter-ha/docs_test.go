@@ -174,7 +174,7 @@ func documentedCommands() []docCommand {
 		},
 		{cmd: simWorkerCommand(d), intro: "For demos and tests: the OpenAI API with simulated prefill and decode timing, injected faults, and optional vLLM-format KV events over ZMQ."},
 		{cmd: replayCommand(d, d), intro: "Give `--target` (a router) or `--workers` (round-robin straight at the workers, a baseline without a router); the summary gives hit rate, TTFT percentiles and load imbalance."},
-		{cmd: demoCommand(d, d), intro: "`make demo` runs the `ha` scenario; `compare` runs side-by-side comparisons in one process."},
+		{cmd: demoCommand(d, d), intro: "`make demo` runs the `ha` scenario; `make demo-scale` runs `scale` (the fleet grows and shrinks through `--discovery file:PATH`); `compare` runs side-by-side comparisons in one process."},
 		{cmd: ctlCommand(d, d), intro: "Subcommands: `workers list|add|drain|remove`, `sessions get|invalidate`, `cluster status|transfer-leadership|remove|snapshot`; the flags go before them (`kvrouter-ha ctl --addr 127.0.0.1:9090 cluster status`). The token: `--token-file` (a replica that made its own keeps it in `<data-dir>/admin.token`), `--token`, or `KVROUTER_TOKEN`."},
 		{cmd: jepsenCommand(d, d), intro: "A test harness, not an operations tool (`make jepsen`)."},
 	}
