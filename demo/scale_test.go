@@ -88,6 +88,11 @@ func TestScalingThroughTheFleetFileMovesOnlyDrainedSessions(t *testing.T) {
 	if !slices.Equal(run.Stopped, []string{"w0", "w1"}) {
 		t.Errorf("stopped %v, want w0 w1", run.Stopped)
 	}
+	// A request whose worker drained between its choice and its binding goes to its next
+	// choice (routing.ErrWorkerDraining): in flight on a draining worker is no failure.
+	if run.FailedAtBinding != 0 {
+		t.Errorf("%d requests failed at their binding as their worker drained", run.FailedAtBinding)
+	}
 	if n := run.UnexplainedFailures(); n != 0 {
 		t.Errorf("%d requests failed other than in flight on a stopped worker: %v", n, run.Summary.Errors)
 	}
