@@ -26,6 +26,9 @@ func everyCommand() []Command {
 		&RemoveWorker{ID: "w-1"},
 		&SetMember{Member: Member{ID: "r1", RaftAddr: "10.0.0.1:7000", PeerAddr: "10.0.0.1:7001"}},
 		&RemoveMember{ID: "r1"},
+		&Bind{Session: "s-3", Worker: "w-2", Model: "llama-v3"},
+		&SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{{Model: "llama-v2", Weight: 90}, {Model: "llama-v3", Weight: 10}, {Model: "llama-v4"}}}},
+		&DeleteAlias{Name: "llama"},
 	}
 }
 
