@@ -132,3 +132,53 @@ func TestSessionBoundToAnotherModelsWorkerIsRebound(t *testing.T) {
 		t.Fatalf("rebind = %+v, %v (old %+v)", fresh, err, old)
 	}
 }
+
+func TestAliasSessionsKeepTheirTargetAndTheRestSplitByWeight(t *testing.T) {
+	reg := modelFleet(t, false)
+	affinity := NewMemoryAffinity(0, 0)
+	r, err := New(Config{Seed: 7}, Deps{Workers: reg, Tracker: NewTracker(), Affinity: affinity})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	alias := func(small, large uint32) *Alias {
+		return &Alias{Name: "any", Targets: []AliasTarget{{Model: "small", Weight: small}, {Model: "large", Weight: large}}}
+	}
+	servedBy := map[string]string{"a": "small", "b": "small", "c": "large"}
+	const sessions, turns = 400, 3
+	first := map[string]string{}
+	counts := map[string]int{}
+	for turn := range turns {
+		for i := range sessions {
+			al := alias(90, 10)
+			if turn > 0 {
+				al = alias(0, 1) // a weight change after the first turn: sessions keep theirs
+			}
+			s := fmt.Sprintf("s%d", i)
+			a := route(t, r, Request{Session: s, Model: "any", Alias: al, PromptTokens: 16, DPRank: -1})
+			b, err := a.Commit(ctx)
+			a.Finish()
+			d := a.Decision()
+			if err != nil || servedBy[d.Target.Worker.ID] != d.Model || b.Model != d.Model {
+				t.Fatalf("session %s turn %d: decision %+v binding %+v %v", s, turn, d, b, err)
+			}
+			if turn == 0 {
+				first[s] = d.Model
+				counts[d.Model]++
+			} else if first[s] != d.Model {
+				t.Fatalf("session %s moved from %s to %s at turn %d", s, first[s], d.Model, turn)
+			}
+		}
+	}
+	if share := float64(counts["small"]) / sessions; share < 0.85 || share > 0.95 {
+		t.Fatalf("90/10 split gave %v", counts)
+	}
+	// Without a session every request draws: weight 0 is never drawn.
+	for range 200 {
+		a := route(t, r, Request{Model: "any", Alias: alias(0, 1), PromptTokens: 16, DPRank: -1})
+		if d := a.Decision(); d.Model != "large" || d.Target.Worker.ID != "c" {
+			t.Fatalf("sessionless draw: %+v", d)
+		}
+		a.Finish()
+	}
+}
