@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/hashicorp/raft"
 )
@@ -625,5 +626,11 @@ func TestBindingKeepsItsModel(t *testing.T) {
 	n.expect(&InvalidateWorker{Worker: "w2"}, OK)
 	if len(n.f.models.ids) != 0 {
 		t.Fatalf("models interned after every binding went: %v", n.f.models.ids)
+	}
+}
+
+func TestSlotStaysFortyBytes(t *testing.T) {
+	if n := unsafe.Sizeof(slot{}); n != 40 {
+		t.Fatalf("slot is %d bytes: the binding model must fit in the padding", n)
 	}
 }
