@@ -3,6 +3,7 @@ package fsm
 import (
 	"errors"
 	"fmt"
+	"os"
 	"reflect"
 	"strings"
 	"testing"
@@ -191,6 +192,9 @@ func FuzzRestore(f *testing.F) {
 	n := populated(f, 5)
 	f.Add(persist(f, n.f))
 	f.Add([]byte(snapMagic))
+	if v1, err := os.ReadFile("testdata/snapshot-v1.bin"); err == nil {
+		f.Add(v1) // the format before aliases
+	}
 	f.Fuzz(func(t *testing.T, in []byte) {
 		r := New(Options{})
 		if err := restore(r, in); err != nil {
