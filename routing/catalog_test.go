@@ -2,6 +2,7 @@ package routing
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 )
@@ -180,5 +181,27 @@ func TestAliasSessionsKeepTheirTargetAndTheRestSplitByWeight(t *testing.T) {
 			t.Fatalf("sessionless draw: %+v", d)
 		}
 		a.Finish()
+	}
+}
+
+func TestAFirstRequestThatLostTheBindingRaceTakesTheSessionsTarget(t *testing.T) {
+	reg := modelFleet(t, false)
+	// Another replica bound the session to c, serving large, for the same alias.
+	store := elsewhere{bound: Binding{Session: "s", Worker: worker("c"), Revision: 9, Model: "large"}}
+	r, err := New(Config{Seed: 3}, Deps{Workers: reg, Tracker: NewTracker(), Affinity: store})
+	if err != nil {
+		t.Fatal(err)
+	}
+	al := &Alias{Name: "any", Targets: []AliasTarget{{Model: "small", Weight: 1}, {Model: "large"}}}
+	a := route(t, r, Request{Session: "s", Model: "any", Alias: al, PromptTokens: 16, DPRank: -1})
+	if d := a.Decision(); d.Model != "small" {
+		t.Fatalf("first choice %+v: want small, the only target of positive weight", d)
+	}
+	if _, err := a.Commit(context.Background()); !errors.Is(err, ErrBoundElsewhere) {
+		t.Fatalf("commit: %v", err)
+	}
+	a.Finish()
+	if d := a.Decision(); d.Model != "large" || d.Target.Worker.ID != "c" {
+		t.Fatalf("after the race: %+v, want the session's target large on c", d)
 	}
 }
