@@ -14,9 +14,23 @@ func (a aliases) Alias(name string) (routing.Alias, bool) {
 	if !ok {
 		return routing.Alias{}, false
 	}
+	return routingAlias(al), true
+}
+
+// List implements openai.Aliases.
+func (a aliases) List() []routing.Alias {
+	all := a.f.Aliases()
+	out := make([]routing.Alias, len(all))
+	for i, al := range all {
+		out[i] = routingAlias(al)
+	}
+	return out
+}
+
+func routingAlias(al fsm.Alias) routing.Alias {
 	out := routing.Alias{Name: al.Name, Targets: make([]routing.AliasTarget, len(al.Targets))}
 	for i, t := range al.Targets {
 		out.Targets[i] = routing.AliasTarget{Model: t.Model, Weight: t.Weight}
 	}
-	return out, true
+	return out
 }

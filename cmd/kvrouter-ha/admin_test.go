@@ -184,6 +184,18 @@ func TestCtlSetsListsAndDeletesModelAliases(t *testing.T) {
 	if err != nil || !strings.Contains(out, "llama") || !strings.Contains(out, "90") {
 		t.Fatalf("ctl models alias list: %v\n%s", err, out)
 	}
+	// The alias is a model the fleet serves: listed, and retrieved by its name.
+	for _, path := range []string{"/v1/models", "/v1/models/llama"} {
+		resp, err := http.Get("http://" + rep.Addr() + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"id":"llama"`) {
+			t.Fatalf("GET %s: %s %s", path, resp.Status, b)
+		}
+	}
 	for range 20 {
 		if code, target, body := ask("llama"); code != http.StatusOK || target != sim.DefaultModel || !strings.Contains(body, sim.DefaultModel) {
 			t.Fatalf("llama: %d sent as %q: %s", code, target, body)

@@ -528,6 +528,8 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 type Aliases interface {
 	// Alias returns the alias named name, if there is one.
 	Alias(name string) (routing.Alias, bool)
+	// List returns every alias, by name.
+	List() []routing.Alias
 }
 
 // alias returns model's alias with only the targets the fleet serves, nil when model is not
