@@ -11,6 +11,10 @@
 //	POST   /admin/cluster/transfer-leadership[?to=id]
 //	DELETE /admin/cluster/servers/{id}      remove a replica from the Raft configuration
 //	POST   /admin/cluster/snapshot          take a Raft snapshot now
+//	GET    /admin/models/aliases            model aliases and their weighted targets
+//	GET    /admin/models/aliases/{name}     one alias
+//	PUT    /admin/models/aliases/{name}     set an alias: {"targets":[{"model":..,"weight":..}]}
+//	DELETE /admin/models/aliases/{name}     delete an alias
 //
 // Writes go through the leader from any replica, except leadership transfer and snapshots,
 // which act on the replica asked (a follower answers 409 naming the leader for a transfer).
@@ -83,6 +87,8 @@ type Config struct {
 	Bindings Bindings
 	Workers  Workers
 	Registry Registry
+	// Aliases reads the model aliases (nil: the alias endpoints answer 404).
+	Aliases Aliases
 	// Metrics serves /metrics beside the API (nil: none).
 	Metrics http.Handler
 	// StaticSource names where a worker that is not in the cluster registry came from:
@@ -129,6 +135,8 @@ type SessionView struct {
 	DPRank    uint32 `json:"dp_rank"`
 	Revision  uint64 `json:"revision"`
 	TTLMillis int64  `json:"ttl_ms"`
+	// Model is the alias target the session is sent as, when it was bound through an alias.
+	Model string `json:"model,omitempty"`
 }
 
 // ClusterView is the cluster as one replica sees it (GET /admin/cluster).
@@ -159,6 +167,12 @@ func Handler(cfg Config) http.Handler {
 	mux.HandleFunc("POST /admin/cluster/transfer-leadership", a.transferLeadership)
 	mux.HandleFunc("DELETE /admin/cluster/servers/{id}", a.removeServer)
 	mux.HandleFunc("POST /admin/cluster/snapshot", a.snapshot)
+	if cfg.Aliases != nil {
+		mux.HandleFunc("GET /admin/models/aliases", a.listAliases)
+		mux.HandleFunc("GET /admin/models/aliases/{name}", a.getAlias)
+		mux.HandleFunc("PUT /admin/models/aliases/{name}", a.setAlias)
+		mux.HandleFunc("DELETE /admin/models/aliases/{name}", a.deleteAlias)
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if strings.HasPrefix(r.URL.Path, "/admin/") && !a.authorized(r) {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="kvrouter-ha admin"`)
@@ -196,7 +210,7 @@ func ctxOf(r *http.Request) (context.Context, context.CancelFunc) {
 // statusOf maps an order's error to its answer.
 func statusOf(err error) int {
 	switch {
-	case errors.Is(err, peer.ErrInvalid), errors.Is(err, workers.ErrInvalid):
+	case errors.Is(err, peer.ErrInvalid), errors.Is(err, workers.ErrInvalid), errors.Is(err, fsm.ErrInvalid):
 		return http.StatusBadRequest
 	case errors.Is(err, workers.ErrUnknown), errors.Is(err, cluster.ErrUnknownReplica):
 		return http.StatusNotFound
@@ -296,7 +310,7 @@ func (a *api) getSession(w http.ResponseWriter, r *http.Request) {
 		fail(w, http.StatusNotFound, "session %q has no binding", id)
 		return
 	}
-	writeJSON(w, http.StatusOK, SessionView{Session: b.Session, Worker: b.Worker, DPRank: b.DPRank, Revision: b.Revision, TTLMillis: b.TTL.Milliseconds()})
+	writeJSON(w, http.StatusOK, SessionView{Session: b.Session, Worker: b.Worker, DPRank: b.DPRank, Revision: b.Revision, TTLMillis: b.TTL.Milliseconds(), Model: b.Model})
 }
 
 func (a *api) invalidateSession(w http.ResponseWriter, r *http.Request) {

@@ -54,7 +54,7 @@ func NewAffinity(n *Node) *Affinity {
 var _ routing.AffinityStore = (*Affinity)(nil)
 
 func toRouting(b fsm.Binding) routing.Binding {
-	return routing.Binding{Session: b.Session, Worker: indexer.Worker{ID: b.Worker, DPRank: b.DPRank}, Revision: b.Revision}
+	return routing.Binding{Session: b.Session, Worker: indexer.Worker{ID: b.Worker, DPRank: b.DPRank}, Revision: b.Revision, Model: b.Model}
 }
 
 // fence waits (up to BindWait) for the replica to be fresh enough to read at its level; a
@@ -217,12 +217,12 @@ func (a *Affinity) Invalidate(ctx context.Context, session string, revision uint
 
 // bind proposes a Bind through the leader, waiting up to BindWait for one: absent-only with
 // expect 0, else a compare-and-set on that revision.
-func (a *Affinity) bind(ctx context.Context, session string, w indexer.Worker, expect uint64) (*fsm.Result, error) {
+func (a *Affinity) bind(ctx context.Context, session string, w indexer.Worker, model string, expect uint64) (*fsm.Result, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.n.cfg.BindWait)
 	defer cancel()
 	res, err := a.n.Apply(ctx, &fsm.Bind{
 		Session: session, Worker: w.ID, DPRank: w.DPRank, ExpectRevision: expect,
-		TTL: a.n.cfg.SessionTTL, MaxBindings: uint64(max(a.n.cfg.MaxBindings, 0)),
+		TTL: a.n.cfg.SessionTTL, MaxBindings: uint64(max(a.n.cfg.MaxBindings, 0)), Model: model,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("bind session %q: %w", session, err)
@@ -380,14 +380,14 @@ func (l *lease) Binding() (routing.Binding, bool) { return l.binding, l.bound }
 // Commit binds the session (initializer). If another replica bound it first, the lease
 // adopts that binding and returns it with routing.ErrBoundElsewhere, so the caller can move
 // the request to the bound worker while no byte has reached the client.
-func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, error) {
+func (l *lease) Commit(ctx context.Context, w indexer.Worker, model string) (routing.Binding, error) {
 	if l.done || l.bound || !l.gate {
 		return routing.Binding{}, fmt.Errorf("commit of session %q: lease is not an open initializer", l.session)
 	}
-	res, err := l.a.bind(ctx, l.session, w, l.replaces)
+	res, err := l.a.bind(ctx, l.session, w, model, l.replaces)
 	if err == nil && res.Status == fsm.Conflict && !res.Found {
 		// The binding this one replaces is gone (expired, invalidated): bind afresh.
-		res, err = l.a.bind(ctx, l.session, w, 0)
+		res, err = l.a.bind(ctx, l.session, w, model, 0)
 	}
 	a := l.a
 	a.mu.Lock()
@@ -413,7 +413,7 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker) (routing.Binding, 
 		// No touch here: the leader arms the new binding's timer when it applies the Bind,
 		// and Release touches it when the request ends.
 		l.bound, l.binding, l.replaces = true, b, 0
-		if res.Status != fsm.Created && b.Worker != w {
+		if res.Status != fsm.Created && (b.Worker != w || b.Model != model) {
 			return b, fmt.Errorf("session %q: %w", l.session, routing.ErrBoundElsewhere)
 		}
 		return b, nil

@@ -109,7 +109,7 @@ func bindOnce(ctx context.Context, a *Affinity, session string) (time.Duration, 
 	if _, ok := l.Binding(); ok {
 		return 0, errors.New("fresh session already bound")
 	}
-	if _, err := l.Commit(ctx, indexer.Worker{ID: "w1"}); err != nil {
+	if _, err := l.Commit(ctx, indexer.Worker{ID: "w1"}, ""); err != nil {
 		return 0, err
 	}
 	return time.Since(start), nil

@@ -28,7 +28,7 @@ func bindVia(t *testing.T, a *Affinity, session string, w indexer.Worker) routin
 	if b, ok := l.Binding(); ok {
 		return b
 	}
-	b, err := l.Commit(ctx, w)
+	b, err := l.Commit(ctx, w, "")
 	if err != nil && !errors.Is(err, routing.ErrBoundElsewhere) {
 		t.Fatalf("commit %s: %v", session, err)
 	}
@@ -207,7 +207,7 @@ func TestActiveSessionIsNotExpired(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := held.Commit(ctx, indexer.Worker{ID: "w1"})
+	b, err := held.Commit(ctx, indexer.Worker{ID: "w1"}, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -416,14 +416,14 @@ func TestRebindIsOneCompareAndSet(t *testing.T) {
 		t.Fatal("a reopened lease still reports its old binding")
 	}
 	before := ln.fsm.AppliedIndex()
-	nb, err := first.Commit(ctx, indexer.Worker{ID: "w2"})
+	nb, err := first.Commit(ctx, indexer.Worker{ID: "w2"}, "")
 	if err != nil || nb.Worker.ID != "w2" || nb.Revision <= old.Revision {
 		t.Fatalf("first replacement: %+v %v", nb, err)
 	}
 	if got := commandsBetween(t, ln, before, ln.fsm.AppliedIndex()); got != 1 {
 		t.Fatalf("the replacement took %d commands, want 1", got)
 	}
-	lost, err := second.Commit(ctx, indexer.Worker{ID: "w3"})
+	lost, err := second.Commit(ctx, indexer.Worker{ID: "w3"}, "")
 	if !errors.Is(err, routing.ErrBoundElsewhere) || lost != nb {
 		t.Fatalf("second replacement: %+v %v, want the first's %+v and ErrBoundElsewhere", lost, err, nb)
 	}

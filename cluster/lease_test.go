@@ -241,7 +241,7 @@ func TestStaleHeartbeatAnswersGrantNoReadLease(t *testing.T) {
 	if !l.Reopen() {
 		t.Fatal("the new leader does not hold the binding")
 	}
-	after, err := l.Commit(ctx, indexer.Worker{ID: "w2"})
+	after, err := l.Commit(ctx, indexer.Worker{ID: "w2"}, "")
 	if err != nil || after.Revision <= before.Revision {
 		t.Fatalf("rebind on the new leader r%d: %+v %v", ni, after, err)
 	}

@@ -28,7 +28,11 @@ func Encode(cmd Command) ([]byte, error) {
 	if err := cmd.validate(); err != nil {
 		return nil, fmt.Errorf("encode %T: %w", cmd, err)
 	}
-	b, err := marshalOpts.MarshalAppend([]byte{cmd.kind()}, toProto(cmd))
+	t := cmd.kind()
+	if ignorable(t) {
+		t |= flagIgnorable
+	}
+	b, err := marshalOpts.MarshalAppend([]byte{t}, toProto(cmd))
 	if err != nil {
 		return nil, fmt.Errorf("encode %T: %w", cmd, err)
 	}
@@ -56,7 +60,7 @@ func Decode(b []byte) (Command, error) {
 	return decodeBody(t, b[1:])
 }
 
-func knownType(t byte) bool { return t >= typeBind && t <= typeRemoveMember }
+func knownType(t byte) bool { return t >= typeBind && t <= typeDeleteAlias }
 
 func decodeBody(t byte, body []byte) (Command, error) {
 	if len(body)+1 > MaxCommandLen {
@@ -83,6 +87,10 @@ func decodeBody(t byte, body []byte) (Command, error) {
 		msg = &fsmpb.SetMember{}
 	case typeRemoveMember:
 		msg = &fsmpb.RemoveMember{}
+	case typeSetAlias:
+		msg = &fsmpb.SetAlias{}
+	case typeDeleteAlias:
+		msg = &fsmpb.DeleteAlias{}
 	default:
 		return nil, fmt.Errorf("decode: %w 0x%02x", ErrUnknownType, t)
 	}
@@ -96,7 +104,7 @@ func decodeBody(t byte, body []byte) (Command, error) {
 			return nil, err
 		}
 		cmd = &Bind{Session: m.GetSession(), Worker: m.GetWorker(), DPRank: m.GetDpRank(),
-			ExpectRevision: m.GetExpectRevision(), TTL: ttl, MaxBindings: m.GetMaxBindings()}
+			ExpectRevision: m.GetExpectRevision(), TTL: ttl, MaxBindings: m.GetMaxBindings(), Model: m.GetModel()}
 	case *fsmpb.Unbind:
 		if t == typeInvalidate {
 			cmd = &Invalidate{Session: m.GetSession(), Revision: m.GetRevision()}
@@ -134,6 +142,17 @@ func decodeBody(t byte, body []byte) (Command, error) {
 		cmd = &SetMember{Member: Member{ID: pm.GetId(), RaftAddr: pm.GetRaftAddr(), PeerAddr: pm.GetPeerAddr()}}
 	case *fsmpb.RemoveMember:
 		cmd = &RemoveMember{ID: m.GetId()}
+	case *fsmpb.SetAlias:
+		if n := len(m.GetTargets()); n > MaxAliasTargets {
+			return nil, fmt.Errorf("decode: %w: alias of %d targets, over %d", ErrInvalid, n, MaxAliasTargets)
+		}
+		a := Alias{Name: m.GetName()}
+		for _, t := range m.GetTargets() {
+			a.Targets = append(a.Targets, AliasTarget{Model: t.GetModel(), Weight: t.GetWeight()})
+		}
+		cmd = &SetAlias{Alias: a}
+	case *fsmpb.DeleteAlias:
+		cmd = &DeleteAlias{Name: m.GetName()}
 	}
 	if err := cmd.validate(); err != nil {
 		return nil, fmt.Errorf("decode %T: %w", cmd, err)
@@ -152,7 +171,7 @@ func toProto(cmd Command) proto.Message {
 	switch c := cmd.(type) {
 	case *Bind:
 		return &fsmpb.Bind{Session: c.Session, Worker: c.Worker, DpRank: c.DPRank,
-			ExpectRevision: c.ExpectRevision, TtlNanos: int64(c.TTL), MaxBindings: c.MaxBindings}
+			ExpectRevision: c.ExpectRevision, TtlNanos: int64(c.TTL), MaxBindings: c.MaxBindings, Model: c.Model}
 	case *Invalidate:
 		return &fsmpb.Unbind{Session: c.Session, Revision: c.Revision}
 	case *Expire:
@@ -175,6 +194,14 @@ func toProto(cmd Command) proto.Message {
 		return &fsmpb.SetMember{Member: &fsmpb.Member{Id: c.Member.ID, RaftAddr: c.Member.RaftAddr, PeerAddr: c.Member.PeerAddr}}
 	case *RemoveMember:
 		return &fsmpb.RemoveMember{Id: c.ID}
+	case *SetAlias:
+		m := &fsmpb.SetAlias{Name: c.Alias.Name, Targets: make([]*fsmpb.AliasTarget, len(c.Alias.Targets))}
+		for i, t := range c.Alias.Targets {
+			m.Targets[i] = &fsmpb.AliasTarget{Model: t.Model, Weight: t.Weight}
+		}
+		return m
+	case *DeleteAlias:
+		return &fsmpb.DeleteAlias{Name: c.Name}
 	}
 	// Unreachable: Command is sealed and every implementation is listed above.
 	panic(fmt.Sprintf("fsm: no protobuf form for %T", cmd))
@@ -197,7 +224,7 @@ func EncodeResult(r *Result) ([]byte, error) {
 	if r.Found || r.Binding != (Binding{}) {
 		b := r.Binding
 		m.Binding = &fsmpb.Binding{Session: b.Session, Worker: b.Worker, DpRank: b.DPRank, Revision: b.Revision,
-			TtlNanos: int64(b.TTL), RemainingNanos: int64(b.Remaining)}
+			TtlNanos: int64(b.TTL), RemainingNanos: int64(b.Remaining), Model: b.Model}
 	}
 	if r.Err != nil {
 		m.Err = r.Err.Error()
@@ -230,7 +257,8 @@ func DecodeResult(b []byte) (*Result, error) {
 	r := &Result{Status: Status(m.Status), Found: m.Found, Count: int(m.Count)}
 	if pb := m.GetBinding(); pb != nil {
 		r.Binding = Binding{Session: pb.GetSession(), Worker: pb.GetWorker(), DPRank: pb.GetDpRank(),
-			Revision: pb.GetRevision(), TTL: time.Duration(pb.GetTtlNanos()), Remaining: time.Duration(pb.GetRemainingNanos())}
+			Revision: pb.GetRevision(), TTL: time.Duration(pb.GetTtlNanos()), Remaining: time.Duration(pb.GetRemainingNanos()),
+			Model: pb.GetModel()}
 	}
 	if m.Err != "" {
 		re := &remoteError{msg: m.Err}

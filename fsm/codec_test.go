@@ -3,6 +3,7 @@ package fsm
 import (
 	"errors"
 	"fmt"
+	"os"
 	"reflect"
 	"strings"
 	"testing"
@@ -26,6 +27,9 @@ func everyCommand() []Command {
 		&RemoveWorker{ID: "w-1"},
 		&SetMember{Member: Member{ID: "r1", RaftAddr: "10.0.0.1:7000", PeerAddr: "10.0.0.1:7001"}},
 		&RemoveMember{ID: "r1"},
+		&Bind{Session: "s-3", Worker: "w-2", Model: "llama-v3"},
+		&SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{{Model: "llama-v2", Weight: 90}, {Model: "llama-v3", Weight: 10}, {Model: "llama-v4"}}}},
+		&DeleteAlias{Name: "llama"},
 	}
 }
 
@@ -188,6 +192,9 @@ func FuzzRestore(f *testing.F) {
 	n := populated(f, 5)
 	f.Add(persist(f, n.f))
 	f.Add([]byte(snapMagic))
+	if v1, err := os.ReadFile("testdata/snapshot-v1.bin"); err == nil {
+		f.Add(v1) // the format before aliases
+	}
 	f.Fuzz(func(t *testing.T, in []byte) {
 		r := New(Options{})
 		if err := restore(r, in); err != nil {

@@ -3,6 +3,7 @@ package fsm
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -16,6 +17,14 @@ const (
 	MaxCheckpointEntries = 1 << 16
 	// MaxCommandLen bounds an encoded command.
 	MaxCommandLen = 32 << 20
+	// MaxAliasTargets bounds an alias's targets.
+	MaxAliasTargets = 16
+	// MaxAliasWeight bounds one target's weight.
+	MaxAliasWeight = 1000
+	// MaxAliases bounds the aliases the state holds.
+	MaxAliases = 1024
+	// MaxBoundModels bounds the distinct models the bindings record at once.
+	MaxBoundModels = 1<<16 - 1
 )
 
 // Errors that Decode, Encode and Apply wrap.
@@ -52,6 +61,9 @@ type Bind struct {
 	TTL time.Duration
 	// MaxBindings caps the number of bindings when creating a new session (0: no cap).
 	MaxBindings uint64
+	// Model is the model the session's requests are sent as ("" for none): an alias's
+	// chosen target, kept with the binding so the session keeps it.
+	Model string
 }
 
 // Invalidate removes Session's binding if its revision is Revision.
@@ -115,6 +127,17 @@ type RemoveMember struct {
 	ID string
 }
 
+// SetAlias adds or replaces a model alias. Its targets must not be aliases, and its name
+// must not be another alias's target (no alias of an alias).
+type SetAlias struct {
+	Alias Alias
+}
+
+// DeleteAlias removes a model alias.
+type DeleteAlias struct {
+	Name string
+}
+
 // Type bytes on the log. Values are never reused; flagIgnorable marks a command an older
 // replica may skip rather than stop on.
 const (
@@ -128,6 +151,11 @@ const (
 	typeRemoveWorker     byte = 8
 	typeSetMember        byte = 9
 	typeRemoveMember     byte = 10
+	// Alias commands are proposed with flagIgnorable: a replica of an older release skips
+	// them (it then knows no alias, so a request for one is answered 404 model_not_found
+	// there) instead of stopping.
+	typeSetAlias    byte = 11
+	typeDeleteAlias byte = 12
 
 	flagIgnorable byte = 0x80
 )
@@ -142,6 +170,11 @@ func (*DrainWorker) kind() byte      { return typeDrainWorker }
 func (*RemoveWorker) kind() byte     { return typeRemoveWorker }
 func (*SetMember) kind() byte        { return typeSetMember }
 func (*RemoveMember) kind() byte     { return typeRemoveMember }
+func (*SetAlias) kind() byte         { return typeSetAlias }
+func (*DeleteAlias) kind() byte      { return typeDeleteAlias }
+
+// ignorable reports whether a replica that does not know type t may skip it.
+func ignorable(t byte) bool { return t == typeSetAlias || t == typeDeleteAlias }
 
 // ValidSession reports whether s is an acceptable session key: 1 to MaxKeyLen bytes of
 // printable ASCII (0x20-0x7e).
@@ -193,6 +226,9 @@ func (c *Bind) validate() error {
 	}
 	if c.TTL < 0 {
 		return fmt.Errorf("%w: negative ttl %v", ErrInvalid, c.TTL)
+	}
+	if c.Model != "" {
+		return ValidModel(c.Model)
 	}
 	return nil
 }
@@ -258,3 +294,61 @@ func (c *SetMember) validate() error {
 }
 
 func (c *RemoveMember) validate() error { return validKey("member id", c.ID) }
+
+// ValidModel reports whether name is an acceptable model or alias name: 1 to MaxKeyLen
+// bytes of printable ASCII without spaces (routing.ValidateModelName's rule).
+func ValidModel(name string) error {
+	if err := validKey("model name", name); err != nil {
+		return err
+	}
+	if i := strings.IndexByte(name, ' '); i >= 0 {
+		return fmt.Errorf("%w: model name %.32q has a space at %d", ErrInvalid, name, i)
+	}
+	return nil
+}
+
+// ValidAlias checks an alias on its own: a valid name, 1 to MaxAliasTargets distinct
+// valid targets other than the alias itself, weights 0..MaxAliasWeight with at least one
+// positive. (Whether a target is itself an alias depends on the state: SetAlias's apply.)
+func ValidAlias(a Alias) error {
+	if err := ValidModel(a.Name); err != nil {
+		return fmt.Errorf("alias: %w", err)
+	}
+	if len(a.Targets) == 0 {
+		return fmt.Errorf("%w: alias %q has no targets", ErrInvalid, a.Name)
+	}
+	if len(a.Targets) > MaxAliasTargets {
+		return fmt.Errorf("%w: alias %q has %d targets, over %d", ErrInvalid, a.Name, len(a.Targets), MaxAliasTargets)
+	}
+	positive := false
+	for i, t := range a.Targets {
+		if err := ValidModel(t.Model); err != nil {
+			return fmt.Errorf("alias %q target %d: %w", a.Name, i, err)
+		}
+		if t.Model == a.Name {
+			return fmt.Errorf("%w: alias %q names itself as a target", ErrInvalid, a.Name)
+		}
+		for _, o := range a.Targets[:i] {
+			if o.Model == t.Model {
+				return fmt.Errorf("%w: alias %q lists target %q twice", ErrInvalid, a.Name, t.Model)
+			}
+		}
+		if t.Weight > MaxAliasWeight {
+			return fmt.Errorf("%w: alias %q target %q: weight %d over %d", ErrInvalid, a.Name, t.Model, t.Weight, MaxAliasWeight)
+		}
+		positive = positive || t.Weight > 0
+	}
+	if !positive {
+		return fmt.Errorf("%w: alias %q: every weight is 0, at least one must be positive", ErrInvalid, a.Name)
+	}
+	return nil
+}
+
+func (c *SetAlias) validate() error { return ValidAlias(c.Alias) }
+
+func (c *DeleteAlias) validate() error {
+	if err := ValidModel(c.Name); err != nil {
+		return fmt.Errorf("alias: %w", err)
+	}
+	return nil
+}

@@ -48,24 +48,31 @@ type FSM struct {
 	amu     sync.Mutex
 	gen     uint64
 	intern  *interner
+	models  *interner
 	pending []Change
 }
 
-// registry is one immutable version of the worker registry and the member list.
+// registry is one immutable version of the worker registry, the member list and the
+// model aliases.
 type registry struct {
 	workers map[string]Worker
 	members map[string]Member
+	aliases map[string]Alias
+}
+
+func newRegistry() *registry {
+	return &registry{workers: map[string]Worker{}, members: map[string]Member{}, aliases: map[string]Alias{}}
 }
 
 func (r *registry) clone() *registry {
-	return &registry{workers: maps.Clone(r.workers), members: maps.Clone(r.members)}
+	return &registry{workers: maps.Clone(r.workers), members: maps.Clone(r.members), aliases: maps.Clone(r.aliases)}
 }
 
 // New returns an empty FSM.
 func New(opts Options) *FSM {
-	f := &FSM{opts: opts, intern: newInterner()}
+	f := &FSM{opts: opts, intern: newInterner(), models: newInterner()}
 	f.st.Store(newState(0))
-	f.reg.Store(&registry{workers: map[string]Worker{}, members: map[string]Member{}})
+	f.reg.Store(newRegistry())
 	return f
 }
 
@@ -205,13 +212,19 @@ func (c *Bind) apply(f *FSM, index uint64) *Result {
 	if i < 0 && c.MaxBindings > 0 && uint64(f.count.Load()) >= c.MaxBindings {
 		return &Result{Status: Full}
 	}
+	if _, known := f.models.lookup(c.Model); c.Model != "" && !known && len(f.models.ids) >= MaxBoundModels {
+		return &Result{Status: Invalid, Err: fmt.Errorf("entry %d: %w: bindings already record %d distinct models", index, ErrInvalid, MaxBoundModels)}
+	}
 
-	nb := Binding{Session: c.Session, Worker: c.Worker, DPRank: c.DPRank, Revision: index, TTL: c.TTL}
+	nb := Binding{Session: c.Session, Worker: c.Worker, DPRank: c.DPRank, Revision: index, TTL: c.TTL, Model: c.Model}
 	sl := slot{revision: index, ttl: int64(c.TTL), dpRank: c.DPRank, worker: f.intern.acquire(c.Worker)}
+	if c.Model != "" {
+		sl.model = uint16(f.models.acquire(c.Model) + 1)
+	}
 	s = f.writable(si)
 	if i < 0 {
 		s.mu.Lock()
-		s.names = f.intern.names
+		s.names, s.models = f.intern.names, f.models.names
 		insert(s, c.Session, h, sl)
 		s.mu.Unlock()
 		f.count.Add(1)
@@ -222,10 +235,11 @@ func (c *Bind) apply(f *FSM, index uint64) *Result {
 	prev := s.binding(i, c.Session)
 	sl.keyOff, sl.keyLen = old.keyOff, old.keyLen
 	s.mu.Lock()
-	s.names = f.intern.names
+	s.names, s.models = f.intern.names, f.models.names
 	s.slots[i] = sl
 	s.mu.Unlock()
 	f.intern.release(old.worker)
+	f.releaseModel(old.model)
 	f.note(Change{Kind: Bound, Reason: Replaced, Binding: nb, Previous: prev, Index: index})
 	return &Result{Status: Created, Binding: nb, Found: true}
 }
@@ -251,15 +265,23 @@ func (f *FSM) unbind(session string, rev uint64, reason Reason, index uint64) *R
 	if b.Revision != rev {
 		return &Result{Status: Conflict, Binding: b, Found: true}
 	}
-	wid := s.slots[i].worker
+	wid, mid := s.slots[i].worker, s.slots[i].model
 	s = f.writable(si)
 	s.mu.Lock()
 	s.remove(pos, i)
 	s.mu.Unlock()
 	f.intern.release(wid)
+	f.releaseModel(mid)
 	f.count.Add(-1)
 	f.note(Change{Kind: Unbound, Reason: reason, Binding: b, Index: index})
 	return &Result{Status: Removed, Binding: b, Found: true}
+}
+
+// releaseModel drops a slot's reference to its model (0: none).
+func (f *FSM) releaseModel(m uint16) {
+	if m != 0 {
+		f.models.release(uint32(m - 1))
+	}
 }
 
 // unbindWorker removes every binding of worker and returns how many.
@@ -284,6 +306,7 @@ func (f *FSM) unbindWorker(worker string, reason Reason, index uint64) int {
 			if f.track() {
 				f.pending = append(f.pending, Change{Kind: Unbound, Reason: reason, Binding: s.binding(i, ""), Index: index})
 			}
+			f.releaseModel(s.slots[i].model)
 			key := s.key(i)
 			pos, _ := s.findBytes(key, hashBytes(key))
 			s.remove(pos, i)
@@ -404,6 +427,64 @@ func (c *RemoveMember) apply(f *FSM, _ uint64) *Result {
 	delete(r.members, c.ID)
 	f.reg.Store(r)
 	return &Result{Status: OK, Found: true}
+}
+
+func (c *SetAlias) apply(f *FSM, index uint64) *Result {
+	r := f.reg.Load()
+	a := c.Alias
+	for _, t := range a.Targets {
+		if _, ok := r.aliases[t.Model]; ok {
+			return &Result{Status: Invalid, Err: fmt.Errorf("entry %d: %w: alias %q: target %q is an alias (no alias of an alias)", index, ErrInvalid, a.Name, t.Model)}
+		}
+	}
+	for _, o := range r.aliases {
+		if o.Name == a.Name {
+			continue
+		}
+		for _, t := range o.Targets {
+			if t.Model == a.Name {
+				return &Result{Status: Invalid, Err: fmt.Errorf("entry %d: %w: %q is a target of alias %q (no alias of an alias)", index, ErrInvalid, a.Name, o.Name)}
+			}
+		}
+	}
+	_, found := r.aliases[a.Name]
+	if !found && len(r.aliases) >= MaxAliases {
+		return &Result{Status: Invalid, Err: fmt.Errorf("entry %d: %w: %d aliases already, the most there may be", index, ErrInvalid, MaxAliases)}
+	}
+	r = r.clone()
+	a.Targets = slices.Clip(slices.Clone(a.Targets))
+	r.aliases[a.Name] = a
+	f.reg.Store(r)
+	return &Result{Status: OK, Found: found}
+}
+
+func (c *DeleteAlias) apply(f *FSM, _ uint64) *Result {
+	if _, ok := f.reg.Load().aliases[c.Name]; !ok {
+		return &Result{Status: NotFound}
+	}
+	r := f.reg.Load().clone()
+	delete(r.aliases, c.Name)
+	f.reg.Store(r)
+	return &Result{Status: OK, Found: true}
+}
+
+// Aliases returns the model aliases, sorted by name.
+func (f *FSM) Aliases() []Alias {
+	r := f.reg.Load()
+	out := make([]Alias, 0, len(r.aliases))
+	for _, a := range r.aliases {
+		a.Targets = slices.Clone(a.Targets)
+		out = append(out, a)
+	}
+	slices.SortFunc(out, func(a, b Alias) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// Alias returns one model alias.
+func (f *FSM) Alias(name string) (Alias, bool) {
+	a, ok := f.reg.Load().aliases[name]
+	a.Targets = slices.Clone(a.Targets)
+	return a, ok
 }
 
 // Get returns session's binding. It takes one shard's read lock and allocates nothing.

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/hashicorp/raft"
 )
@@ -509,5 +510,127 @@ func TestStatusStrings(t *testing.T) {
 	}
 	if Status(0).String() != "status(0)" || Reset.String() != "reset" {
 		t.Fatal("fallback names")
+	}
+}
+
+func TestAliasCommands(t *testing.T) {
+	tg := func(m string, w uint32) AliasTarget { return AliasTarget{Model: m, Weight: w} }
+	many := make([]AliasTarget, MaxAliasTargets+1)
+	for i := range many {
+		many[i] = tg(fmt.Sprintf("m%d", i), 1)
+	}
+	// Refused by Encode (the leader's check) and by Apply alike, changing nothing.
+	for _, tc := range []struct {
+		name string
+		cmd  Command
+		want string
+	}{
+		{"empty name", &SetAlias{Alias: Alias{Targets: []AliasTarget{tg("a", 1)}}}, "model name is empty"},
+		{"space in name", &SetAlias{Alias: Alias{Name: "ll ama", Targets: []AliasTarget{tg("a", 1)}}}, "space"},
+		{"no targets", &SetAlias{Alias: Alias{Name: "llama"}}, "no targets"},
+		{"too many targets", &SetAlias{Alias: Alias{Name: "llama", Targets: many}}, "over 16"},
+		{"weight over 1000", &SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{tg("a", 1001)}}}, "weight 1001 over 1000"},
+		{"all weights zero", &SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{tg("a", 0), tg("b", 0)}}}, "at least one must be positive"},
+		{"target twice", &SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{tg("a", 1), tg("a", 2)}}}, "twice"},
+		{"itself", &SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{tg("llama", 1)}}}, "names itself"},
+		{"bad target", &SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{tg("a\x01", 1)}}}, "non-printable"},
+		{"delete empty", &DeleteAlias{}, "model name is empty"},
+		{"bind bad model", &Bind{Session: "s", Worker: "w", Model: "a b"}, "space"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := Encode(tc.cmd); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("encode: %v, want ErrInvalid saying %q", err, tc.want)
+			}
+			n := newNode(t)
+			n.expect(&SetAlias{Alias: Alias{Name: "keep", Targets: []AliasTarget{tg("k", 1)}}}, OK)
+			before := dumpOf(n.f)
+			body := toProto(tc.cmd)
+			raw, err := marshalOpts.MarshalAppend([]byte{tc.cmd.kind() | flagIgnorable}, body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res := n.applyRaw(&raft.Log{Index: 2, Type: raft.LogCommand, Data: raw}); res.Status != Invalid {
+				t.Fatalf("apply: %+v, want Invalid", res)
+			}
+			before.Applied = 2
+			requireEqual(t, dumpOf(n.f), before)
+		})
+	}
+
+	// No alias of an alias, in either order; the state decides, the same on every replica.
+	n := newNode(t)
+	n.expect(&SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{tg("llama-v2", 90), tg("llama-v3", 10)}}}, OK)
+	before := dumpOf(n.f)
+	if res := n.expect(&SetAlias{Alias: Alias{Name: "meta", Targets: []AliasTarget{tg("llama", 1)}}}, Invalid); !strings.Contains(res.Err.Error(), "is an alias") {
+		t.Fatalf("alias of an alias: %v", res.Err)
+	}
+	if res := n.expect(&SetAlias{Alias: Alias{Name: "llama-v2", Targets: []AliasTarget{tg("x", 1)}}}, Invalid); !strings.Contains(res.Err.Error(), "is a target of alias") {
+		t.Fatalf("alias named as another's target: %v", res.Err)
+	}
+	before.Applied = n.index
+	requireEqual(t, dumpOf(n.f), before)
+
+	// Replace, read, delete.
+	if res := n.expect(&SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{tg("llama-v2", 50), tg("llama-v3", 50)}}}, OK); !res.Found {
+		t.Fatal("replacing an alias did not report it found")
+	}
+	if a, ok := n.f.Alias("llama"); !ok || a.Targets[0].Weight != 50 || a.Targets[1].Weight != 50 {
+		t.Fatalf("alias after replace: %+v %v", a, ok)
+	}
+	n.expect(&DeleteAlias{Name: "llama"}, OK)
+	n.expect(&DeleteAlias{Name: "llama"}, NotFound)
+	if len(n.f.Aliases()) != 0 {
+		t.Fatalf("aliases after delete: %+v", n.f.Aliases())
+	}
+}
+
+func TestAliasCommandsAreSkippedByAnOlderRelease(t *testing.T) {
+	// An older release knows types up to RemoveMember: what it does with an alias command
+	// is what it does with any unknown type, so the command must carry the flag.
+	for _, cmd := range []Command{
+		&SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{{Model: "llama-v2", Weight: 1}}}},
+		&DeleteAlias{Name: "llama"},
+	} {
+		b, err := Encode(cmd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b[0]&flagIgnorable == 0 || b[0]&^flagIgnorable <= typeRemoveMember {
+			t.Fatalf("%T encodes with type byte 0x%02x: an older replica would panic on it", cmd, b[0])
+		}
+	}
+	// A Bind's model is a new field: an older release decodes the Bind without it.
+	b, err := Encode(&Bind{Session: "s", Worker: "w", Model: "llama-v3"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b[0] != typeBind {
+		t.Fatalf("a Bind with a model has type byte 0x%02x", b[0])
+	}
+}
+
+func TestBindingKeepsItsModel(t *testing.T) {
+	n := newNode(t)
+	b := n.expect(&Bind{Session: "s", Worker: "w1", Model: "llama-v3"}, Created).Binding
+	if got, _ := n.f.Get("s"); got.Model != "llama-v3" || b.Model != "llama-v3" {
+		t.Fatalf("binding %+v, result %+v: want model llama-v3", got, b)
+	}
+	// A compare-and-set rebind records the model it carries; the old one's reference goes.
+	n.expect(&Bind{Session: "s", Worker: "w2", ExpectRevision: b.Revision, Model: "llama-v2"}, Created)
+	if got, _ := n.f.Get("s"); got.Model != "llama-v2" || got.Worker != "w2" {
+		t.Fatalf("rebound %+v", got)
+	}
+	if _, ok := n.f.models.lookup("llama-v3"); ok {
+		t.Fatal("a model no binding records is still interned")
+	}
+	n.expect(&InvalidateWorker{Worker: "w2"}, OK)
+	if len(n.f.models.ids) != 0 {
+		t.Fatalf("models interned after every binding went: %v", n.f.models.ids)
+	}
+}
+
+func TestSlotStaysFortyBytes(t *testing.T) {
+	if n := unsafe.Sizeof(slot{}); n != 40 {
+		t.Fatalf("slot is %d bytes: the binding model must fit in the padding", n)
 	}
 }

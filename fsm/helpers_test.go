@@ -69,12 +69,13 @@ type dump struct {
 	Bindings []Binding
 	Workers  []Worker
 	Members  []Member
+	Aliases  []Alias
 	Len      int
 	Applied  uint64
 }
 
 func dumpOf(f *FSM) dump {
-	d := dump{Workers: f.Workers(), Members: f.Members(), Len: f.Len(), Applied: f.AppliedIndex()}
+	d := dump{Workers: f.Workers(), Members: f.Members(), Aliases: f.Aliases(), Len: f.Len(), Applied: f.AppliedIndex()}
 	f.Range(func(b Binding) bool {
 		d.Bindings = append(d.Bindings, b)
 		return true
@@ -95,11 +96,17 @@ func (d dump) String() string {
 	for _, m := range d.Members {
 		fmt.Fprintf(&sb, "  member %+v\n", m)
 	}
+	for _, a := range d.Aliases {
+		fmt.Fprintf(&sb, "  alias %+v\n", a)
+	}
 	return sb.String()
 }
 
 func equalDumps(a, b dump) bool {
 	if a.Len != b.Len || a.Applied != b.Applied || !slices.Equal(a.Bindings, b.Bindings) || !slices.Equal(a.Members, b.Members) {
+		return false
+	}
+	if !slices.EqualFunc(a.Aliases, b.Aliases, func(x, y Alias) bool { return x.Name == y.Name && slices.Equal(x.Targets, y.Targets) }) {
 		return false
 	}
 	return slices.EqualFunc(a.Workers, b.Workers, func(x, y Worker) bool {
@@ -169,7 +176,7 @@ func (g *gen) next(f *FSM) Command {
 	switch p := g.r.IntN(100); {
 	case p < 40:
 		return &Bind{Session: s, Worker: g.worker(), DPRank: uint32(g.r.IntN(4)), TTL: time.Duration(g.r.IntN(5)) * time.Minute,
-			MaxBindings: uint64(g.r.IntN(2) * (g.sessions - 5))}
+			MaxBindings: uint64(g.r.IntN(2) * (g.sessions - 5)), Model: []string{"", "m1", "m2"}[g.r.IntN(3)]}
 	case p < 50:
 		return &Bind{Session: s, Worker: g.worker(), ExpectRevision: rev}
 	case p < 62:
@@ -195,6 +202,11 @@ func (g *gen) next(f *FSM) Command {
 		return &DrainWorker{ID: g.worker()}
 	case p < 95:
 		return &RemoveWorker{ID: g.worker()}
+	case p < 96:
+		if g.r.IntN(2) == 0 {
+			return &DeleteAlias{Name: "a1"}
+		}
+		return &SetAlias{Alias: Alias{Name: "a1", Targets: []AliasTarget{{Model: "m1", Weight: uint32(g.r.IntN(10) + 1)}, {Model: "m2"}}}}
 	case p < 98:
 		return &SetMember{Member: Member{ID: fmt.Sprintf("r%d", g.r.IntN(3)), RaftAddr: "10.0.0.1:7000", PeerAddr: fmt.Sprintf("10.0.0.1:%d", 8000+g.r.IntN(3))}}
 	default:

@@ -13,23 +13,29 @@ import (
 	"github.com/hashicorp/raft"
 )
 
-// Snapshot stream, format version 1 (integers little-endian unless "uvarint"):
+// Snapshot stream, format version 2 (integers little-endian unless "uvarint"):
 //
 //	header   magic "KVRHAFSM", version u32, applied index u64, binding count u64
 //	names    uvarint n, n × (uvarint len, bytes)        interned worker ids
 //	workers  uvarint n, n × (id, draining byte, spec)   strings/bytes as uvarint len + bytes
 //	members  uvarint n, n × (id, raft addr, peer addr)
+//	aliases  uvarint n, n × (name, uvarint k, k × (model, uvarint weight))     (v2)
+//	models   uvarint n, n × (uvarint len, bytes)        interned binding models (v2)
 //	bindings per binding: uvarint session len (>0), session, uvarint name index,
-//	         uvarint dp rank, uvarint revision, uvarint ttl ns, uvarint remaining ns;
-//	         then uvarint 0
+//	         uvarint dp rank, uvarint revision, uvarint ttl ns, uvarint remaining ns,
+//	         uvarint model index + 1 (0: none; v2); then uvarint 0
 //	trailer  binding count u64, CRC-32C u32 of every byte before it
+//
+// Version 1 (before aliases: no aliases or models sections, no model field) still restores.
 //
 // Restore reads and checks the whole stream into new structures before it touches the
 // FSM, so a truncated or corrupt snapshot leaves the state as it was.
 
 const (
 	snapMagic   = "KVRHAFSM"
-	snapVersion = 1
+	snapVersion = 2
+	// snapVersionNoModels is the format before aliases, still read.
+	snapVersionNoModels = 1
 
 	// Sanity bounds on counts read from a snapshot (before its CRC can be checked).
 	maxSnapNames   = 1 << 24
@@ -49,11 +55,12 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // snapshot is a frozen version of the state: Snapshot copied pointers only, and the
 // applier clones any shard it writes afterwards, so nothing here changes until Release.
 type snapshot struct {
-	st    *state
-	names []string
-	reg   *registry
-	index uint64
-	count uint64
+	st     *state
+	names  []string
+	models []string
+	reg    *registry
+	index  uint64
+	count  uint64
 }
 
 // Snapshot freezes the current state in O(shards): it copies pointers and bumps the
@@ -61,7 +68,7 @@ type snapshot struct {
 func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	f.amu.Lock()
 	defer f.amu.Unlock()
-	s := &snapshot{st: f.st.Load(), names: f.intern.names, reg: f.reg.Load(),
+	s := &snapshot{st: f.st.Load(), names: f.intern.names, models: f.models.names, reg: f.reg.Load(),
 		index: f.applied.Load(), count: uint64(f.count.Load())}
 	f.gen++
 	return s, nil
@@ -117,12 +124,27 @@ func (s *snapshot) write(w io.Writer) error {
 		e.str(m.RaftAddr)
 		e.str(m.PeerAddr)
 	}
+	aliases := sortedKeys(s.reg.aliases)
+	e.uvarint(uint64(len(aliases)))
+	for _, name := range aliases {
+		a := s.reg.aliases[name]
+		e.str(a.Name)
+		e.uvarint(uint64(len(a.Targets)))
+		for _, t := range a.Targets {
+			e.str(t.Model)
+			e.uvarint(uint64(t.Weight))
+		}
+	}
+	e.uvarint(uint64(len(s.models)))
+	for _, m := range s.models {
+		e.str(m)
+	}
 
 	var n uint64
 	for _, sh := range s.st.shards {
 		for i := range sh.slots {
 			sl := &sh.slots[i]
-			e.reserve(6*binary.MaxVarintLen64 + int(sl.keyLen))
+			e.reserve(7*binary.MaxVarintLen64 + int(sl.keyLen))
 			e.buf = binary.AppendUvarint(e.buf, uint64(sl.keyLen))
 			e.buf = append(e.buf, sh.key(i)...)
 			e.buf = binary.AppendUvarint(e.buf, uint64(sl.worker))
@@ -130,6 +152,7 @@ func (s *snapshot) write(w io.Writer) error {
 			e.buf = binary.AppendUvarint(e.buf, sl.revision)
 			e.buf = binary.AppendUvarint(e.buf, uint64(sl.ttl))
 			e.buf = binary.AppendUvarint(e.buf, uint64(sl.remaining))
+			e.buf = binary.AppendUvarint(e.buf, uint64(sl.model))
 			n++
 		}
 		if e.err != nil {
@@ -191,6 +214,7 @@ func (e *snapWriter) str(s string) {
 type image struct {
 	st     *state
 	intern *interner
+	models *interner
 	reg    *registry
 	index  uint64
 	count  uint64
@@ -208,7 +232,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	if err != nil {
 		return fmt.Errorf("fsm: restore: %w", err)
 	}
-	f.intern = img.intern
+	f.intern, f.models = img.intern, img.models
 	f.reg.Store(img.reg)
 	f.st.Store(img.st)
 	f.count.Store(int64(img.count))
@@ -230,27 +254,17 @@ func readImage(r io.Reader, gen uint64) (*image, error) {
 	if string(hdr[:len(snapMagic)]) != snapMagic {
 		return nil, fmt.Errorf("%w: not an fsm snapshot (magic %q)", ErrSnapshot, hdr[:len(snapMagic)])
 	}
-	if v := binary.LittleEndian.Uint32(hdr[8:]); v != snapVersion {
-		return nil, fmt.Errorf("%w: format version %d, this code reads %d", ErrSnapshot, v, snapVersion)
+	version := binary.LittleEndian.Uint32(hdr[8:])
+	if version != snapVersion && version != snapVersionNoModels {
+		return nil, fmt.Errorf("%w: format version %d, this code reads %d and %d", ErrSnapshot, version, snapVersionNoModels, snapVersion)
 	}
 	img := &image{index: binary.LittleEndian.Uint64(hdr[12:]), count: binary.LittleEndian.Uint64(hdr[20:])}
 
 	// Worker names: the snapshot's indexes map to ids of a fresh interner, built in place
 	// because nothing can see it yet.
-	nNames, err := d.count("name table size", maxSnapNames)
+	names, err := readNames(d, "worker", ValidWorker)
 	if err != nil {
 		return nil, err
-	}
-	names := make([]string, 0, min(nNames, 1024))
-	for i := range nNames {
-		b, err := d.lenBytes("worker name", MaxKeyLen)
-		if err != nil {
-			return nil, fmt.Errorf("name %d: %w", i, err)
-		}
-		if err := ValidWorker(string(b)); err != nil {
-			return nil, fmt.Errorf("%w: name %d: %w", ErrSnapshot, i, err)
-		}
-		names = append(names, string(b))
 	}
 	in := newInterner()
 	remap := make([]int32, len(names))
@@ -258,7 +272,7 @@ func readImage(r io.Reader, gen uint64) (*image, error) {
 		remap[i] = -1
 	}
 
-	img.reg = &registry{workers: map[string]Worker{}, members: map[string]Member{}}
+	img.reg = newRegistry()
 	nWorkers, err := d.count("worker count", maxSnapWorkers)
 	if err != nil {
 		return nil, err
@@ -315,6 +329,19 @@ func readImage(r io.Reader, gen uint64) (*image, error) {
 		}
 		img.reg.members[m.ID] = m
 	}
+	var models []string
+	if version >= snapVersion {
+		if err := readAliases(d, img.reg); err != nil {
+			return nil, err
+		}
+		if models, err = readNames(d, "model", ValidModel); err != nil {
+			return nil, err
+		}
+	}
+	mc := &modelCodes{names: models, remap: make([]int32, len(models)), in: newInterner(), withField: version >= snapVersion}
+	for i := range mc.remap {
+		mc.remap[i] = -1
+	}
 
 	img.st = newState(gen)
 	if per := min(img.count, maxPresize) / numShards; per > 0 {
@@ -330,7 +357,7 @@ func readImage(r io.Reader, gen uint64) (*image, error) {
 	}
 	var n uint64
 	for ; ; n++ {
-		done, err := readBinding(d, img, names, remap, in)
+		done, err := readBinding(d, img, names, remap, in, mc)
 		if err != nil {
 			return nil, fmt.Errorf("binding %d: %w", n, err)
 		}
@@ -361,9 +388,9 @@ func readImage(r io.Reader, gen uint64) (*image, error) {
 	}
 	// Every shard resolves ids with the final table.
 	for _, sh := range img.st.shards {
-		sh.names = in.names
+		sh.names, sh.models = in.names, mc.in.names
 	}
-	img.intern = in
+	img.intern, img.models = in, mc.in
 	return img, nil
 }
 
@@ -468,7 +495,7 @@ func (d *snapReader) atEOF() (bool, error) {
 }
 
 // readBinding reads one binding into img, or the end marker (done).
-func readBinding(d *snapReader, img *image, names []string, remap []int32, in *interner) (done bool, err error) {
+func readBinding(d *snapReader, img *image, names []string, remap []int32, in *interner, mc *modelCodes) (done bool, err error) {
 	klen, err := d.uvarint("session length")
 	if err != nil {
 		return false, err
@@ -528,7 +555,109 @@ func readBinding(d *snapReader, img *image, names []string, remap []int32, in *i
 	last := &sh.slots[len(sh.slots)-1]
 	last.worker, last.dpRank, last.revision = uint32(id), uint32(rank), rev
 	last.ttl, last.remaining = int64(ttl), int64(rem)
+	if mc.withField {
+		code, err := d.uvarint("binding model")
+		if err != nil {
+			return false, err
+		}
+		if last.model, err = mc.code(code); err != nil {
+			return false, err
+		}
+	}
 	return false, nil
+}
+
+// modelCodes maps a snapshot's model indexes (plus one) to a fresh model interner's.
+type modelCodes struct {
+	names     []string
+	remap     []int32
+	in        *interner
+	withField bool
+}
+
+func (mc *modelCodes) code(v uint64) (uint16, error) {
+	if v == 0 {
+		return 0, nil
+	}
+	if v > uint64(len(mc.names)) {
+		return 0, fmt.Errorf("%w: model index %d outside a table of %d", ErrSnapshot, v-1, len(mc.names))
+	}
+	idx := v - 1
+	id := mc.remap[idx]
+	if id < 0 {
+		if cur, ok := mc.in.ids[mc.names[idx]]; ok {
+			id = int32(cur)
+		} else {
+			if len(mc.in.names) >= MaxBoundModels {
+				return 0, fmt.Errorf("%w: over %d distinct binding models", ErrSnapshot, MaxBoundModels)
+			}
+			id = int32(len(mc.in.names))
+			mc.in.names = append(mc.in.names, mc.names[idx])
+			mc.in.refs = append(mc.in.refs, 0)
+			mc.in.ids[mc.names[idx]] = uint32(id)
+		}
+		mc.remap[idx] = id
+	}
+	mc.in.refs[id]++
+	return uint16(id + 1), nil
+}
+
+// readNames reads a name table: uvarint n, n × name, each checked by valid.
+func readNames(d *snapReader, what string, valid func(string) error) ([]string, error) {
+	n, err := d.count(what+" table size", maxSnapNames)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]string, 0, min(n, 1024))
+	for i := range n {
+		b, err := d.lenBytes(what+" name", MaxKeyLen)
+		if err != nil {
+			return nil, fmt.Errorf("%s %d: %w", what, i, err)
+		}
+		if err := valid(string(b)); err != nil {
+			return nil, fmt.Errorf("%w: %s %d: %w", ErrSnapshot, what, i, err)
+		}
+		out = append(out, string(b))
+	}
+	return out, nil
+}
+
+// readAliases reads the aliases section into reg.
+func readAliases(d *snapReader, reg *registry) error {
+	n, err := d.count("alias count", MaxAliases)
+	if err != nil {
+		return err
+	}
+	for i := range n {
+		b, err := d.lenBytes(fmt.Sprintf("alias %d name", i), MaxKeyLen)
+		if err != nil {
+			return err
+		}
+		a := Alias{Name: string(b)}
+		k, err := d.count("alias target count", MaxAliasTargets)
+		if err != nil {
+			return err
+		}
+		for j := range k {
+			b, err := d.lenBytes(fmt.Sprintf("alias %q target %d", a.Name, j), MaxKeyLen)
+			if err != nil {
+				return err
+			}
+			w, err := d.count("alias weight", MaxAliasWeight)
+			if err != nil {
+				return err
+			}
+			a.Targets = append(a.Targets, AliasTarget{Model: string(b), Weight: uint32(w)})
+		}
+		if err := ValidAlias(a); err != nil {
+			return fmt.Errorf("%w: alias %d: %w", ErrSnapshot, i, err)
+		}
+		if _, dup := reg.aliases[a.Name]; dup {
+			return fmt.Errorf("%w: alias %q listed twice", ErrSnapshot, a.Name)
+		}
+		reg.aliases[a.Name] = a
+	}
+	return nil
 }
 
 func sortedKeys[V any](m map[string]V) []string {

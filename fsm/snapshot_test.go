@@ -8,6 +8,7 @@ import (
 	"hash/crc32"
 	"io"
 	"math/rand/v2"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -16,7 +17,21 @@ import (
 )
 
 // populated returns a node with bindings, registry, members and checkpoints.
+// populated is populatedV1 with what format version 2 added: aliases and bindings that
+// record a model.
 func populated(t testing.TB, sessions int) *node {
+	n := populatedV1(t, sessions)
+	n.expect(&SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{{Model: "llama-v2", Weight: 90}, {Model: "llama-v3", Weight: 10}}}}, OK)
+	n.expect(&SetAlias{Alias: Alias{Name: "mistral", Targets: []AliasTarget{{Model: "mistral-7b", Weight: 1}}}}, OK)
+	for i := range 40 {
+		n.expect(&Bind{Session: fmt.Sprintf("modeled-%02d", i), Worker: fmt.Sprintf("w%d", i%2), Model: []string{"llama-v2", "llama-v3", "mistral-7b"}[i%3]}, Created)
+	}
+	return n
+}
+
+// populatedV1 is the state snapshot-v1.bin holds (written by the code before aliases, with
+// populatedV1(t, 50)).
+func populatedV1(t testing.TB, sessions int) *node {
 	n := newNode(t)
 	n.expect(&AddWorker{ID: "w0", Spec: []byte(`{"url":"http://w0"}`)}, OK)
 	n.expect(&AddWorker{ID: "w1", Spec: []byte(`{"url":"http://w1"}`)}, OK)
@@ -37,7 +52,7 @@ func populated(t testing.TB, sessions int) *node {
 func TestSnapshotRestoreRoundTrip(t *testing.T) {
 	n := populated(t, 2000)
 	want := dumpOf(n.f)
-	if want.Len != 2000 || want.Bindings[0].Remaining == 0 || len(want.Workers) != 3 || !want.Workers[2].Draining || len(want.Members) != 1 {
+	if want.Len != 2040 || len(want.Aliases) != 2 || want.Bindings[0].Model == "" || want.Bindings[40].Remaining == 0 || len(want.Workers) != 3 || !want.Workers[2].Draining || len(want.Members) != 1 {
 		t.Fatalf("fixture is not what the test needs: %d bindings, %+v", want.Len, want.Workers)
 	}
 	stream := persist(t, n.f)
@@ -151,7 +166,7 @@ func TestRestoreRejectsDamagedStreamsAndKeepsState(t *testing.T) {
 	if err := restore(n.f, stream); err != nil {
 		t.Fatal(err)
 	}
-	if n.f.Len() != 300 {
+	if n.f.Len() != 340 {
 		t.Fatalf("len %d after a good restore", n.f.Len())
 	}
 }
@@ -338,4 +353,29 @@ func btoi(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+func TestSnapshotOfTheReleaseBeforeAliasesRestores(t *testing.T) {
+	stream, err := os.ReadFile("testdata/snapshot-v1.bin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := dumpOf(populatedV1(t, 50).f)
+	f := New(Options{})
+	if err := restore(f, stream); err != nil {
+		t.Fatal(err)
+	}
+	requireEqual(t, dumpOf(f), want)
+	// It keeps working, and its next snapshot (version 2) carries what it gained since.
+	n := &node{t: t, f: f, index: want.Applied}
+	n.expect(&SetAlias{Alias: Alias{Name: "llama", Targets: []AliasTarget{{Model: "llama-v2", Weight: 1}}}}, OK)
+	n.expect(&Bind{Session: "new", Worker: "w1", Model: "llama-v2"}, Created)
+	again := New(Options{})
+	if err := restore(again, persist(t, f)); err != nil {
+		t.Fatal(err)
+	}
+	requireEqual(t, dumpOf(again), dumpOf(f))
+	if b, _ := again.Get("new"); b.Model != "llama-v2" {
+		t.Fatalf("restored binding %+v lost its model", b)
+	}
 }

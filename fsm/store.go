@@ -36,7 +36,7 @@ func hashBytes(b []byte) uint64 { return xxhash.Sum64(b) }
 
 func shardOf(h uint64) int { return int(h >> (64 - shardBits)) }
 
-// slot is one binding, 40 bytes.
+// slot is one binding, 40 bytes (model fits in what was padding).
 type slot struct {
 	revision  uint64
 	ttl       int64
@@ -45,6 +45,8 @@ type slot struct {
 	dpRank    uint32
 	worker    uint32
 	keyLen    uint16
+	// model is the binding's model as its id in the model interner plus one; 0: none.
+	model uint16
 }
 
 // shard is one part of the bindings. Only the applier writes it, under mu; readers hold
@@ -54,6 +56,7 @@ type shard struct {
 	mu      sync.RWMutex
 	gen     uint64
 	names   []string
+	models  []string
 	slots   []slot
 	table   []uint64
 	arena   []byte
@@ -200,7 +203,7 @@ func (s *shard) compact() {
 
 // clone returns a writable copy at generation gen, with a compacted arena.
 func (s *shard) clone(gen uint64) *shard {
-	c := &shard{gen: gen, names: s.names}
+	c := &shard{gen: gen, names: s.names, models: s.models}
 	c.slots = make([]slot, len(s.slots), len(s.slots)+len(s.slots)/8)
 	copy(c.slots, s.slots)
 	c.table = slices.Clone(s.table)
@@ -226,7 +229,7 @@ func (s *shard) binding(i int, session string) Binding {
 	if session == "" {
 		session = string(s.key(i))
 	}
-	return Binding{
+	b := Binding{
 		Session:   session,
 		Worker:    s.names[sl.worker],
 		DPRank:    sl.dpRank,
@@ -234,6 +237,10 @@ func (s *shard) binding(i int, session string) Binding {
 		TTL:       time.Duration(sl.ttl),
 		Remaining: time.Duration(sl.remaining),
 	}
+	if sl.model != 0 {
+		b.Model = s.models[sl.model-1]
+	}
+	return b
 }
 
 // state is one version of the shard set. A new version (a copy of 256 pointers) is

@@ -18,6 +18,22 @@ type Binding struct {
 	// Remaining is the idle TTL left at the last Checkpoint that covered this binding;
 	// 0 means never checkpointed.
 	Remaining time.Duration
+	// Model is the model the session's requests are sent as: the target an alias chose
+	// when the binding was made ("" when none was recorded). It belongs to the binding.
+	Model string
+}
+
+// Alias is a model name that stands for weighted target models: a request for it goes
+// to one target, drawn by weight (a session keeps the target its binding records).
+type Alias struct {
+	Name    string
+	Targets []AliasTarget
+}
+
+// AliasTarget is one target model of an alias and its integer weight.
+type AliasTarget struct {
+	Model  string
+	Weight uint32
 }
 
 // Worker is an entry of the cluster's worker registry.

@@ -288,6 +288,7 @@ func (r *Replica) openRouting(context.Context) error {
 	}
 	pcfg := cfg.Proxy
 	pcfg.ReplicaID = cfg.ID
+	pcfg.Aliases = aliases{r.node.FSM()}
 	pcfg.Logger = r.log
 	pcfg.Registerer = r.promReg
 	if pcfg.ClientLimits.MaxSessions == 0 && cfg.MaxSessions > 0 {
@@ -325,7 +326,7 @@ func (r *Replica) openRouting(context.Context) error {
 		ReadHeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
 		ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
 	r.admin = &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: admin.Handler(admin.Config{
-		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry,
+		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry, Aliases: r.node.FSM(),
 		Metrics: openai.AdminHandler(r.promReg),
 		StaticSource: func(id string) string {
 			if cfg.WorkersFromFile[id] {

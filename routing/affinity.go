@@ -146,7 +146,7 @@ type memoryLease struct {
 
 func (l *memoryLease) Binding() (Binding, bool) { return l.binding, l.bound }
 
-func (l *memoryLease) Commit(_ context.Context, w indexer.Worker) (Binding, error) {
+func (l *memoryLease) Commit(_ context.Context, w indexer.Worker, model string) (Binding, error) {
 	m := l.store
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -155,6 +155,7 @@ func (l *memoryLease) Commit(_ context.Context, w indexer.Worker) (Binding, erro
 	}
 	m.revision++
 	l.s.binding.Worker = w
+	l.s.binding.Model = model
 	l.s.binding.Revision = m.revision
 	l.s.bound = true
 	l.s.init.Open()

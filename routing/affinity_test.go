@@ -30,7 +30,7 @@ func TestFirstRequestInitializesThenBinds(t *testing.T) {
 	if _, bound := l.Binding(); bound {
 		t.Fatal("first lease must initialise")
 	}
-	b, err := l.Commit(ctx, worker("w1"))
+	b, err := l.Commit(ctx, worker("w1"), "")
 	if err != nil || b.Worker != worker("w1") || b.Revision == 0 {
 		t.Fatalf("commit = %+v, %v", b, err)
 	}
@@ -43,7 +43,7 @@ func TestFirstRequestInitializesThenBinds(t *testing.T) {
 	if !bound || got != b {
 		t.Fatalf("second acquire = %+v bound=%v, want %+v", got, bound, b)
 	}
-	if _, err := l2.Commit(ctx, worker("w2")); err == nil {
+	if _, err := l2.Commit(ctx, worker("w2"), ""); err == nil {
 		t.Fatal("a bound lease must not commit")
 	}
 }
@@ -81,7 +81,7 @@ func TestConcurrentFirstRequestsWaitForInitializer(t *testing.T) {
 		t.Fatal(err)
 	default:
 	}
-	want, err := init.Commit(ctx, worker("w3"))
+	want, err := init.Commit(ctx, worker("w3"), "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +117,7 @@ func TestInitializerGivingUpLetsAWaiterInitialize(t *testing.T) {
 		if _, bound := l.Binding(); bound {
 			t.Fatal("the waiter must become the initializer")
 		}
-		if _, err := l.Commit(ctx, worker("w2")); err != nil {
+		if _, err := l.Commit(ctx, worker("w2"), ""); err != nil {
 			t.Fatal(err)
 		}
 	case <-time.After(10 * time.Second):
@@ -140,14 +140,14 @@ func TestInvalidateIsRevisionGuarded(t *testing.T) {
 	m := NewMemoryAffinity(time.Minute, 0)
 	ctx := context.Background()
 	l, _ := m.Acquire(ctx, "s", nil)
-	old, _ := l.Commit(ctx, worker("w1"))
+	old, _ := l.Commit(ctx, worker("w1"), "")
 	l.Release()
 	// Someone invalidates and rebinds; a late invalidate of the old revision must not touch it.
 	if err := m.Invalidate(ctx, "s", old.Revision); err != nil {
 		t.Fatal(err)
 	}
 	l2, _ := m.Acquire(ctx, "s", nil)
-	fresh, _ := l2.Commit(ctx, worker("w2"))
+	fresh, _ := l2.Commit(ctx, worker("w2"), "")
 	l2.Release()
 	if fresh.Revision <= old.Revision {
 		t.Fatalf("revision went from %d to %d", old.Revision, fresh.Revision)
@@ -169,7 +169,7 @@ func TestTTLCountsFromTheEndOfTheLastRequest(t *testing.T) {
 	m := NewMemoryAffinity(time.Minute, 0).WithClock(clock.now)
 	ctx := context.Background()
 	l, _ := m.Acquire(ctx, "s", nil)
-	b, _ := l.Commit(ctx, worker("w1"))
+	b, _ := l.Commit(ctx, worker("w1"), "")
 	clock.add(10 * time.Minute) // a long request: never expires while active
 	if got, ok, _ := m.Peek(ctx, "s"); !ok || got != b {
 		t.Fatal("binding expired while its request was in flight")
@@ -203,7 +203,7 @@ func TestExplicitTargetMustMatchALiveBinding(t *testing.T) {
 	if _, bound := l.Binding(); bound {
 		t.Fatal("explicit target on a new session initialises it")
 	}
-	l.Commit(ctx, w1)
+	l.Commit(ctx, w1, "")
 	l.Release()
 	if _, err := m.Acquire(ctx, "s", &w2); !errors.Is(err, ErrTargetConflict) {
 		t.Fatalf("err = %v, want ErrTargetConflict", err)
@@ -225,7 +225,7 @@ func TestSessionCapAnswersTooManySessions(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		l.Commit(ctx, worker("w1"))
+		l.Commit(ctx, worker("w1"), "")
 		l.Release()
 	}
 	if _, err := m.Acquire(ctx, "c", nil); !errors.Is(err, ErrTooManySessions) {

@@ -103,6 +103,32 @@ type Binding struct {
 	Session  string
 	Worker   indexer.Worker
 	Revision uint64
+	// Model is the alias target the session's requests are sent as ("" when the binding
+	// was not made through an alias); it belongs to the binding, which keeps it.
+	Model string
+}
+
+// Alias is a model name that stands for weighted target models (set through the admin
+// API and replicated): a request for it is sent as one target.
+type Alias struct {
+	Name    string
+	Targets []AliasTarget
+}
+
+// AliasTarget is one target model of an alias and its integer weight.
+type AliasTarget struct {
+	Model  string
+	Weight uint32
+}
+
+// has reports whether model is one of the alias's targets (of any weight).
+func (a *Alias) has(model string) bool {
+	for _, t := range a.Targets {
+		if t.Model == model {
+			return true
+		}
+	}
+	return false
 }
 
 // AffinityStore keeps session -> worker bindings. The in-memory MemoryAffinity has the
@@ -124,8 +150,9 @@ type AffinityStore interface {
 type Lease interface {
 	// Binding returns the binding this lease found; false means this lease initializes it.
 	Binding() (Binding, bool)
-	// Commit binds the session to w (initializer only) and returns the new binding.
-	Commit(ctx context.Context, w indexer.Worker) (Binding, error)
+	// Commit binds the session to w (initializer only), recording model ("" for none) as
+	// the binding's model, and returns the new binding.
+	Commit(ctx context.Context, w indexer.Worker, model string) (Binding, error)
 	// Reopen turns a bound lease into the initializer of the binding's replacement (its
 	// worker failed): concurrent Acquires of the session wait for it as for a first request,
 	// Commit replaces the binding in one compare-and-set on its revision (a binding another

@@ -2,6 +2,7 @@ package routing
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 )
@@ -130,5 +131,77 @@ func TestSessionBoundToAnotherModelsWorkerIsRebound(t *testing.T) {
 	a.Finish()
 	if err != nil || fresh.Revision <= old.Revision || fresh.Worker != d.Target.Worker {
 		t.Fatalf("rebind = %+v, %v (old %+v)", fresh, err, old)
+	}
+}
+
+func TestAliasSessionsKeepTheirTargetAndTheRestSplitByWeight(t *testing.T) {
+	reg := modelFleet(t, false)
+	affinity := NewMemoryAffinity(0, 0)
+	r, err := New(Config{Seed: 7}, Deps{Workers: reg, Tracker: NewTracker(), Affinity: affinity})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	alias := func(small, large uint32) *Alias {
+		return &Alias{Name: "any", Targets: []AliasTarget{{Model: "small", Weight: small}, {Model: "large", Weight: large}}}
+	}
+	servedBy := map[string]string{"a": "small", "b": "small", "c": "large"}
+	const sessions, turns = 400, 3
+	first := map[string]string{}
+	counts := map[string]int{}
+	for turn := range turns {
+		for i := range sessions {
+			al := alias(90, 10)
+			if turn > 0 {
+				al = alias(0, 1) // a weight change after the first turn: sessions keep theirs
+			}
+			s := fmt.Sprintf("s%d", i)
+			a := route(t, r, Request{Session: s, Model: "any", Alias: al, PromptTokens: 16, DPRank: -1})
+			b, err := a.Commit(ctx)
+			a.Finish()
+			d := a.Decision()
+			if err != nil || servedBy[d.Target.Worker.ID] != d.Model || b.Model != d.Model {
+				t.Fatalf("session %s turn %d: decision %+v binding %+v %v", s, turn, d, b, err)
+			}
+			if turn == 0 {
+				first[s] = d.Model
+				counts[d.Model]++
+			} else if first[s] != d.Model {
+				t.Fatalf("session %s moved from %s to %s at turn %d", s, first[s], d.Model, turn)
+			}
+		}
+	}
+	if share := float64(counts["small"]) / sessions; share < 0.85 || share > 0.95 {
+		t.Fatalf("90/10 split gave %v", counts)
+	}
+	// Without a session every request draws: weight 0 is never drawn.
+	for range 200 {
+		a := route(t, r, Request{Model: "any", Alias: alias(0, 1), PromptTokens: 16, DPRank: -1})
+		if d := a.Decision(); d.Model != "large" || d.Target.Worker.ID != "c" {
+			t.Fatalf("sessionless draw: %+v", d)
+		}
+		a.Finish()
+	}
+}
+
+func TestAFirstRequestThatLostTheBindingRaceTakesTheSessionsTarget(t *testing.T) {
+	reg := modelFleet(t, false)
+	// Another replica bound the session to c, serving large, for the same alias.
+	store := elsewhere{bound: Binding{Session: "s", Worker: worker("c"), Revision: 9, Model: "large"}}
+	r, err := New(Config{Seed: 3}, Deps{Workers: reg, Tracker: NewTracker(), Affinity: store})
+	if err != nil {
+		t.Fatal(err)
+	}
+	al := &Alias{Name: "any", Targets: []AliasTarget{{Model: "small", Weight: 1}, {Model: "large"}}}
+	a := route(t, r, Request{Session: "s", Model: "any", Alias: al, PromptTokens: 16, DPRank: -1})
+	if d := a.Decision(); d.Model != "small" {
+		t.Fatalf("first choice %+v: want small, the only target of positive weight", d)
+	}
+	if _, err := a.Commit(context.Background()); !errors.Is(err, ErrBoundElsewhere) {
+		t.Fatalf("commit: %v", err)
+	}
+	a.Finish()
+	if d := a.Decision(); d.Model != "large" || d.Target.Worker.ID != "c" {
+		t.Fatalf("after the race: %+v, want the session's target large on c", d)
 	}
 }

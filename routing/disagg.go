@@ -72,10 +72,10 @@ type PrefillPlan struct {
 
 // prefillRequest is req's prefill leg: the same prompt, free of the session (a session binds
 // its decode worker, where its KV lives afterwards) and of an explicit target or rank, for
-// prefill workers only.
+// prefill workers only. An alias is resolved already: the leg goes as the same target.
 func prefillRequest(req *Request) *Request {
 	p := *req
-	p.Session, p.Target, p.Role, p.DPRank = "", nil, RolePrefill, -1
+	p.Session, p.Target, p.Role, p.DPRank, p.Alias = "", nil, RolePrefill, -1, nil
 	return &p
 }
 

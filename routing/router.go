@@ -28,8 +28,13 @@ type Request struct {
 	Target *indexer.Worker
 	LoRA   string
 	// Model is the request's model: only a worker that serves it is a candidate, and a
-	// session bound to one that does not is rebound (see serves). "" is any.
+	// session bound to one that does not is rebound (see serves). "" is any. With Alias
+	// set, Route replaces it with the alias's chosen target.
 	Model string
+	// Alias, when set, is the alias the client named, with the targets the fleet serves
+	// (at least one of positive weight): a session whose binding records one of them keeps
+	// it; any other request draws one by weight. The binding made records the target.
+	Alias *Alias
 	// Role restricts candidates to workers of this role: RoleBoth, any but prefill-only;
 	// RoleDecode, decode or aggregated workers; RolePrefill (a prefill leg), prefill-only
 	// workers, chosen on prefill cost alone.
@@ -62,6 +67,9 @@ type Decision struct {
 	Bound bool
 	// Took is how long selection took, affinity wait excluded.
 	Took time.Duration
+	// Model is the model the request is sent as: an alias's chosen target, else the
+	// request's own.
+	Model string
 }
 
 // Config tunes selection.
@@ -287,12 +295,16 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 			return nil, err
 		}
 		a.lease = lease
+		a.resolveAlias()
 		if _, bound := lease.Binding(); !bound && req.AdmitNew != nil {
 			if err := req.AdmitNew(); err != nil {
 				a.releaseLease()
 				return nil, err
 			}
 		}
+	}
+	if !useAffinity {
+		a.resolveAlias()
 	}
 	err := a.selectAndStart(ctx)
 	if err == nil {
@@ -320,6 +332,41 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 	return nil, err
 }
 
+// resolveAlias sets the request's model to its alias's target: the one its session's
+// binding records, when that is still a target, else one drawn by weight.
+func (a *Attempt) resolveAlias() {
+	al := a.req.Alias
+	if al == nil {
+		return
+	}
+	if a.lease != nil {
+		if b, bound := a.lease.Binding(); bound && b.Model != "" && al.has(b.Model) {
+			a.req.Model = b.Model
+			return
+		}
+	}
+	a.req.Model = a.router.drawTarget(al)
+}
+
+// drawTarget picks one of al's targets with probability proportional to its weight.
+func (r *Router) drawTarget(al *Alias) string {
+	total := 0
+	for _, t := range al.Targets {
+		total += int(t.Weight)
+	}
+	if total == 0 {
+		return al.Targets[0].Model
+	}
+	n := r.intn(total)
+	for _, t := range al.Targets {
+		if n < int(t.Weight) {
+			return t.Model
+		}
+		n -= int(t.Weight)
+	}
+	return al.Targets[len(al.Targets)-1].Model
+}
+
 // routeQuery fills a query-only decision: the binding is read, never taken or changed.
 func (r *Router) routeQuery(ctx context.Context, a *Attempt) error {
 	req := a.req
@@ -338,6 +385,13 @@ func (r *Router) routeQuery(ctx context.Context, a *Attempt) error {
 			}
 			a.decision.Binding, pref = b, &b.Worker
 		}
+		if req.Alias != nil && ok && b.Model != "" && req.Alias.has(b.Model) {
+			req.Model = b.Model
+			req.Alias = nil
+		}
+	}
+	if req.Alias != nil {
+		req.Model = r.drawTarget(req.Alias)
 	}
 	d, err := r.selectWorker(ctx, req, pref, nil)
 	if errors.Is(err, errPreferredGone) && req.Target == nil {
@@ -550,7 +604,11 @@ type Attempt struct {
 }
 
 // Decision returns the attempt's current decision.
-func (a *Attempt) Decision() Decision { return a.decision }
+func (a *Attempt) Decision() Decision {
+	d := a.decision
+	d.Model = a.req.Model
+	return d
+}
 
 // selectAndStart selects a target (the lease's bound worker when there is one) and starts
 // its load accounting.
@@ -687,8 +745,16 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	if a.lease == nil || a.decision.Bound {
 		return a.decision.Binding, nil
 	}
-	b, err := a.lease.Commit(ctx, a.decision.Target.Worker)
+	model := ""
+	if a.req.Alias != nil {
+		model = a.req.Model
+	}
+	b, err := a.lease.Commit(ctx, a.decision.Target.Worker, model)
 	if errors.Is(err, ErrBoundElsewhere) {
+		if a.req.Alias != nil && b.Model != "" {
+			// The concurrent request's target is the session's.
+			a.req.Model = b.Model
+		}
 		// A concurrent first request (on another replica) bound the session to another
 		// worker: this request moves there, with its load, before any byte reaches the client.
 		spec, ok := a.router.deps.Workers.Lookup(b.Worker.ID)

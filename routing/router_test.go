@@ -637,7 +637,7 @@ func TestRetryDropsARacingBindingToATriedWorker(t *testing.T) {
 	// that same worker (it has not seen it fail).
 	rg.affinity.Invalidate(ctx, "s", first.Revision)
 	l, _ := rg.affinity.Acquire(ctx, "s", nil)
-	rebound, _ := l.Commit(ctx, first.Worker)
+	rebound, _ := l.Commit(ctx, first.Worker, "")
 	l.Release()
 	if err := a.Retry(ctx, errors.New("refused")); err != nil {
 		t.Fatal(err)
@@ -682,7 +682,7 @@ func (e elsewhere) Invalidate(context.Context, string, uint64) error    { return
 type elsewhereLease struct{ bound Binding }
 
 func (l *elsewhereLease) Binding() (Binding, bool) { return Binding{}, false }
-func (l *elsewhereLease) Commit(context.Context, indexer.Worker) (Binding, error) {
+func (l *elsewhereLease) Commit(context.Context, indexer.Worker, string) (Binding, error) {
 	return l.bound, ErrBoundElsewhere
 }
 func (l *elsewhereLease) Reopen() bool               { return false }

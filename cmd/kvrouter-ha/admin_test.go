@@ -162,3 +162,66 @@ func TestCtlOperatesSessionsWorkersAndCluster(t *testing.T) {
 		t.Fatalf("ctl cluster snapshot: %v\n%s", err, out)
 	}
 }
+
+func TestCtlSetsListsAndDeletesModelAliases(t *testing.T) {
+	rep := startLoneReplica(t, startSimWorkers(t, 2))
+	ask := func(model string) (int, string, string) {
+		t.Helper()
+		body := fmt.Sprintf(`{"model":%q,"prompt":"hello","max_tokens":1}`, model)
+		resp, err := http.Post("http://"+rep.Addr()+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, resp.Header.Get(openai.HeaderModel), string(b)
+	}
+	// The workers serve sim.DefaultModel only: the alias's other target is never drawn.
+	out, err := runCtl(t, rep, "models", "alias", "set", "llama", sim.DefaultModel+"=90", "not-served=10")
+	if err != nil || !strings.Contains(out, "not-served") {
+		t.Fatalf("ctl models alias set: %v\n%s", err, out)
+	}
+	out, err = runCtl(t, rep, "models", "alias", "list")
+	if err != nil || !strings.Contains(out, "llama") || !strings.Contains(out, "90") {
+		t.Fatalf("ctl models alias list: %v\n%s", err, out)
+	}
+	// The alias is a model the fleet serves: listed, and retrieved by its name.
+	for _, path := range []string{"/v1/models", "/v1/models/llama"} {
+		resp, err := http.Get("http://" + rep.Addr() + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"id":"llama"`) {
+			t.Fatalf("GET %s: %s %s", path, resp.Status, b)
+		}
+	}
+	for range 20 {
+		if code, target, body := ask("llama"); code != http.StatusOK || target != sim.DefaultModel || !strings.Contains(body, sim.DefaultModel) {
+			t.Fatalf("llama: %d sent as %q: %s", code, target, body)
+		}
+	}
+	// Bad input is refused and changes nothing.
+	for _, bad := range [][]string{
+		{"llama", sim.DefaultModel + "=1001"},
+		{"llama", sim.DefaultModel + "=0"},
+		{"llama", "no-weight"},
+		{"llama"},
+	} {
+		if out, err := runCtl(t, rep, append([]string{"models", "alias", "set"}, bad...)...); err == nil {
+			t.Fatalf("ctl models alias set %v accepted:\n%s", bad, out)
+		}
+	}
+	out, err = runCtl(t, rep, "--json", "models", "alias", "list")
+	var views []admin.AliasView
+	if err != nil || json.Unmarshal([]byte(out), &views) != nil || len(views) != 1 || views[0].Targets[0].Weight != 90 {
+		t.Fatalf("aliases after bad input: %v %+v\n%s", err, views, out)
+	}
+	if out, err := runCtl(t, rep, "models", "alias", "delete", "llama"); err != nil {
+		t.Fatalf("ctl models alias delete: %v\n%s", err, out)
+	}
+	if code, _, body := ask("llama"); code != http.StatusNotFound || !strings.Contains(body, "model_not_found") {
+		t.Fatalf("llama after delete: %d %s", code, body)
+	}
+}

@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"net/url"
 	"sort"
+	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -58,7 +60,8 @@ func ctlCommand(stdout, stderr io.Writer) *ffcli.Command {
 		return &ffcli.Command{
 			Name: name, ShortUsage: "kvrouter-ha ctl [flags] " + usage, ShortHelp: help,
 			Exec: func(ctx context.Context, args []string) error {
-				if len(args) != nargs {
+				// A negative nargs asks for at least -nargs arguments.
+				if len(args) != nargs && (nargs >= 0 || len(args) < -nargs) {
 					return fmt.Errorf("usage: kvrouter-ha ctl %s", usage)
 				}
 				if err := setup(); err != nil {
@@ -114,12 +117,28 @@ func ctlCommand(stdout, stderr io.Writer) *ffcli.Command {
 		},
 		Exec: func(context.Context, []string) error { return flag.ErrHelp },
 	}
+	alias := &ffcli.Command{
+		Name: "alias", ShortUsage: "kvrouter-ha ctl models alias <set|list|delete>", ShortHelp: "model aliases with weighted targets",
+		Subcommands: []*ffcli.Command{
+			sub("set", "models alias set <name> <model>=<weight>...", "set an alias on every replica (a weight change applies to new sessions)", -2, c.aliasSet),
+			sub("list", "models alias list", "list aliases and their targets", 0, c.aliasList),
+			sub("delete", "models alias delete <name>", "delete an alias", 1, func(ctx context.Context, a []string) error {
+				return c.printResult(ctx, http.MethodDelete, "/admin/models/aliases/"+url.PathEscape(a[0]))
+			}),
+		},
+		Exec: func(context.Context, []string) error { return flag.ErrHelp },
+	}
+	models := &ffcli.Command{
+		Name: "models", ShortUsage: "kvrouter-ha ctl models alias <set|list|delete>", ShortHelp: "model aliases",
+		Subcommands: []*ffcli.Command{alias},
+		Exec:        func(context.Context, []string) error { return flag.ErrHelp },
+	}
 	cmd := &ffcli.Command{
 		Name:        "ctl",
-		ShortUsage:  "kvrouter-ha ctl [--addr host:port] [--token T] [--json] <workers|sessions|cluster> ...",
+		ShortUsage:  "kvrouter-ha ctl [--addr host:port] [--token T] [--json] <workers|sessions|cluster|models> ...",
 		ShortHelp:   "operate a running cluster through a replica's admin API",
 		FlagSet:     fs,
-		Subcommands: []*ffcli.Command{workers, sessions, clusterCmd},
+		Subcommands: []*ffcli.Command{workers, sessions, clusterCmd, models},
 		Exec:        func(context.Context, []string) error { return flag.ErrHelp },
 	}
 	for _, g := range cmd.Subcommands {
@@ -128,6 +147,10 @@ func ctlCommand(stdout, stderr io.Writer) *ffcli.Command {
 		for _, s := range g.Subcommands {
 			s.FlagSet = flag.NewFlagSet(s.Name, flag.ContinueOnError)
 			s.FlagSet.SetOutput(stderr)
+			for _, l := range s.Subcommands {
+				l.FlagSet = flag.NewFlagSet(l.Name, flag.ContinueOnError)
+				l.FlagSet.SetOutput(stderr)
+			}
 		}
 	}
 	return cmd
@@ -176,6 +199,46 @@ func (c *ctlClient) sessionGet(ctx context.Context, a []string) error {
 		fmt.Fprintln(w, "SESSION\tWORKER\tDP_RANK\tREVISION\tTTL")
 		fmt.Fprintf(w, "%s\t%s\t%d\t%d\t%s\n", s.Session, s.Worker, s.DPRank, s.Revision, time.Duration(s.TTLMillis)*time.Millisecond)
 	})
+}
+
+// aliasSet sets alias a[0] to the targets a[1:], each model=weight.
+func (c *ctlClient) aliasSet(ctx context.Context, a []string) error {
+	body := admin.AliasView{Name: a[0]}
+	for _, arg := range a[1:] {
+		model, w, ok := strings.Cut(arg, "=")
+		if !ok {
+			return fmt.Errorf("target %q: want model=weight", arg)
+		}
+		weight, err := strconv.ParseUint(w, 10, 32)
+		if err != nil {
+			return fmt.Errorf("target %q: weight: %w", arg, err)
+		}
+		body.Targets = append(body.Targets, admin.AliasTargetView{Model: model, Weight: uint32(weight)})
+	}
+	b, err := c.do(ctx, http.MethodPut, "/admin/models/aliases/"+url.PathEscape(a[0]), body)
+	if err != nil {
+		return err
+	}
+	var v admin.AliasView
+	return c.show(b, &v, func(w *tabwriter.Writer) { aliasRows(w, []admin.AliasView{v}) })
+}
+
+func (c *ctlClient) aliasList(ctx context.Context, _ []string) error {
+	b, err := c.do(ctx, http.MethodGet, "/admin/models/aliases", nil)
+	if err != nil {
+		return err
+	}
+	var vs []admin.AliasView
+	return c.show(b, &vs, func(w *tabwriter.Writer) { aliasRows(w, vs) })
+}
+
+func aliasRows(w *tabwriter.Writer, vs []admin.AliasView) {
+	fmt.Fprintln(w, "ALIAS\tTARGET\tWEIGHT")
+	for _, v := range vs {
+		for _, t := range v.Targets {
+			fmt.Fprintf(w, "%s\t%s\t%d\n", v.Name, t.Model, t.Weight)
+		}
+	}
 }
 
 func (c *ctlClient) clusterStatus(ctx context.Context, _ []string) error {

@@ -39,7 +39,9 @@ type Bind struct {
 	ExpectRevision uint64 `protobuf:"varint,4,opt,name=expect_revision,json=expectRevision,proto3" json:"expect_revision,omitempty"`
 	TtlNanos       int64  `protobuf:"varint,5,opt,name=ttl_nanos,json=ttlNanos,proto3" json:"ttl_nanos,omitempty"`
 	// 0: no cap.
-	MaxBindings   uint64 `protobuf:"varint,6,opt,name=max_bindings,json=maxBindings,proto3" json:"max_bindings,omitempty"`
+	MaxBindings uint64 `protobuf:"varint,6,opt,name=max_bindings,json=maxBindings,proto3" json:"max_bindings,omitempty"`
+	// The model the session's requests are sent as (an alias's chosen target); "" for none.
+	Model         string `protobuf:"bytes,7,opt,name=model,proto3" json:"model,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -114,6 +116,13 @@ func (x *Bind) GetMaxBindings() uint64 {
 		return x.MaxBindings
 	}
 	return 0
+}
+
+func (x *Bind) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
 }
 
 // Unbind removes one binding if its revision matches: Invalidate (type 2) and Expire
@@ -580,6 +589,157 @@ func (x *RemoveMember) GetId() string {
 	return ""
 }
 
+// AliasTarget is one weighted target of a model alias.
+type AliasTarget struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Model         string                 `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
+	Weight        uint32                 `protobuf:"varint,2,opt,name=weight,proto3" json:"weight,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AliasTarget) Reset() {
+	*x = AliasTarget{}
+	mi := &file_commands_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AliasTarget) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AliasTarget) ProtoMessage() {}
+
+func (x *AliasTarget) ProtoReflect() protoreflect.Message {
+	mi := &file_commands_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AliasTarget.ProtoReflect.Descriptor instead.
+func (*AliasTarget) Descriptor() ([]byte, []int) {
+	return file_commands_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *AliasTarget) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *AliasTarget) GetWeight() uint32 {
+	if x != nil {
+		return x.Weight
+	}
+	return 0
+}
+
+// SetAlias adds or replaces a model alias (type 11, flagged ignore-if-unknown).
+type SetAlias struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Targets       []*AliasTarget         `protobuf:"bytes,2,rep,name=targets,proto3" json:"targets,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetAlias) Reset() {
+	*x = SetAlias{}
+	mi := &file_commands_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetAlias) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetAlias) ProtoMessage() {}
+
+func (x *SetAlias) ProtoReflect() protoreflect.Message {
+	mi := &file_commands_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetAlias.ProtoReflect.Descriptor instead.
+func (*SetAlias) Descriptor() ([]byte, []int) {
+	return file_commands_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *SetAlias) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SetAlias) GetTargets() []*AliasTarget {
+	if x != nil {
+		return x.Targets
+	}
+	return nil
+}
+
+// DeleteAlias removes a model alias (type 12, flagged ignore-if-unknown).
+type DeleteAlias struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteAlias) Reset() {
+	*x = DeleteAlias{}
+	mi := &file_commands_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteAlias) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteAlias) ProtoMessage() {}
+
+func (x *DeleteAlias) ProtoReflect() protoreflect.Message {
+	mi := &file_commands_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteAlias.ProtoReflect.Descriptor instead.
+func (*DeleteAlias) Descriptor() ([]byte, []int) {
+	return file_commands_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *DeleteAlias) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
 // Binding is a session's binding as a result reports it.
 type Binding struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
@@ -589,13 +749,14 @@ type Binding struct {
 	Revision       uint64                 `protobuf:"varint,4,opt,name=revision,proto3" json:"revision,omitempty"`
 	TtlNanos       int64                  `protobuf:"varint,5,opt,name=ttl_nanos,json=ttlNanos,proto3" json:"ttl_nanos,omitempty"`
 	RemainingNanos int64                  `protobuf:"varint,6,opt,name=remaining_nanos,json=remainingNanos,proto3" json:"remaining_nanos,omitempty"`
+	Model          string                 `protobuf:"bytes,7,opt,name=model,proto3" json:"model,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Binding) Reset() {
 	*x = Binding{}
-	mi := &file_commands_proto_msgTypes[10]
+	mi := &file_commands_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -607,7 +768,7 @@ func (x *Binding) String() string {
 func (*Binding) ProtoMessage() {}
 
 func (x *Binding) ProtoReflect() protoreflect.Message {
-	mi := &file_commands_proto_msgTypes[10]
+	mi := &file_commands_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -620,7 +781,7 @@ func (x *Binding) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Binding.ProtoReflect.Descriptor instead.
 func (*Binding) Descriptor() ([]byte, []int) {
-	return file_commands_proto_rawDescGZIP(), []int{10}
+	return file_commands_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Binding) GetSession() string {
@@ -665,6 +826,13 @@ func (x *Binding) GetRemainingNanos() int64 {
 	return 0
 }
 
+func (x *Binding) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
 // Result is the outcome of one applied command.
 type Result struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
@@ -682,7 +850,7 @@ type Result struct {
 
 func (x *Result) Reset() {
 	*x = Result{}
-	mi := &file_commands_proto_msgTypes[11]
+	mi := &file_commands_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -694,7 +862,7 @@ func (x *Result) String() string {
 func (*Result) ProtoMessage() {}
 
 func (x *Result) ProtoReflect() protoreflect.Message {
-	mi := &file_commands_proto_msgTypes[11]
+	mi := &file_commands_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -707,7 +875,7 @@ func (x *Result) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Result.ProtoReflect.Descriptor instead.
 func (*Result) Descriptor() ([]byte, []int) {
-	return file_commands_proto_rawDescGZIP(), []int{11}
+	return file_commands_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Result) GetStatus() uint32 {
@@ -756,14 +924,15 @@ var File_commands_proto protoreflect.FileDescriptor
 
 const file_commands_proto_rawDesc = "" +
 	"\n" +
-	"\x0ecommands.proto\x12\x05fsmpb\"\xba\x01\n" +
+	"\x0ecommands.proto\x12\x05fsmpb\"\xd0\x01\n" +
 	"\x04Bind\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
 	"\x06worker\x18\x02 \x01(\tR\x06worker\x12\x17\n" +
 	"\adp_rank\x18\x03 \x01(\rR\x06dpRank\x12'\n" +
 	"\x0fexpect_revision\x18\x04 \x01(\x04R\x0eexpectRevision\x12\x1b\n" +
 	"\tttl_nanos\x18\x05 \x01(\x03R\bttlNanos\x12!\n" +
-	"\fmax_bindings\x18\x06 \x01(\x04R\vmaxBindings\">\n" +
+	"\fmax_bindings\x18\x06 \x01(\x04R\vmaxBindings\x12\x14\n" +
+	"\x05model\x18\a \x01(\tR\x05model\">\n" +
 	"\x06Unbind\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\"*\n" +
@@ -790,14 +959,23 @@ const file_commands_proto_rawDesc = "" +
 	"\tSetMember\x12%\n" +
 	"\x06member\x18\x01 \x01(\v2\r.fsmpb.MemberR\x06member\"\x1e\n" +
 	"\fRemoveMember\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"\xb6\x01\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\";\n" +
+	"\vAliasTarget\x12\x14\n" +
+	"\x05model\x18\x01 \x01(\tR\x05model\x12\x16\n" +
+	"\x06weight\x18\x02 \x01(\rR\x06weight\"L\n" +
+	"\bSetAlias\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12,\n" +
+	"\atargets\x18\x02 \x03(\v2\x12.fsmpb.AliasTargetR\atargets\"!\n" +
+	"\vDeleteAlias\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"\xcc\x01\n" +
 	"\aBinding\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
 	"\x06worker\x18\x02 \x01(\tR\x06worker\x12\x17\n" +
 	"\adp_rank\x18\x03 \x01(\rR\x06dpRank\x12\x1a\n" +
 	"\brevision\x18\x04 \x01(\x04R\brevision\x12\x1b\n" +
 	"\tttl_nanos\x18\x05 \x01(\x03R\bttlNanos\x12'\n" +
-	"\x0fremaining_nanos\x18\x06 \x01(\x03R\x0eremainingNanos\"\xa3\x01\n" +
+	"\x0fremaining_nanos\x18\x06 \x01(\x03R\x0eremainingNanos\x12\x14\n" +
+	"\x05model\x18\a \x01(\tR\x05model\"\xa3\x01\n" +
 	"\x06Result\x12\x16\n" +
 	"\x06status\x18\x01 \x01(\rR\x06status\x12(\n" +
 	"\abinding\x18\x02 \x01(\v2\x0e.fsmpb.BindingR\abinding\x12\x14\n" +
@@ -818,7 +996,7 @@ func file_commands_proto_rawDescGZIP() []byte {
 	return file_commands_proto_rawDescData
 }
 
-var file_commands_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_commands_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_commands_proto_goTypes = []any{
 	(*Bind)(nil),             // 0: fsmpb.Bind
 	(*Unbind)(nil),           // 1: fsmpb.Unbind
@@ -830,18 +1008,22 @@ var file_commands_proto_goTypes = []any{
 	(*Member)(nil),           // 7: fsmpb.Member
 	(*SetMember)(nil),        // 8: fsmpb.SetMember
 	(*RemoveMember)(nil),     // 9: fsmpb.RemoveMember
-	(*Binding)(nil),          // 10: fsmpb.Binding
-	(*Result)(nil),           // 11: fsmpb.Result
+	(*AliasTarget)(nil),      // 10: fsmpb.AliasTarget
+	(*SetAlias)(nil),         // 11: fsmpb.SetAlias
+	(*DeleteAlias)(nil),      // 12: fsmpb.DeleteAlias
+	(*Binding)(nil),          // 13: fsmpb.Binding
+	(*Result)(nil),           // 14: fsmpb.Result
 }
 var file_commands_proto_depIdxs = []int32{
 	3,  // 0: fsmpb.Checkpoint.entries:type_name -> fsmpb.Remaining
 	7,  // 1: fsmpb.SetMember.member:type_name -> fsmpb.Member
-	10, // 2: fsmpb.Result.binding:type_name -> fsmpb.Binding
-	3,  // [3:3] is the sub-list for method output_type
-	3,  // [3:3] is the sub-list for method input_type
-	3,  // [3:3] is the sub-list for extension type_name
-	3,  // [3:3] is the sub-list for extension extendee
-	0,  // [0:3] is the sub-list for field type_name
+	10, // 2: fsmpb.SetAlias.targets:type_name -> fsmpb.AliasTarget
+	13, // 3: fsmpb.Result.binding:type_name -> fsmpb.Binding
+	4,  // [4:4] is the sub-list for method output_type
+	4,  // [4:4] is the sub-list for method input_type
+	4,  // [4:4] is the sub-list for extension type_name
+	4,  // [4:4] is the sub-list for extension extendee
+	0,  // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_commands_proto_init() }
@@ -855,7 +1037,7 @@ func file_commands_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_commands_proto_rawDesc), len(file_commands_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   12,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

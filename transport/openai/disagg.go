@@ -55,11 +55,20 @@ func prefillBody(body []byte) ([]byte, error) {
 
 // decodeBody is the decode leg's body: the client's, with the prefill worker's params.
 func decodeBody(body []byte, params json.RawMessage) ([]byte, error) {
-	var m map[string]json.RawMessage
-	if err := json.Unmarshal(body, &m); err != nil {
+	b, err := setField(body, "kv_transfer_params", params)
+	if err != nil {
 		return nil, fmt.Errorf("decode leg body: %w", err)
 	}
-	m["kv_transfer_params"] = params
+	return b, nil
+}
+
+// setField returns body (a JSON object) with its top-level field key set to value.
+func setField(body []byte, key string, value json.RawMessage) ([]byte, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(body, &m); err != nil {
+		return nil, err
+	}
+	m[key] = value
 	return json.Marshal(m)
 }
 
@@ -140,7 +149,7 @@ func (s *Server) disaggregate(c *call) (res outcome, fail failure, ok bool) {
 		s.metrics.disagg.WithLabelValues(outcomePrefillFailed).Inc()
 		return 0, failure{}, true
 	}
-	body, err := decodeBody(c.p.Body, params)
+	body, err := decodeBody(c.body, params)
 	if err != nil {
 		// The client's body was checked on arrival; this is the router's own fault.
 		s.fail(c.w, c.r, &Error{Status: http.StatusInternalServerError, Message: err.Error(), Type: TypeServer, Cause: "internal"})
@@ -161,7 +170,7 @@ const outcomePrefillFailed = "prefill_failed"
 func (s *Server) prefillLeg(c *call, leg *routing.Attempt) (params json.RawMessage, apiErr *Error, gone bool) {
 	defer leg.Finish()
 	ctx := c.r.Context()
-	body, err := prefillBody(c.p.Body)
+	body, err := prefillBody(c.body)
 	if err != nil {
 		return nil, nil, false
 	}

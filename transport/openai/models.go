@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -165,6 +166,7 @@ func (s *Server) modelList(ctx context.Context) ([]byte, error) {
 		return s.models.static, nil
 	}
 	if list, ok := catalogList(s.workers.Catalog()); ok {
+		s.listAliases(&list, s.workers.Catalog())
 		// A list of plain strings always encodes.
 		body, _ := json.Marshal(list)
 		return body, nil
@@ -186,6 +188,27 @@ func catalogList(cat *routing.Catalog) (modelList, bool) {
 		}
 	}
 	return list, true
+}
+
+// listAliases adds to list every alias with a target of positive weight that a routable
+// worker serves, in id order with the rest: a client can name it as a model.
+func (s *Server) listAliases(list *modelList, cat *routing.Catalog) {
+	if s.cfg.Aliases == nil {
+		return
+	}
+	added := false
+	for _, al := range s.cfg.Aliases.List() {
+		for _, t := range al.Targets {
+			if m, ok := cat.Lookup(t.Model); ok && t.Weight > 0 && m.Routable > 0 {
+				list.Data = append(list.Data, modelEntry{ID: al.Name, Object: "model", OwnedBy: "kvrouter-ha"})
+				added = true
+				break
+			}
+		}
+	}
+	if added {
+		slices.SortFunc(list.Data, func(a, b modelEntry) int { return strings.Compare(a.ID, b.ID) })
+	}
 }
 
 func (s *Server) modelsFailed(w *recorder, r *http.Request, err error) {

@@ -2,6 +2,7 @@ package openai
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -231,6 +232,15 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		by = "binding"
 	}
 	c.body, c.prefill = c.p.Body, ""
+	if d.Model != c.p.Model {
+		// An alias: the worker serves the target, under the target's name.
+		name, _ := json.Marshal(d.Model)
+		body, err := setField(c.p.Body, "model", name)
+		if err != nil {
+			return retry, failure{cause: "internal", err: fmt.Errorf("send as model %s: %w", d.Model, err)}
+		}
+		c.body = body
+	}
 	if res, fail, ok := s.disaggregate(c); !ok {
 		return res, fail
 	}
@@ -546,7 +556,7 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 	copyHeaders(h, resp.Header)
 	// The names are canonical already, so the map is written directly; the values share
 	// one backing array.
-	vals := make([]string, 6)
+	vals := make([]string, 7)
 	set := func(k, v string) {
 		vals[0] = v
 		h[k] = vals[:1:1]
@@ -569,6 +579,9 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 		set(HeaderRevision, strconv.FormatUint(rev, 10))
 	}
 	set(HeaderOverlap, strconv.Itoa(d.Overlap))
+	if d.Model != c.p.Model {
+		set(HeaderModel, d.Model)
+	}
 	if c.prefill != "" {
 		set(HeaderPrefillWorker, c.prefill)
 	}

@@ -44,6 +44,9 @@ const (
 	HeaderReplica  = "X-Kvrouter-Replica"
 	HeaderRevision = "X-Kvrouter-Binding-Revision"
 	HeaderOverlap  = "X-Kvrouter-Overlap-Blocks"
+	// HeaderModel names the model an alias request was sent as (its target); absent when
+	// the request named a model, not an alias.
+	HeaderModel = "X-Kvrouter-Model"
 	// HeaderPrefillWorker names the prefill worker of a disaggregated request.
 	HeaderPrefillWorker = "X-Kvrouter-Prefill-Worker"
 )
@@ -59,6 +62,8 @@ const maxEmptyReads = 100
 type Config struct {
 	// ReplicaID names this replica in X-Kvrouter-Replica (default: the host name).
 	ReplicaID string
+	// Aliases resolves a request's model that is an alias (nil: none are).
+	Aliases Aliases
 	// MaxBodyBytes caps a request body (8 MiB); larger bodies get 413.
 	MaxBodyBytes int64
 	// ConnectTimeout bounds dialling a worker (2s).
@@ -452,9 +457,20 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		return nil, apiErr
 	}
 	catalog := s.workers.Catalog()
-	s.metrics.models.WithLabelValues(catalog.Label(p.Model)).Inc()
-	if p.Model != "" && !catalog.Known(p.Model) {
-		return nil, modelNotFound(p.Model)
+	alias, apiErr := s.alias(p.Model, catalog)
+	if apiErr != nil {
+		s.metrics.models.WithLabelValues(routing.OtherModel).Inc()
+		return nil, apiErr
+	}
+	if alias != nil {
+		// An alias the fleet serves a target of counts as a model the fleet serves: the
+		// label's values stay bounded by the replicated aliases (at most fsm.MaxAliases).
+		s.metrics.models.WithLabelValues(p.Model).Inc()
+	} else {
+		s.metrics.models.WithLabelValues(catalog.Label(p.Model)).Inc()
+		if p.Model != "" && !catalog.Known(p.Model) {
+			return nil, modelNotFound(p.Model)
+		}
 	}
 	lora := ""
 	if catalog.Adapter(p.Model) {
@@ -466,6 +482,7 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		Target:       target,
 		LoRA:         lora,
 		Model:        p.Model,
+		Alias:        alias,
 		Role:         routing.RoleBoth,
 		DPRank:       rank,
 		QueryOnly:    queryOnly,
@@ -505,6 +522,39 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		req.Hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
 	}
 	return req, nil
+}
+
+// Aliases looks up model aliases (the replicated ones, in a replica).
+type Aliases interface {
+	// Alias returns the alias named name, if there is one.
+	Alias(name string) (routing.Alias, bool)
+	// List returns every alias, by name.
+	List() []routing.Alias
+}
+
+// alias returns model's alias with only the targets the fleet serves, nil when model is not
+// an alias; an alias none of whose targets of positive weight the fleet serves is
+// model_not_found, as any model no worker serves.
+func (s *Server) alias(model string, catalog *routing.Catalog) (*routing.Alias, *Error) {
+	if s.cfg.Aliases == nil || model == "" {
+		return nil, nil
+	}
+	al, ok := s.cfg.Aliases.Alias(model)
+	if !ok {
+		return nil, nil
+	}
+	served := routing.Alias{Name: al.Name, Targets: make([]routing.AliasTarget, 0, len(al.Targets))}
+	positive := false
+	for _, t := range al.Targets {
+		if catalog.Known(t.Model) {
+			served.Targets = append(served.Targets, t)
+			positive = positive || t.Weight > 0
+		}
+	}
+	if !positive {
+		return nil, modelNotFound(model)
+	}
+	return &served, nil
 }
 
 func badHeader(name, msg string) *Error {
