@@ -468,13 +468,13 @@ func TestCommitToAWorkerDrainedMeanwhileLeavesTheLeaseOpenForTheNextChoice(t *te
 	if _, err := leader.Apply(ctx, &fsm.DrainWorker{ID: "w1"}); err != nil {
 		t.Fatal(err)
 	}
-	if b, err := l.Commit(ctx, indexer.Worker{ID: "w1"}); !errors.Is(err, routing.ErrWorkerDraining) {
+	if b, err := l.Commit(ctx, indexer.Worker{ID: "w1"}, ""); !errors.Is(err, routing.ErrWorkerDraining) {
 		t.Fatalf("commit to the draining worker: %+v %v, want ErrWorkerDraining", b, err)
 	}
 	if _, ok := leader.FSM().Get("s"); ok {
 		t.Fatal("a binding was made to the draining worker")
 	}
-	b, err := l.Commit(ctx, indexer.Worker{ID: "w2"})
+	b, err := l.Commit(ctx, indexer.Worker{ID: "w2"}, "")
 	if err != nil || b.Worker.ID != "w2" || b.Revision == 0 {
 		t.Fatalf("commit of the next choice: %+v %v", b, err)
 	}

@@ -94,8 +94,16 @@ func (s *snapshot) write(w io.Writer) error {
 		return errors.New("snapshot already released")
 	}
 	e := &snapWriter{w: w, buf: make([]byte, 0, snapBufSize)}
+	// Without aliases or binding models the state is written in format 1, which a replica of
+	// the release before aliases restores: a rolling upgrade can ship snapshots both ways
+	// until aliases are first used.
+	withModels := len(s.reg.aliases) > 0 || len(s.models) > 0
+	version := uint32(snapVersionNoModels)
+	if withModels {
+		version = snapVersion
+	}
 	e.buf = append(e.buf, snapMagic...)
-	e.buf = binary.LittleEndian.AppendUint32(e.buf, snapVersion)
+	e.buf = binary.LittleEndian.AppendUint32(e.buf, version)
 	e.buf = binary.LittleEndian.AppendUint64(e.buf, s.index)
 	e.buf = binary.LittleEndian.AppendUint64(e.buf, s.count)
 
@@ -124,20 +132,22 @@ func (s *snapshot) write(w io.Writer) error {
 		e.str(m.RaftAddr)
 		e.str(m.PeerAddr)
 	}
-	aliases := sortedKeys(s.reg.aliases)
-	e.uvarint(uint64(len(aliases)))
-	for _, name := range aliases {
-		a := s.reg.aliases[name]
-		e.str(a.Name)
-		e.uvarint(uint64(len(a.Targets)))
-		for _, t := range a.Targets {
-			e.str(t.Model)
-			e.uvarint(uint64(t.Weight))
+	if withModels {
+		aliases := sortedKeys(s.reg.aliases)
+		e.uvarint(uint64(len(aliases)))
+		for _, name := range aliases {
+			a := s.reg.aliases[name]
+			e.str(a.Name)
+			e.uvarint(uint64(len(a.Targets)))
+			for _, t := range a.Targets {
+				e.str(t.Model)
+				e.uvarint(uint64(t.Weight))
+			}
 		}
-	}
-	e.uvarint(uint64(len(s.models)))
-	for _, m := range s.models {
-		e.str(m)
+		e.uvarint(uint64(len(s.models)))
+		for _, m := range s.models {
+			e.str(m)
+		}
 	}
 
 	var n uint64
@@ -152,7 +162,9 @@ func (s *snapshot) write(w io.Writer) error {
 			e.buf = binary.AppendUvarint(e.buf, sl.revision)
 			e.buf = binary.AppendUvarint(e.buf, uint64(sl.ttl))
 			e.buf = binary.AppendUvarint(e.buf, uint64(sl.remaining))
-			e.buf = binary.AppendUvarint(e.buf, uint64(sl.model))
+			if withModels {
+				e.buf = binary.AppendUvarint(e.buf, uint64(sl.model))
+			}
 			n++
 		}
 		if e.err != nil {

@@ -379,3 +379,18 @@ func TestSnapshotOfTheReleaseBeforeAliasesRestores(t *testing.T) {
 		t.Fatalf("restored binding %+v lost its model", b)
 	}
 }
+
+// TestStateWithoutAliasesSnapshotsAsTheReleaseBeforeThem: until aliases are used, a snapshot
+// is byte for byte what the release before aliases wrote for the same state
+// (testdata/snapshot-v1.bin), so replicas of both releases can send each other snapshots
+// during a rolling upgrade.
+func TestStateWithoutAliasesSnapshotsAsTheReleaseBeforeThem(t *testing.T) {
+	want, err := os.ReadFile("testdata/snapshot-v1.bin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := persist(t, populatedV1(t, 50).f); !bytes.Equal(got, want) {
+		t.Fatalf("snapshot of a state without aliases: %d bytes, format %d; want the %d bytes of format 1",
+			len(got), binary.LittleEndian.Uint32(got[8:]), len(want))
+	}
+}
