@@ -71,6 +71,10 @@ type ScaleRun struct {
 	// other failure.
 	FailedOnStopped int `json:"failed_on_stopped"`
 	FailedAtBinding int `json:"failed_at_binding"`
+	// WorkerFaults counts the dispatches a worker failed (an error, a timeout, a refusal),
+	// each retried on another worker: a bound session's retry moves it (its worker failed),
+	// so moves no drain explains are bounded by them.
+	WorkerFaults int `json:"worker_faults"`
 	// Moves counts the times a session's request went to another worker than its previous
 	// one, MovesByDrain those whose previous worker had left the file by then.
 	Moves        int `json:"moves"`
@@ -238,7 +242,7 @@ func scaleRun(ctx context.Context, cfg Config, reqs []trace.Request, plan scaleP
 		run.Stopped, run.StoppedAt = gone, time.Since(start)
 	})
 
-	commits0 := h.commitFailures(ctx)
+	commits0, faults0 := h.errorCounts(ctx)
 	var log bytes.Buffer
 	rc := cfg.replayConfig(targets, reqs, label, progress)
 	rc.RequestLog = &log
@@ -253,7 +257,8 @@ func scaleRun(ctx context.Context, cfg Config, reqs []trace.Request, plan scaleP
 		return nil, err
 	}
 	run.Summary = sum
-	run.FailedAtBinding = h.commitFailures(ctx) - commits0
+	commits, faults := h.errorCounts(ctx)
+	run.FailedAtBinding, run.WorkerFaults = commits-commits0, faults-faults0
 	run.Timeline = sets.timeline()
 	if err := run.explain(&log, ff.removedAt); err != nil {
 		return nil, err
@@ -309,43 +314,53 @@ func (r *ScaleRun) explain(log io.Reader, removedAt time.Duration) error {
 	return nil
 }
 
-// commitFailures sums the replicas' kvrouter_errors_total{cause="commit"}: requests a worker
-// accepted whose session's binding was then refused. A replica that does not answer counts 0.
-func (h *haCluster) commitFailures(ctx context.Context) int {
-	n := 0
+// errorCounts sums the replicas' kvrouter_errors_total: commits, the requests a worker
+// accepted whose session's binding was then refused (cause "commit"), and faults, the
+// dispatches a worker failed (every other cause but "draining", a worker that began draining
+// after it was chosen). A replica that does not answer counts 0.
+func (h *haCluster) errorCounts(ctx context.Context) (commits, faults int) {
 	for _, m := range h.members {
-		n += int(scrapeCounter(ctx, h.hc, "http://"+m.Admin+"/metrics", "kvrouter_errors_total", "cause", "commit"))
+		for cause, v := range scrapeCounters(ctx, h.hc, "http://"+m.Admin+"/metrics", "kvrouter_errors_total", "cause") {
+			switch cause {
+			case "commit":
+				commits += int(v)
+			case "draining":
+			default:
+				faults += int(v)
+			}
+		}
 	}
-	return n
+	return commits, faults
 }
 
-// scrapeCounter reads one counter's value, the series with label=value, from a Prometheus
-// text endpoint (0 when it is not there or the endpoint cannot be read).
-func scrapeCounter(ctx context.Context, hc *http.Client, url, name, label, value string) float64 {
+// scrapeCounters reads one counter's series by the value of label, from a Prometheus text
+// endpoint (none when it is not there or the endpoint cannot be read).
+func scrapeCounters(ctx context.Context, hc *http.Client, url, name, label string) map[string]float64 {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return 0
+		return nil
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
-		return 0
+		return nil
 	}
 	defer resp.Body.Close()
 	p := expfmt.NewTextParser(model.LegacyValidation)
 	fams, err := p.TextToMetricFamilies(io.LimitReader(resp.Body, 16<<20))
 	if err != nil || fams[name] == nil {
-		return 0
+		return nil
 	}
+	out := map[string]float64{}
 	for _, m := range fams[name].GetMetric() {
 		for _, l := range m.GetLabel() {
-			if l.GetName() == label && l.GetValue() == value {
-				return m.GetCounter().GetValue()
+			if l.GetName() == label {
+				out[l.GetValue()] += m.GetCounter().GetValue()
 			}
 		}
 	}
-	return 0
+	return out
 }
 
 // sleepCtx waits d or until ctx ends; it reports whether d passed.
@@ -553,8 +568,8 @@ func (r *ScaleReport) print(w io.Writer) {
 	}
 	fmt.Fprintf(w, "requests failed: %d of %d (%d in flight on a stopped worker, %d refused their binding as their worker drained, %d otherwise) %v\n",
 		s.Summary.Failed, s.Summary.Requests, s.FailedOnStopped, s.FailedAtBinding, s.UnexplainedFailures(), s.Summary.Errors)
-	fmt.Fprintf(w, "sessions that changed worker: %d of %d; moves: %d, %d because their worker left the file (drained), %d otherwise\n",
-		s.Summary.SessionsMoved, s.Summary.Sessions, s.Moves, s.MovesByDrain, s.Moves-s.MovesByDrain)
+	fmt.Fprintf(w, "sessions that changed worker: %d of %d; moves: %d, %d because their worker left the file (drained), %d otherwise (%d dispatches a worker failed, each retried elsewhere)\n",
+		s.Summary.SessionsMoved, s.Summary.Sessions, s.Moves, s.MovesByDrain, s.Moves-s.MovesByDrain, s.WorkerFaults)
 	for _, m := range s.OtherMoves {
 		fmt.Fprintf(w, "  a move no drain explains: %s\n", m)
 	}

@@ -96,8 +96,11 @@ func TestScalingThroughTheFleetFileMovesOnlyDrainedSessions(t *testing.T) {
 	if n := run.UnexplainedFailures(); n != 0 {
 		t.Errorf("%d requests failed other than in flight on a stopped worker: %v", n, run.Summary.Errors)
 	}
-	if run.Moves != run.MovesByDrain {
-		t.Errorf("%d session moves, only %d of them from a worker that left the file", run.Moves, run.MovesByDrain)
+	// A move no drain explains needs a worker that failed the session's request (retried on
+	// another worker, which rebinds it): on a loaded machine a simulated worker can time out.
+	if other := run.Moves - run.MovesByDrain; other > run.WorkerFaults {
+		t.Errorf("%d session moves, only %d of them from a worker that left the file, and %d dispatches a worker failed: %v",
+			run.Moves, run.MovesByDrain, run.WorkerFaults, run.OtherMoves)
 	}
 	if run.Summary.Requests-run.Summary.Failed == 0 {
 		t.Error("no request succeeded")
