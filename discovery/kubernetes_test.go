@@ -302,3 +302,41 @@ func TestKubernetesLookupFailsBeforeTheFirstList(t *testing.T) {
 		}
 	}
 }
+
+func FuzzDecodePool(f *testing.F) {
+	f.Add([]byte(`{"spec":{"selector":{"matchLabels":{"app":"vllm"}},"targetPorts":[{"number":8000},{"number":8001}]}}`))
+	f.Add([]byte(`{"spec":{"selector":{"matchLabels":{"a b":1}},"targetPorts":[8000]}}`))
+	f.Add([]byte(`{"spec":[]}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		u := &unstructured.Unstructured{}
+		if err := u.UnmarshalJSON(b); err != nil {
+			return
+		}
+		sel, ports, err := decodePool(u)
+		if err != nil {
+			return
+		}
+		if sel == nil || len(ports) == 0 {
+			t.Fatalf("no error, but selector %v ports %v", sel, ports)
+		}
+		for _, p := range ports {
+			if p < 1 || p > 65535 {
+				t.Fatalf("port %d", p)
+			}
+		}
+	})
+}
+
+func FuzzParseKubernetes(f *testing.F) {
+	f.Add("namespace=ns,selector=app=vllm,tier in (a,b),port=8000")
+	f.Add("namespace=ns,pool=p,kubeconfig=/k")
+	f.Fuzz(func(t *testing.T, rest string) {
+		k, err := parseKubernetes("kubernetes:"+rest, rest)
+		if err != nil {
+			return
+		}
+		if k.opts.Namespace == "" || (k.opts.Pool == "") == (k.sel == nil) {
+			t.Fatalf("accepted %+v", k.opts)
+		}
+	})
+}
