@@ -38,6 +38,10 @@ const (
 	AnnotationModels = "kvrouter-ha.io/models"
 	// AnnotationKVEventsPort is the port of the worker's ZMQ KV-event PUB socket (rank 0).
 	AnnotationKVEventsPort = "kvrouter-ha.io/kv-events-port"
+	// AnnotationKVReplayPort is the port of the worker's KV-event replay (ROUTER) socket.
+	AnnotationKVReplayPort = "kvrouter-ha.io/kv-replay-port"
+	// AnnotationCapacityBlocks is the worker's KV cache size in blocks.
+	AnnotationCapacityBlocks = "kvrouter-ha.io/capacity-blocks"
 )
 
 // inferencePools is the resource of the Gateway API Inference Extension's pool (GAIE v1).
@@ -345,8 +349,9 @@ func podMeta(p *corev1.Pod, key string) string {
 	return p.Labels[key]
 }
 
-// podSpec is the worker spec of a ready pod: id "name_uid" (a pod name holds no "_"), the URL at its IP and the first
-// port; role, dp size, models and KV-event port from its annotations (or labels).
+// podSpec is the worker spec of a ready pod: id "name_uid" (a pod name holds no "_"), the URL
+// at its IP and the first port; role, dp size, models, KV-event and replay ports and capacity
+// from its annotations (or labels).
 func podSpec(p *corev1.Pod, ports []int) (routing.WorkerSpec, error) {
 	uid := string(p.UID)
 	name := p.Name
@@ -376,12 +381,21 @@ func podSpec(p *corev1.Pod, ports []int) (routing.WorkerSpec, error) {
 			}
 		}
 	}
-	if v := podMeta(p, AnnotationKVEventsPort); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > 65535 {
-			return spec, fmt.Errorf("pod %s: %s %q is not a port", p.Name, AnnotationKVEventsPort, v)
+	for key, dst := range map[string]*string{AnnotationKVEventsPort: &spec.KVEvents, AnnotationKVReplayPort: &spec.KVReplay} {
+		if v := podMeta(p, key); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 || n > 65535 {
+				return spec, fmt.Errorf("pod %s: %s %q is not a port", p.Name, key, v)
+			}
+			*dst = "tcp://" + net.JoinHostPort(ip, strconv.Itoa(n))
 		}
-		spec.KVEvents = "tcp://" + net.JoinHostPort(ip, v)
+	}
+	if v := podMeta(p, AnnotationCapacityBlocks); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return spec, fmt.Errorf("pod %s: %s %q is not a number", p.Name, AnnotationCapacityBlocks, v)
+		}
+		spec.CapacityBlocks = n
 	}
 	if err := routing.ValidateSpec(&spec); err != nil {
 		return spec, fmt.Errorf("pod %s: %w", p.Name, err)

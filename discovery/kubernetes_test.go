@@ -95,13 +95,15 @@ func TestPodSpecAndReadiness(t *testing.T) {
 		{name: "no ready condition", pod: noCond, ports: []int{8000}},
 		{name: "no ip", pod: testPod("p", "u1", "", true, nil), ports: []int{8000}},
 		{name: "annotations", pod: testPod("p", "u1", "fd00::1", true, map[string]string{
-			AnnotationRole: "prefill", AnnotationModels: "a, b", AnnotationKVEventsPort: "5557"}), ports: []int{8000, 8001}, ready: true,
-			want: routing.WorkerSpec{ID: "p_u1", URL: "http://[fd00::1]:8000", Role: routing.RolePrefill, DPSize: 2, Models: []string{"a", "b"}, KVEvents: "tcp://[fd00::1]:5557"}},
+			AnnotationRole: "prefill", AnnotationModels: "a, b", AnnotationKVEventsPort: "5557", AnnotationKVReplayPort: "5558", AnnotationCapacityBlocks: "32768"}), ports: []int{8000, 8001}, ready: true,
+			want: routing.WorkerSpec{ID: "p_u1", URL: "http://[fd00::1]:8000", Role: routing.RolePrefill, DPSize: 2, Models: []string{"a", "b"}, KVEvents: "tcp://[fd00::1]:5557", KVReplay: "tcp://[fd00::1]:5558", CapacityBlocks: 32768}},
 		{name: "dp size annotation", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "4"}), ports: []int{8000}, ready: true,
 			want: routing.WorkerSpec{ID: "p_u1", URL: "http://10.0.0.1:8000", DPSize: 4}},
 		{name: "bad dp size", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "x"}), ports: []int{8000}, ready: true, err: "not a number"},
 		{name: "dp size out of range", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "5000"}), ports: []int{8000}, ready: true, err: "dp_size"},
 		{name: "bad role", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationRole: "boss"}), ports: []int{8000}, ready: true, err: "role"},
+		{name: "bad capacity", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationCapacityBlocks: "lots"}), ports: []int{8000}, ready: true, err: "not a number"},
+		{name: "bad replay port", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationKVReplayPort: "-1"}), ports: []int{8000}, ready: true, err: "not a port"},
 		{name: "bad kv port", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationKVEventsPort: "70000"}), ports: []int{8000}, ready: true, err: "not a port"},
 		{name: "long name is cut to fit the id", pod: testPod(strings.Repeat("n", 200), "u1", "10.0.0.1", true, nil), ports: []int{8000}, ready: true,
 			want: routing.WorkerSpec{ID: strings.Repeat("n", 125) + "_u1", URL: "http://10.0.0.1:8000", DPSize: 1}},
@@ -124,7 +126,7 @@ func TestPodSpecAndReadiness(t *testing.T) {
 				t.Fatal(err)
 			}
 			if spec.ID != tc.want.ID || spec.URL != tc.want.URL || spec.Role != tc.want.Role || spec.DPSize != tc.want.DPSize ||
-				!slices.Equal(spec.Models, tc.want.Models) || spec.KVEvents != tc.want.KVEvents {
+				!slices.Equal(spec.Models, tc.want.Models) || spec.KVEvents != tc.want.KVEvents || spec.KVReplay != tc.want.KVReplay || spec.CapacityBlocks != tc.want.CapacityBlocks {
 				t.Fatalf("spec %+v, want %+v", spec, tc.want)
 			}
 		})
