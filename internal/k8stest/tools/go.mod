@@ -5,11 +5,6 @@ module github.com/kvrouter-ha/kvrouter-ha/internal/k8stest/tools
 go 1.26.0
 
 require (
-	go.etcd.io/etcd/server/v3 v3.6.4
-	k8s.io/kubernetes v1.34.4
-)
-
-require (
 	cel.dev/expr v0.24.0 // indirect
 	github.com/Azure/go-ansiterm v0.0.0-20230124172434-306776ec8161 // indirect
 	github.com/NYTimes/gziphandler v1.1.1 // indirect
@@ -85,6 +80,7 @@ require (
 	go.etcd.io/etcd/client/pkg/v3 v3.6.4 // indirect
 	go.etcd.io/etcd/client/v3 v3.6.4 // indirect
 	go.etcd.io/etcd/pkg/v3 v3.6.4 // indirect
+	go.etcd.io/etcd/server/v3 v3.6.4 // indirect
 	go.etcd.io/raft/v3 v3.6.0 // indirect
 	go.opentelemetry.io/auto/sdk v1.1.0 // indirect
 	go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc v0.60.0 // indirect
@@ -138,6 +134,7 @@ require (
 	k8s.io/kube-aggregator v0.0.0 // indirect
 	k8s.io/kube-openapi v0.0.0-20250710124328-f3f2b991d03b // indirect
 	k8s.io/kubelet v0.34.4 // indirect
+	k8s.io/kubernetes v1.34.4 // indirect
 	k8s.io/mount-utils v0.0.0 // indirect
 	k8s.io/pod-security-admission v0.0.0 // indirect
 	k8s.io/utils v0.0.0-20250604170112-4c0f3b243397 // indirect
@@ -182,4 +179,10 @@ replace (
 	k8s.io/sample-apiserver => k8s.io/sample-apiserver v0.34.4
 	k8s.io/sample-cli-plugin => k8s.io/sample-cli-plugin v0.34.4
 	k8s.io/sample-controller => k8s.io/sample-controller v0.34.4
+)
+
+// The commands build.sh builds (tool directives keep go mod tidy from dropping them).
+tool (
+	go.etcd.io/etcd/server/v3
+	k8s.io/kubernetes/cmd/kube-apiserver
 )
