@@ -21,6 +21,8 @@ FUZZ_TARGETS := \
 	./fsm:FuzzDecode \
 	./fsm:FuzzRestore \
 	./workers:FuzzParseSpecs \
+	./discovery:FuzzDecodePool \
+	./discovery:FuzzParseKubernetes \
 	./transport/openai:FuzzParseMatchesEncodingJSON \
 	./indexer:FuzzSnapshotDecode \
 	./cluster/hints:FuzzHealthDecode \

@@ -380,6 +380,8 @@ func Parse(spec, dnsServer string) (Source, error) {
 		return NewDNS(name, p, dnsServer)
 	case "dns-srv":
 		return NewDNS(rest, 0, dnsServer)
+	case "kubernetes":
+		return parseKubernetes(spec, rest)
 	}
-	return nil, fmt.Errorf("discovery %q: want file:PATH, dns:NAME:PORT or dns-srv:NAME", spec)
+	return nil, fmt.Errorf("discovery %q: want file:PATH, dns:NAME:PORT, dns-srv:NAME or kubernetes:namespace=NS,...", spec)
 }

@@ -290,7 +290,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 // registerDiscoveryFlags declares the discovery flags on fs: where the leader finds workers
 // at run time, beside --worker, --workers-file and the admin API.
 func registerDiscoveryFlags(fs *flag.FlagSet, d *replica.DiscoveryConfig) {
-	fs.Var(listFlag{&d.Sources}, "discovery", "find workers at run time (repeatable, or comma-separated): file:PATH (a JSON array of worker specs, the --workers-file shape, re-read when it changes), dns:NAME:PORT (the name's A/AAAA records, each address:port a worker) or dns-srv:NAME (its SRV records); the leader adds, drains and removes them through Raft")
+	fs.Var(discoveryFlag{&d.Sources}, "discovery", "find workers at run time (repeatable, or comma-separated): file:PATH (a JSON array of worker specs, the --workers-file shape, re-read when it changes), dns:NAME:PORT (the name's A/AAAA records, each address:port a worker), dns-srv:NAME (its SRV records), or kubernetes:namespace=NS,selector=SEL,port=PORT or kubernetes:namespace=NS,pool=INFERENCEPOOL (the ready pods, watched through the API server; add kubeconfig=PATH outside a cluster; a kubernetes: value takes the rest of the flag value, commas and all); the leader adds, drains and removes them through Raft")
 	fs.StringVar(&d.DNSServer, "discovery-dns-server", "", "host:port of the DNS server the dns discovery sources ask (default: the system's resolvers)")
 	fs.DurationVar(&d.Interval, "discovery-interval", 10*time.Second, "how often the leader looks at each discovery source")
 	fs.DurationVar(&d.DrainFor, "discovery-drain-for", 30*time.Second, "a discovered worker that is gone drains (no new requests, in-flight ones finish, its sessions move) this long before it is removed")
@@ -309,6 +309,21 @@ func (l listFlag) String() string {
 
 func (l listFlag) Set(v string) error {
 	*l.values = append(*l.values, splitList(v)...)
+	return nil
+}
+
+// discoveryFlag is --discovery: a comma-separated list, except that a kubernetes: source,
+// whose options are themselves comma-separated, takes the rest of the value.
+type discoveryFlag struct{ values *[]string }
+
+func (l discoveryFlag) String() string { return listFlag(l).String() }
+
+func (l discoveryFlag) Set(v string) error {
+	head, k8s, found := strings.Cut(v, "kubernetes:")
+	*l.values = append(*l.values, splitList(head)...)
+	if found {
+		*l.values = append(*l.values, "kubernetes:"+strings.TrimSpace(k8s))
+	}
 	return nil
 }
 

@@ -1,0 +1,436 @@
+package discovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// The pod annotations (or labels) a Kubernetes source reads a worker's spec from.
+const (
+	// AnnotationRole is the worker's role: prefill, decode, or empty for both.
+	AnnotationRole = "kvrouter-ha.io/role"
+	// AnnotationDPSize is the worker's number of data-parallel ranks.
+	AnnotationDPSize = "kvrouter-ha.io/dp-size"
+	// AnnotationModels is a comma list of the models the worker serves (an annotation: label
+	// values cannot hold commas).
+	AnnotationModels = "kvrouter-ha.io/models"
+	// AnnotationKVEventsPort is the port of the worker's ZMQ KV-event PUB socket (rank 0).
+	AnnotationKVEventsPort = "kvrouter-ha.io/kv-events-port"
+	// AnnotationKVReplayPort is the port of the worker's KV-event replay (ROUTER) socket.
+	AnnotationKVReplayPort = "kvrouter-ha.io/kv-replay-port"
+	// AnnotationCapacityBlocks is the worker's KV cache size in blocks.
+	AnnotationCapacityBlocks = "kvrouter-ha.io/capacity-blocks"
+)
+
+// inferencePools is the resource of the Gateway API Inference Extension's pool (GAIE v1).
+func inferencePools() schema.GroupVersionResource {
+	return schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
+}
+
+// KubernetesOptions says which pods a Kubernetes source lists.
+type KubernetesOptions struct {
+	// Namespace holds the pods (and the pool); required.
+	Namespace string
+	// Selector picks the pods by label (with Port); exclusive with Pool.
+	Selector string
+	// Port is the workers' HTTP port, with Selector.
+	Port int
+	// Pool names an InferencePool in Namespace: its selector picks the pods and its
+	// targetPorts are the data-parallel ranks' ports (the first is the worker's URL).
+	Pool string
+	// Kubeconfig is a kubeconfig file; empty: the in-cluster service account.
+	Kubeconfig string
+}
+
+// Kubernetes is a source that watches pods through the API server (client-go informers)
+// and answers each look from the informers' cache. A worker is a pod that is Ready and not
+// terminating; its id is the pod's name and UID, so a pod recreated under the same name is a
+// new worker. A pod that is not ready is not listed: it drains as a gone worker does.
+//
+// The watch starts on the first look (on the leader), and runs until Close. While the API
+// server cannot be reached the look fails (the last set stands) and the informers retry;
+// they list again when it is back.
+type Kubernetes struct {
+	name string
+	opts KubernetesOptions
+	sel  labels.Selector // Selector parsed; nil with Pool
+	// connect makes the clients (a fake in unit tests).
+	connect func() (kubernetes.Interface, dynamic.Interface, error)
+
+	mu      sync.Mutex
+	started bool
+	stop    context.CancelFunc
+	pods    cache.SharedIndexInformer
+	pool    cache.SharedIndexInformer // nil without Pool
+	health  *watchHealth
+}
+
+// NewKubernetes is a Kubernetes source named name ("kubernetes:..." as configured) over opts.
+// It connects nothing until its first look.
+func NewKubernetes(name string, opts KubernetesOptions) (*Kubernetes, error) {
+	k := &Kubernetes{name: name, opts: opts}
+	if opts.Namespace == "" {
+		return nil, fmt.Errorf("discovery %s: namespace is required", name)
+	}
+	switch {
+	case opts.Pool != "" && (opts.Selector != "" || opts.Port != 0):
+		return nil, fmt.Errorf("discovery %s: give pool, or selector and port, not both", name)
+	case opts.Pool == "":
+		if opts.Selector == "" {
+			return nil, fmt.Errorf("discovery %s: a selector (with port) or a pool is required", name)
+		}
+		sel, err := labels.Parse(opts.Selector)
+		if err != nil {
+			return nil, fmt.Errorf("discovery %s: selector: %w", name, err)
+		}
+		if opts.Port < 1 || opts.Port > 65535 {
+			return nil, fmt.Errorf("discovery %s: port %d out of range 1..65535", name, opts.Port)
+		}
+		k.sel = sel
+	}
+	k.connect = func() (kubernetes.Interface, dynamic.Interface, error) {
+		cfg, err := restConfig(opts.Kubeconfig)
+		if err != nil {
+			return nil, nil, err
+		}
+		cs, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			return nil, nil, err
+		}
+		dc, err := dynamic.NewForConfig(cfg)
+		if err != nil {
+			return nil, nil, err
+		}
+		return cs, dc, nil
+	}
+	return k, nil
+}
+
+// restConfig is the in-cluster config, or the kubeconfig file's current context.
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig == "" {
+		return rest.InClusterConfig()
+	}
+	return clientcmd.BuildConfigFromFlags("", kubeconfig)
+}
+
+// parseKubernetes parses the value after "kubernetes:": comma-separated key=value options
+// (namespace, selector, port, pool, kubeconfig). A part that does not start with one of
+// those keys continues the option before it, so a selector may hold commas ("selector=app=vllm,tier=gpu").
+func parseKubernetes(spec, rest string) (*Kubernetes, error) {
+	var opts KubernetesOptions
+	var last *string
+	var port string
+	keys := map[string]*string{"namespace": &opts.Namespace, "selector": &opts.Selector, "port": &port, "pool": &opts.Pool, "kubeconfig": &opts.Kubeconfig}
+	seen := map[string]bool{}
+	for part := range strings.SplitSeq(rest, ",") {
+		key, val, _ := strings.Cut(part, "=")
+		dst, ok := keys[key]
+		if !ok {
+			if last == nil {
+				return nil, fmt.Errorf("discovery %q: unknown option %q (want namespace, selector, port, pool or kubeconfig)", spec, key)
+			}
+			*last += "," + part
+			continue
+		}
+		if seen[key] {
+			return nil, fmt.Errorf("discovery %q: %s given twice", spec, key)
+		}
+		seen[key] = true
+		*dst, last = val, dst
+	}
+	if port != "" {
+		p, err := strconv.Atoi(port)
+		if err != nil {
+			return nil, fmt.Errorf("discovery %q: port %q is not a number", spec, port)
+		}
+		opts.Port = p
+	}
+	return NewKubernetes(spec, opts)
+}
+
+// Name is the configured value, "kubernetes:namespace=...".
+func (k *Kubernetes) Name() string { return k.name }
+
+// Kind is "kubernetes".
+func (k *Kubernetes) Kind() string { return "kubernetes" }
+
+// Close stops the watch.
+func (k *Kubernetes) Close() error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.stop != nil {
+		k.stop()
+	}
+	return nil
+}
+
+// Lookup lists the ready pods from the informers' cache.
+func (k *Kubernetes) Lookup(context.Context) ([]routing.WorkerSpec, error) {
+	if err := k.start(); err != nil {
+		return nil, err
+	}
+	if !k.pods.HasSynced() || (k.pool != nil && !k.pool.HasSynced()) {
+		return nil, fmt.Errorf("discovery %s: waiting for the first list from the API server", k.name)
+	}
+	if err := k.health.err(); err != nil {
+		return nil, fmt.Errorf("discovery %s: %w", k.name, err)
+	}
+	sel, ports := k.sel, []int{k.opts.Port}
+	if k.pool != nil {
+		obj, ok, err := k.pool.GetStore().GetByKey(k.opts.Namespace + "/" + k.opts.Pool)
+		if err != nil {
+			return nil, fmt.Errorf("discovery %s: %w", k.name, err)
+		}
+		if !ok {
+			// The pool is gone: an answer (no workers), which the suspect rule holds.
+			return []routing.WorkerSpec{}, nil
+		}
+		u, _ := obj.(*unstructured.Unstructured)
+		if u == nil {
+			return nil, fmt.Errorf("discovery %s: the pool is a %T", k.name, obj)
+		}
+		if sel, ports, err = decodePool(u); err != nil {
+			return nil, fmt.Errorf("discovery %s: InferencePool %s: %w", k.name, k.opts.Pool, err)
+		}
+	}
+	out := []routing.WorkerSpec{}
+	for _, obj := range k.pods.GetStore().List() {
+		pod, ok := obj.(*corev1.Pod)
+		if !ok || !sel.Matches(labels.Set(pod.Labels)) || !podReady(pod) {
+			continue
+		}
+		spec, err := podSpec(pod, ports)
+		if err != nil {
+			return nil, fmt.Errorf("discovery %s: %w", k.name, err)
+		}
+		out = append(out, spec)
+	}
+	slices.SortFunc(out, func(a, b routing.WorkerSpec) int { return strings.Compare(a.ID, b.ID) })
+	return out, nil
+}
+
+// start starts the informers once.
+func (k *Kubernetes) start() error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.started {
+		return nil
+	}
+	cs, dc, err := k.connect()
+	if err != nil {
+		return fmt.Errorf("discovery %s: %w", k.name, err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	k.health = &watchHealth{}
+	ns := k.opts.Namespace
+	selector := ""
+	if k.sel != nil {
+		selector = k.sel.String()
+	}
+	podsAPI := cs.CoreV1().Pods(ns)
+	k.pods = cache.NewSharedIndexInformer(k.health.listWatch(
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			o.LabelSelector = selector
+			return podsAPI.List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			o.LabelSelector = selector
+			return podsAPI.Watch(ctx, o)
+		}), &corev1.Pod{}, 0, cache.Indexers{})
+	informers := []cache.SharedIndexInformer{k.pods}
+	if k.opts.Pool != "" {
+		poolAPI := dc.Resource(inferencePools()).Namespace(ns)
+		field := fields.OneTermEqualSelector("metadata.name", k.opts.Pool).String()
+		k.pool = cache.NewSharedIndexInformer(k.health.listWatch(
+			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				o.FieldSelector = field
+				return poolAPI.List(ctx, o)
+			},
+			func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+				o.FieldSelector = field
+				return poolAPI.Watch(ctx, o)
+			}), &unstructured.Unstructured{}, 0, cache.Indexers{})
+		informers = append(informers, k.pool)
+	}
+	for _, inf := range informers {
+		if err := inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+			k.health.failed(err)
+		}); err != nil {
+			stop()
+			return fmt.Errorf("discovery %s: %w", k.name, err)
+		}
+		go inf.RunWithContext(ctx)
+	}
+	k.started, k.stop = true, stop
+	return nil
+}
+
+// watchHealth remembers whether the informers' last call to the API server failed: a list or
+// watch that fails, or a watch that breaks, sets the error; a list or watch that succeeds
+// clears it. While it is set, a look fails and the last set stands.
+type watchHealth struct {
+	mu   sync.Mutex
+	last error
+}
+
+func (h *watchHealth) failed(err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.last = err
+}
+
+func (h *watchHealth) err() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.last
+}
+
+// listWatch wraps list and watch calls so that their outcome is recorded.
+func (h *watchHealth) listWatch(
+	list func(context.Context, metav1.ListOptions) (runtime.Object, error),
+	watchFn func(context.Context, metav1.ListOptions) (watch.Interface, error),
+) *cache.ListWatch {
+	return &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			obj, err := list(ctx, o)
+			h.failed(err)
+			return obj, err
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			w, err := watchFn(ctx, o)
+			h.failed(err)
+			return w, err
+		},
+	}
+}
+
+// podReady reports a pod that takes requests: its Ready condition is true, it has an IP, and
+// it is not terminating.
+func podReady(p *corev1.Pod) bool {
+	if p.DeletionTimestamp != nil || p.Status.PodIP == "" {
+		return false
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// podMeta is a pod's annotation, or else its label, under key.
+func podMeta(p *corev1.Pod, key string) string {
+	if v, ok := p.Annotations[key]; ok {
+		return v
+	}
+	return p.Labels[key]
+}
+
+// podSpec is the worker spec of a ready pod: id "name_uid" (a pod name holds no "_"), the URL
+// at its IP and the first port; role, dp size, models, KV-event and replay ports and capacity
+// from its annotations (or labels).
+func podSpec(p *corev1.Pod, ports []int) (routing.WorkerSpec, error) {
+	uid := string(p.UID)
+	name := p.Name
+	if n := 128 - 1 - len(uid); len(name) > n && n > 0 {
+		name = name[:n]
+	}
+	ip := p.Status.PodIP
+	spec := routing.WorkerSpec{
+		ID:   name + "_" + uid,
+		URL:  "http://" + net.JoinHostPort(ip, strconv.Itoa(ports[0])),
+		Role: routing.Role(podMeta(p, AnnotationRole)),
+	}
+	if len(ports) > 1 {
+		spec.DPSize = len(ports)
+	}
+	if v := podMeta(p, AnnotationDPSize); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return spec, fmt.Errorf("pod %s: %s %q is not a number", p.Name, AnnotationDPSize, v)
+		}
+		spec.DPSize = n
+	}
+	if v := podMeta(p, AnnotationModels); v != "" {
+		for m := range strings.SplitSeq(v, ",") {
+			if m = strings.TrimSpace(m); m != "" {
+				spec.Models = append(spec.Models, m)
+			}
+		}
+	}
+	for key, dst := range map[string]*string{AnnotationKVEventsPort: &spec.KVEvents, AnnotationKVReplayPort: &spec.KVReplay} {
+		if v := podMeta(p, key); v != "" {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 || n > 65535 {
+				return spec, fmt.Errorf("pod %s: %s %q is not a port", p.Name, key, v)
+			}
+			*dst = "tcp://" + net.JoinHostPort(ip, strconv.Itoa(n))
+		}
+	}
+	if v := podMeta(p, AnnotationCapacityBlocks); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return spec, fmt.Errorf("pod %s: %s %q is not a number", p.Name, AnnotationCapacityBlocks, v)
+		}
+		spec.CapacityBlocks = n
+	}
+	if err := routing.ValidateSpec(&spec); err != nil {
+		return spec, fmt.Errorf("pod %s: %w", p.Name, err)
+	}
+	return spec, nil
+}
+
+// decodePool reads an InferencePool's spec.selector.matchLabels and spec.targetPorts[].number.
+func decodePool(u *unstructured.Unstructured) (labels.Selector, []int, error) {
+	match, found, err := unstructured.NestedStringMap(u.Object, "spec", "selector", "matchLabels")
+	if err != nil {
+		return nil, nil, fmt.Errorf("spec.selector.matchLabels: %w", err)
+	}
+	if !found || len(match) == 0 {
+		return nil, nil, errors.New("spec.selector.matchLabels is empty")
+	}
+	sel, err := metav1.LabelSelectorAsSelector(&metav1.LabelSelector{MatchLabels: match})
+	if err != nil {
+		return nil, nil, fmt.Errorf("spec.selector: %w", err)
+	}
+	raw, found, err := unstructured.NestedSlice(u.Object, "spec", "targetPorts")
+	if err != nil || !found || len(raw) == 0 {
+		return nil, nil, errors.New("spec.targetPorts is empty")
+	}
+	var ports []int
+	for i, r := range raw {
+		m, ok := r.(map[string]any)
+		if !ok {
+			return nil, nil, fmt.Errorf("spec.targetPorts[%d] is not an object", i)
+		}
+		n, ok, err := unstructured.NestedInt64(m, "number")
+		if err != nil || !ok || n < 1 || n > 65535 {
+			return nil, nil, fmt.Errorf("spec.targetPorts[%d].number is not a port", i)
+		}
+		ports = append(ports, int(n))
+	}
+	return sel, ports, nil
+}
