@@ -11,7 +11,8 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/admin"
 )
 
-// TestBeyondLoopback checks which addresses count as reachable from other hosts.
+// TestBeyondLoopback checks which addresses count as reachable from other hosts. The
+// addresses are data for the check: nothing here listens on them (tests bind loopback only).
 func TestBeyondLoopback(t *testing.T) {
 	for _, tc := range []struct {
 		addr string
@@ -38,7 +39,8 @@ func TestBeyondLoopback(t *testing.T) {
 
 // TestOpenClusterRefusedWithoutMTLSAndGossipKey checks the rule: a cluster port beyond
 // loopback needs peer mutual TLS and a gossip key (none with --no-gossip), or the explicit
-// override; the refusal names what is missing and the flags that fix it.
+// override; the refusal names what is missing and the flags that fix it. Config.check only
+// reads the addresses: nothing is bound.
 func TestOpenClusterRefusedWithoutMTLSAndGossipKey(t *testing.T) {
 	key := bytes.Repeat([]byte("k"), 32)
 	mtls := TLSFiles{PeerCertFile: "c.pem", PeerKeyFile: "k.pem", PeerCAFile: "ca.pem"}
