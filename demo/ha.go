@@ -153,6 +153,9 @@ func (h *haCluster) start(ctx context.Context, workers []string, extra ...string
 			"--load-share-interval", scaled(150*time.Millisecond, cfg.Speedup).String(),
 			"--decision-flush-interval", scaled(50*time.Millisecond, cfg.Speedup).String(),
 			"--health-timeout", "2s",
+			// A loaded machine (make test runs every package at once) can take seconds to
+			// commit a binding; the in-process demo waits as long.
+			"--bind-wait", "10s",
 			// Nothing needs draining when the demo ends.
 			"--shutdown-delay", "0"}, extra...)
 		h.procs = append(h.procs, proc.New(proc.Spec{Name: m.ID, LogPath: h.log(m.ID), Argv: m.ServeArgv(self, members, workers, flags...)}))

@@ -66,11 +66,17 @@ type ScaleRun struct {
 	StoppedAt time.Duration `json:"stopped_at"`
 	// FailedOnStopped counts the failed requests that were sent to a stopped worker before it
 	// stopped (in flight on it), and FailedAtBinding those the replicas failed because their
-	// session's binding was refused after the worker accepted them (kvrouter_errors_total
-	// {cause="commit"}: in flight on a worker that drained meanwhile). The demo expects no
-	// other failure.
+	// session's binding did not commit (kvrouter_errors_total{cause="commit"}: Raft did not
+	// commit it within --bind-wait, as on a machine too loaded to keep its leader). The demo
+	// expects no other failure.
 	FailedOnStopped int `json:"failed_on_stopped"`
 	FailedAtBinding int `json:"failed_at_binding"`
+	// FailedDraining counts the failed requests whose error names a draining worker: a
+	// request whose worker began draining after it was chosen goes to its next choice, so
+	// the demo expects none.
+	FailedDraining int `json:"failed_draining"`
+	// FailureSamples are the first few failed requests' errors.
+	FailureSamples []string `json:"failure_samples,omitempty"`
 	// WorkerFaults counts the dispatches a worker failed (an error, a timeout, a refusal),
 	// each retried on another worker: a bound session's retry moves it (its worker failed),
 	// so moves no drain explains are bounded by them.
@@ -294,6 +300,13 @@ func (r *ScaleRun) explain(log io.Reader, removedAt time.Duration) error {
 			if slices.Contains(r.Stopped, rec.Worker) && rec.SentMs < ms(r.StoppedAt) {
 				r.FailedOnStopped++
 			}
+			if strings.Contains(rec.Error, routing.ErrWorkerDraining.Error()) {
+				r.FailedDraining++
+			}
+			if len(r.FailureSamples) < 5 {
+				r.FailureSamples = append(r.FailureSamples, fmt.Sprintf("request %d (session %s, sent at %.0f ms, worker %q): %s: %s",
+					rec.Index, rec.Session, rec.SentMs, rec.Worker, rec.Cause, rec.Error))
+			}
 			continue
 		}
 		if rec.Session == "" || rec.Worker == "" {
@@ -314,8 +327,8 @@ func (r *ScaleRun) explain(log io.Reader, removedAt time.Duration) error {
 	return nil
 }
 
-// errorCounts sums the replicas' kvrouter_errors_total: commits, the requests a worker
-// accepted whose session's binding was then refused (cause "commit"), and faults, the
+// errorCounts sums the replicas' kvrouter_errors_total: commits, the requests whose
+// session's binding did not commit (cause "commit"), and faults, the
 // dispatches a worker failed (every other cause but "draining", a worker that began draining
 // after it was chosen). A replica that does not answer counts 0.
 func (h *haCluster) errorCounts(ctx context.Context) (commits, faults int) {
@@ -566,8 +579,11 @@ func (r *ScaleReport) print(w io.Writer) {
 	if len(s.Stopped) > 0 {
 		fmt.Fprintf(w, "stopped once drained: %s at %.1f s\n", strings.Join(s.Stopped, " "), s.StoppedAt.Seconds())
 	}
-	fmt.Fprintf(w, "requests failed: %d of %d (%d in flight on a stopped worker, %d refused their binding as their worker drained, %d otherwise) %v\n",
-		s.Summary.Failed, s.Summary.Requests, s.FailedOnStopped, s.FailedAtBinding, s.UnexplainedFailures(), s.Summary.Errors)
+	fmt.Fprintf(w, "requests failed: %d of %d (%d in flight on a stopped worker, %d whose binding did not commit in time, %d otherwise; %d naming a draining worker) %v\n",
+		s.Summary.Failed, s.Summary.Requests, s.FailedOnStopped, s.FailedAtBinding, s.UnexplainedFailures(), s.FailedDraining, s.Summary.Errors)
+	for _, f := range s.FailureSamples {
+		fmt.Fprintf(w, "  failed: %s\n", f)
+	}
 	fmt.Fprintf(w, "sessions that changed worker: %d of %d; moves: %d, %d because their worker left the file (drained), %d otherwise (%d dispatches a worker failed, each retried elsewhere)\n",
 		s.Summary.SessionsMoved, s.Summary.Sessions, s.Moves, s.MovesByDrain, s.Moves-s.MovesByDrain, s.WorkerFaults)
 	for _, m := range s.OtherMoves {

@@ -231,6 +231,8 @@ type result struct {
 	overlap      int64
 	hasOverlap   bool
 	session      string
+	// errText is a failure's error, with the start of the response body for a non-2xx.
+	errText string
 }
 
 // runner holds what every request of one run shares.
@@ -399,7 +401,9 @@ func (r *runner) do(parent context.Context, req trace.Request, endpoint, fallbac
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 		res.cause = "http_" + strconv.Itoa(resp.StatusCode)
-		r.logFail(req, res.cause, fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(msg)))
+		err := fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(msg))
+		res.errText = err.Error()
+		r.logFail(req, res.cause, err)
 		return res
 	}
 
@@ -418,7 +422,7 @@ func (r *runner) do(parent context.Context, req trace.Request, endpoint, fallbac
 		if cause == CauseTruncated {
 			cause = causeOf(parent, ctx, err, cause)
 		}
-		res.cause = cause
+		res.cause, res.errText = cause, err.Error()
 		r.logFail(req, cause, err)
 		return res
 	}
@@ -432,7 +436,7 @@ func (r *runner) do(parent context.Context, req trace.Request, endpoint, fallbac
 
 func (r *runner) fail(req trace.Request, cause string, err error) result {
 	r.logFail(req, cause, err)
-	return result{cause: cause}
+	return result{cause: cause, errText: err.Error()}
 }
 
 func (r *runner) logFail(req trace.Request, cause string, err error) {
@@ -667,6 +671,9 @@ type RequestRecord struct {
 	// Predicted is the router's predicted overlap in tokens (-1: it said nothing).
 	Predicted int64   `json:"predicted_tokens"`
 	TTFTMs    float64 `json:"ttft_ms"`
+	// Error is a failed request's error: for a non-2xx answer, its status and the start of
+	// its body.
+	Error string `json:"error,omitempty"`
 }
 
 func writeRequestLog(w io.Writer, reqs []trace.Request, results []result, blockSize int) error {
@@ -674,7 +681,7 @@ func writeRequestLog(w io.Writer, reqs []trace.Request, results []result, blockS
 	for i, res := range results {
 		rec := RequestRecord{Index: reqs[i].Index, Session: res.session, SentMs: float64(res.sent.Microseconds()) / 1000,
 			OK: res.ok, Cause: res.cause, Replica: res.replica, Worker: res.worker, Prompt: res.promptTokens,
-			Cached: res.cachedTokens, Predicted: -1, TTFTMs: float64(res.ttft.Microseconds()) / 1000}
+			Cached: res.cachedTokens, Predicted: -1, TTFTMs: float64(res.ttft.Microseconds()) / 1000, Error: res.errText}
 		if res.hasOverlap {
 			rec.Predicted = res.overlap * int64(blockSize)
 		}
