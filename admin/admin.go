@@ -109,6 +109,9 @@ const (
 	StateActive   = "active"   // routable when healthy
 	StateDraining = "draining" // drained: no new requests, in-flight ones finish
 	StateGone     = "gone"     // its discovery source no longer lists it: drained, then removed
+	// StateNotReady: its discovery source says it is not ready: no new requests, its bindings
+	// kept (drained as gone after --discovery-not-ready-grace).
+	StateNotReady = "not_ready"
 )
 
 // Error is the API's error shape.
@@ -124,7 +127,7 @@ type WorkerView struct {
 	// Source is where the worker came from: SourceFlags, SourceFile, SourceAdmin or
 	// "discovery:NAME".
 	Source string `json:"source"`
-	// State is StateActive, StateDraining or StateGone.
+	// State is StateActive, StateDraining, StateGone or StateNotReady.
 	State string `json:"state"`
 }
 
@@ -255,6 +258,8 @@ func (a *api) listWorkers(w http.ResponseWriter, _ *http.Request) {
 			v.State = StateGone
 		case st.Drained:
 			v.State = StateDraining
+		case st.NotReady:
+			v.State = StateNotReady
 		}
 		out = append(out, v)
 	}

@@ -96,6 +96,10 @@ type Workers interface {
 	Routable() []Target
 	// Lookup finds a configured worker by id, routable or not.
 	Lookup(id string) (WorkerSpec, bool)
+	// NotReady reports whether worker id is configured but not ready for now: no new choice
+	// goes to it, and its bindings are kept (a bound session's request is served elsewhere
+	// meanwhile, without moving the binding).
+	NotReady(id string) bool
 }
 
 // Binding is a session's worker and the revision that created it.

@@ -20,7 +20,10 @@ type WorkerStatus struct {
 	Spec    WorkerSpec `json:"spec"`
 	Healthy bool       `json:"healthy"`
 	Drained bool       `json:"drained"`
-	Reason  string     `json:"reason,omitempty"`
+	// NotReady: its discovery source says the worker is there but not ready. It takes no new
+	// choices, and its bindings are kept (see Workers.NotReady).
+	NotReady bool   `json:"not_ready"`
+	Reason   string `json:"reason,omitempty"`
 	// Learned are the models this replica last read from the worker's GET /v1/models
 	// (SetLearned); they are this replica's own, not replicated.
 	Learned []Model `json:"learned_models,omitempty"`
@@ -117,7 +120,7 @@ func (r *Registry) publish() {
 	for _, id := range ids {
 		st := r.workers[id]
 		all = append(all, *st)
-		if !st.Healthy || st.Drained {
+		if !st.Healthy || st.Drained || st.NotReady {
 			continue
 		}
 		spec := st.Spec
@@ -267,6 +270,32 @@ func (r *Registry) Undrain(id string) error {
 	st.Drained = false
 	r.changed(*st, false)
 	return nil
+}
+
+// SetNotReady takes a worker out of rotation while keeping its bindings (notReady), or puts
+// it back.
+func (r *Registry) SetNotReady(id string, notReady bool) error {
+	r.mu.Lock()
+	st, ok := r.workers[id]
+	if !ok {
+		r.mu.Unlock()
+		return fmt.Errorf("worker %s: %w", id, ErrUnknownTarget)
+	}
+	if st.NotReady == notReady {
+		r.mu.Unlock()
+		return nil
+	}
+	st.NotReady = notReady
+	r.changed(*st, false)
+	return nil
+}
+
+// NotReady implements Workers.
+func (r *Registry) NotReady(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st, ok := r.workers[id]
+	return ok && st.NotReady
 }
 
 // Remove forgets a worker.

@@ -316,6 +316,16 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 		return nil, ctx.Err()
 	}
 	if a.lease != nil {
+		if b, bound := a.lease.Binding(); bound && req.Target == nil && r.deps.Workers.NotReady(b.Worker.ID) {
+			// The bound worker is not ready for now and keeps its bindings: this request is
+			// served elsewhere as one without a session, and the binding stays, so the
+			// session's requests return to the worker (and its cache) once it is ready.
+			a.releaseLease()
+			if err = a.selectAndStart(ctx); err == nil {
+				return a, nil
+			}
+			return nil, err
+		}
 		if _, bound := a.lease.Binding(); bound && req.Target == nil {
 			// The bound worker cannot take it: the binding is replaced (one compare-and-set
 			// when the worker accepts) and the worker chosen once more, freely.

@@ -298,6 +298,56 @@ func TestFailedBoundWorkerIsInvalidatedAndReselectedOnce(t *testing.T) {
 	}
 }
 
+func TestANotReadyBoundWorkerKeepsItsBindingAndTakesNoNewChoice(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		commit bool // the request served elsewhere is accepted by its worker
+	}{{name: "served elsewhere", commit: true}, {name: "abandoned elsewhere"}} {
+		t.Run(tc.name, func(t *testing.T) {
+			rg := newRig(t, 3, Config{})
+			ctx := context.Background()
+			a := route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+			b, _ := a.Commit(ctx)
+			a.Finish()
+			if err := rg.reg.SetNotReady(b.Worker.ID, true); err != nil {
+				t.Fatal(err)
+			}
+			if !rg.reg.NotReady(b.Worker.ID) || rg.reg.NotReady("nobody") {
+				t.Fatal("NotReady does not say what SetNotReady set")
+			}
+			for i := range 20 {
+				n := route(t, rg.router, Request{Session: fmt.Sprintf("new-%d", i), PromptTokens: 16})
+				if n.Decision().Target.Worker.ID == b.Worker.ID {
+					t.Fatalf("new session %d chose the not ready worker", i)
+				}
+				n.Finish()
+			}
+			a = route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+			d := a.Decision()
+			if d.Bound || d.Target.Worker == b.Worker || d.Binding.Revision != 0 {
+				t.Fatalf("decision %+v for a session bound to the not ready worker", d)
+			}
+			if tc.commit {
+				if got, err := a.Commit(ctx); err != nil || got.Revision != 0 {
+					t.Fatalf("commit elsewhere = %+v, %v: want no binding made", got, err)
+				}
+			}
+			a.Finish()
+			if got, ok, _ := rg.affinity.Peek(ctx, "s"); !ok || got != b {
+				t.Fatalf("binding after a request while not ready = %+v, %v; want %+v kept", got, ok, b)
+			}
+			if err := rg.reg.SetNotReady(b.Worker.ID, false); err != nil {
+				t.Fatal(err)
+			}
+			a = route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+			if d := a.Decision(); !d.Bound || d.Target.Worker != b.Worker || d.Binding != b {
+				t.Fatalf("decision %+v once ready again, want bound to %+v", d, b)
+			}
+			a.Finish()
+		})
+	}
+}
+
 func TestRetryBeforeFirstByteMovesAndRebinds(t *testing.T) {
 	rg := newRig(t, 3, Config{MaxRetries: 2})
 	ctx := context.Background()

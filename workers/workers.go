@@ -105,6 +105,9 @@ type Owned struct {
 	Source string `json:"source,omitempty"`
 	// Gone marks a worker its source drained because it was gone (not an operator's drain).
 	Gone bool `json:"gone,omitempty"`
+	// NotReady marks a worker its source says is there but not ready: every replica takes it
+	// out of rotation and keeps its bindings (routing.Registry.SetNotReady).
+	NotReady bool `json:"not_ready,omitempty"`
 }
 
 // sourced is a spec as the cluster registry stores it for a worker that a discovery source
@@ -222,6 +225,7 @@ func (l *Lifecycle) sync(ctx context.Context, seen map[string]fsm.Worker) map[st
 		} else {
 			_ = l.reg.Undrain(id)
 		}
+		_ = l.reg.SetNotReady(id, OwnerOf(w.Spec).NotReady)
 	}
 	for id := range seen {
 		if _, ok := cur[id]; !ok {

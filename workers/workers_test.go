@@ -162,6 +162,61 @@ func TestRegistryFollowsTheClusterRegistry(t *testing.T) {
 	poll.Holds(t, 5*time.Second, "w1 forgotten", func() bool { return forgot.count() >= 2 }) // the URL change, then the removal
 }
 
+func TestANotReadyMarkTakesTheWorkerOutOfRotationAndKeepsItsBindings(t *testing.T) {
+	c := newMemCluster()
+	_, reg, _ := start(t, c, 0)
+	ctx := context.Background()
+	routable := func() bool {
+		for _, tg := range reg.Routable() {
+			if tg.Worker.ID == "w1" {
+				return true
+			}
+		}
+		return false
+	}
+	bindings := func() int {
+		n := 0
+		c.f.Range(func(b fsm.Binding) bool {
+			if b.Worker == "w1" {
+				n++
+			}
+			return true
+		})
+		return n
+	}
+	for i, step := range []struct {
+		name  string
+		owned Owned
+		want  bool // routable
+	}{
+		{name: "added", owned: Owned{Source: "discovery:x"}, want: true},
+		{name: "marked not ready", owned: Owned{Source: "discovery:x", NotReady: true}, want: false},
+		{name: "ready again", owned: Owned{Source: "discovery:x"}, want: true},
+	} {
+		raw, err := EncodeOwned(spec("w1", "http://127.0.0.1:1"), step.owned)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if OwnerOf(raw) != step.owned {
+			t.Fatalf("%s: stored spec says %+v, want %+v", step.name, OwnerOf(raw), step.owned)
+		}
+		if _, err := c.Apply(ctx, &fsm.AddWorker{ID: "w1", Spec: raw}); err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 {
+			if _, err := c.Apply(ctx, &fsm.Bind{Session: "s", Worker: "w1"}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		poll.Holds(t, 5*time.Second, fmt.Sprintf("%s: w1 routable %v, not ready %v", step.name, step.want, !step.want), func() bool {
+			return routable() == step.want && reg.NotReady("w1") == !step.want
+		})
+		if n := bindings(); n != 1 || c.invalidations() != 0 {
+			t.Fatalf("%s: %d bindings of w1 and %d invalidations, want the binding kept", step.name, n, c.invalidations())
+		}
+	}
+}
+
 func TestFlagWorkersDrainThroughTheClusterAndLeaveOnRemove(t *testing.T) {
 	c := newMemCluster()
 	l, reg, _ := start(t, c, 0, spec("flagged", "http://127.0.0.1:3"))
