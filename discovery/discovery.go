@@ -7,7 +7,9 @@
 // the sources see with the workers each source owns in the registry (a stored spec names its
 // owner: see workers.EncodeOwned), and proposes AddWorker for a new or changed worker,
 // DrainWorker for one that is gone (its bindings go; each session moves on its next request)
-// and RemoveWorker once it has drained for the drain period. A source that fails keeps its
+// and RemoveWorker once it has drained for the drain period. A worker a source sees but not
+// ready is marked so (out of rotation, its bindings kept) and drained as a gone one once it
+// stays not ready past the not-ready grace. A source that fails keeps its
 // last known set; a look that would drain more than half of a source's workers at once is
 // held as suspect (see DESIGN.md for the rules).
 package discovery
@@ -44,6 +46,14 @@ type Source interface {
 	Lookup(ctx context.Context) ([]routing.WorkerSpec, error)
 }
 
+// readiness is a Source that also sees workers that are there but not ready (the Kubernetes
+// source): what its Lookup lists are the ready ones.
+type readiness interface {
+	// LookupReadiness is Lookup with, beside the ready workers, the ids of those that are
+	// there but not ready.
+	LookupReadiness(ctx context.Context) (ready []routing.WorkerSpec, notReady []string, err error)
+}
+
 // Cluster is what discovery needs of the replicated state (cluster.Node is one).
 type Cluster interface {
 	// Workers lists the cluster registry's workers.
@@ -69,6 +79,9 @@ type Config struct {
 	// SuspectFor is how long a look that would drain more than half of a source's workers
 	// at once is held before it is acted on (default 1 min; it still says so then).
 	SuspectFor time.Duration
+	// NotReadyGrace is how long a worker its source sees but not ready stays out of
+	// rotation with its bindings kept before it is drained as a gone one (0: at once).
+	NotReadyGrace time.Duration
 	// Registerer, when set, gets the discovery metrics.
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
@@ -159,9 +172,11 @@ type term struct {
 	logs *ratelog.Limiter
 	// last is each source's last good look (absent: none yet this term, so its workers
 	// are left as they are).
-	last map[string]map[string]routing.WorkerSpec
+	last map[string]sight
 	// drainingSince is when this term first saw each gone worker draining.
 	drainingSince map[string]time.Time
+	// notReadySince is when this term first saw each active worker not ready.
+	notReadySince map[string]time.Time
 	// suspectSince is when a source's looks started to be suspect (absent: not suspect).
 	suspectSince map[string]time.Time
 }
@@ -169,8 +184,9 @@ type term struct {
 func newTerm(cfg Config, m *metrics) *term {
 	return &term{
 		cfg: cfg, m: m, logs: ratelog.New(time.Minute, 64),
-		last:          map[string]map[string]routing.WorkerSpec{},
+		last:          map[string]sight{},
 		drainingSince: map[string]time.Time{},
+		notReadySince: map[string]time.Time{},
 		suspectSince:  map[string]time.Time{},
 	}
 }
@@ -193,13 +209,45 @@ func (t *term) run(ctx context.Context) {
 	}
 }
 
+// sight is what one look at a source saw: the ready workers by id, and the ids of those
+// there but not ready.
+type sight struct {
+	ready    map[string]routing.WorkerSpec
+	notReady map[string]bool
+}
+
+// lookup asks s what it sees.
+func lookup(ctx context.Context, s Source) (sight, error) {
+	var specs []routing.WorkerSpec
+	var notReady []string
+	var err error
+	if r, ok := s.(readiness); ok {
+		specs, notReady, err = r.LookupReadiness(ctx)
+	} else {
+		specs, err = s.Lookup(ctx)
+	}
+	if err != nil {
+		return sight{}, err
+	}
+	sg := sight{ready: make(map[string]routing.WorkerSpec, len(specs)), notReady: make(map[string]bool, len(notReady))}
+	for _, sp := range specs {
+		sg.ready[sp.ID] = sp
+	}
+	for _, id := range notReady {
+		if _, dup := sg.ready[id]; !dup {
+			sg.notReady[id] = true
+		}
+	}
+	return sg, nil
+}
+
 // look asks source s what it sees and reconciles its workers in the registry.
 func (t *term) look(ctx context.Context, s Source) { t.lookAt(ctx, s, time.Now()) }
 
 // lookAt is look with the time it happens at.
 func (t *term) lookAt(ctx context.Context, s Source, now time.Time) {
 	lctx, cancel := context.WithTimeout(ctx, max(t.cfg.Interval, 5*time.Second))
-	specs, err := s.Lookup(lctx)
+	seen, err := lookup(lctx, s)
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
@@ -213,17 +261,15 @@ func (t *term) lookAt(ctx context.Context, s Source, now time.Time) {
 			return
 		}
 	} else {
-		want := make(map[string]routing.WorkerSpec, len(specs))
-		for _, sp := range specs {
-			want[sp.ID] = sp
-		}
-		t.last[s.Name()] = want
+		t.last[s.Name()] = seen
 	}
 	t.reconcile(ctx, s, t.last[s.Name()], now)
 }
 
-// reconcile moves the registry's workers owned by s towards want, in the order of the ids.
-func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.WorkerSpec, now time.Time) {
+// reconcile moves the registry's workers owned by s towards what the source saw, in the
+// order of the ids.
+func (t *term) reconcile(ctx context.Context, s Source, seen sight, now time.Time) {
+	want := seen.ready
 	owner := Owner(s)
 	inCluster := map[string]fsm.Worker{}
 	owned := map[string]fsm.Worker{}
@@ -237,6 +283,7 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 	for _, id := range slices.Sorted(maps.Keys(want)) {
 		spec := want[id]
 		w, ours := owned[id]
+		delete(t.notReadySince, id)
 		if _, taken := inCluster[id]; (taken && !ours) || (!taken && t.cfg.Static(id)) {
 			t.logs.Log(t.cfg.Logger, "taken "+id, slog.LevelWarn, "discovered worker id is configured otherwise; left alone",
 				"source", s.Name(), "worker", id)
@@ -259,14 +306,21 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 		if ours && !w.Draining && bytes.Equal(w.Spec, raw) {
 			continue
 		}
-		if !t.apply(ctx, s, "add", id, &fsm.AddWorker{ID: id, Spec: raw}) {
+		action := "add"
+		if ours && !w.Draining && workers.OwnerOf(w.Spec).NotReady {
+			action = "ready"
+		}
+		if !t.apply(ctx, s, action, id, &fsm.AddWorker{ID: id, Spec: raw}) {
 			return
 		}
 		delete(t.drainingSince, id)
 	}
-	// Gone: drained, then removed after the drain period. A drop of more than half of the
-	// source's active workers in one look waits out the suspect period first.
-	var drain []string
+	// Not ready: out of rotation with its bindings kept (marked), for the not-ready grace;
+	// past it, drained as a gone worker. A worker never added is not added while not ready.
+	// Gone: drained, then removed after the drain period. A look that would take more than
+	// half of the source's active workers out (marked or drained) waits out the suspect
+	// period first.
+	var drain, mark []string
 	active := 0
 	for _, id := range slices.Sorted(maps.Keys(owned)) {
 		w := owned[id]
@@ -278,6 +332,21 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 		}
 		if !w.Draining {
 			active++
+			if seen.notReady[id] {
+				since, ok := t.notReadySince[id]
+				if !ok {
+					// Seen not ready first by this term: a new term starts the grace afresh,
+					// which only lengthens it.
+					since = now
+					t.notReadySince[id] = now
+				}
+				if now.Sub(since) < t.cfg.NotReadyGrace {
+					if !workers.OwnerOf(w.Spec).NotReady {
+						mark = append(mark, id)
+					}
+					continue
+				}
+			}
 			drain = append(drain, id)
 			continue
 		}
@@ -295,32 +364,37 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 			delete(t.drainingSince, id)
 		}
 	}
-	if suspect(len(drain), active) {
+	if out := len(drain) + len(mark); suspect(out, active) {
 		since, ok := t.suspectSince[s.Name()]
 		if !ok {
 			t.suspectSince[s.Name()] = now
 			since = now
 		}
-		t.m.held.WithLabelValues(s.Kind()).Set(float64(len(drain)))
+		t.m.held.WithLabelValues(s.Kind()).Set(float64(out))
 		if now.Sub(since) < t.cfg.SuspectFor {
 			t.logs.Log(t.cfg.Logger, "suspect "+s.Name(), slog.LevelWarn, "discovery source dropped more than half of its workers at once; holding the drains",
-				"source", s.Name(), "gone", len(drain), "active", active, "hold", t.cfg.SuspectFor)
+				"source", s.Name(), "gone", len(drain), "not_ready", len(mark), "active", active, "hold", t.cfg.SuspectFor)
 			return
 		}
 	} else {
 		delete(t.suspectSince, s.Name())
 		t.m.held.WithLabelValues(s.Kind()).Set(0)
 	}
+	for _, id := range mark {
+		raw, err := remark(id, owned[id].Spec, workers.Owned{Source: owner, NotReady: true})
+		if err != nil {
+			continue
+		}
+		if !t.apply(ctx, s, "mark-not-ready", id, &fsm.AddWorker{ID: id, Spec: raw}) {
+			return
+		}
+	}
 	for _, id := range drain {
 		// Marked gone first, so that whoever leads when it comes back knows the drain was
 		// this source's and undoes it (a leader lost between the two commands leaves a marked,
 		// undrained worker, which the next look drains or clears).
 		if o := workers.OwnerOf(owned[id].Spec); !o.Gone {
-			spec, err := workers.DecodeSpec(id, owned[id].Spec)
-			if err != nil {
-				continue
-			}
-			raw, err := workers.EncodeOwned(spec, workers.Owned{Source: owner, Gone: true})
+			raw, err := remark(id, owned[id].Spec, workers.Owned{Source: owner, Gone: true})
 			if err != nil {
 				continue
 			}
@@ -331,12 +405,22 @@ func (t *term) reconcile(ctx context.Context, s Source, want map[string]routing.
 		if !t.apply(ctx, s, "drain", id, &fsm.DrainWorker{ID: id}) {
 			return
 		}
+		delete(t.notReadySince, id)
 		t.drainingSince[id] = now
 	}
-	if len(drain) > 0 {
+	if len(drain)+len(mark) > 0 {
 		delete(t.suspectSince, s.Name())
 		t.m.held.WithLabelValues(s.Kind()).Set(0)
 	}
+}
+
+// remark is worker id's stored spec (raw, as the registry holds it) with the marks of o.
+func remark(id string, raw []byte, o workers.Owned) ([]byte, error) {
+	spec, err := workers.DecodeSpec(id, raw)
+	if err != nil {
+		return nil, err
+	}
+	return workers.EncodeOwned(spec, o)
 }
 
 // suspect is the panic rule: one look that would drain more than half of a source's active

@@ -46,6 +46,10 @@ func (c *memCluster) Apply(_ context.Context, cmd fsm.Command) (*fsm.Result, err
 			c.applied = append(c.applied, "mark "+v.ID)
 			break
 		}
+		if workers.OwnerOf(v.Spec).NotReady {
+			c.applied = append(c.applied, "not-ready "+v.ID)
+			break
+		}
 		c.applied = append(c.applied, "add "+v.ID)
 	case *fsm.DrainWorker:
 		c.applied = append(c.applied, "drain "+v.ID)
@@ -85,6 +89,18 @@ func (s *fakeSource) Lookup(context.Context) ([]routing.WorkerSpec, error) {
 	return out, nil
 }
 
+// podsSource is a fakeSource that also sees workers there but not ready, as the Kubernetes
+// source does.
+type podsSource struct {
+	fakeSource
+	notReady []string
+}
+
+func (s *podsSource) LookupReadiness(ctx context.Context) ([]routing.WorkerSpec, []string, error) {
+	specs, err := s.Lookup(ctx)
+	return specs, slices.Clone(s.notReady), err
+}
+
 func testTerm(t *testing.T, c *memCluster, static ...string) (*term, *metrics) {
 	t.Helper()
 	m, err := newMetrics(nil)
@@ -110,6 +126,10 @@ type step struct {
 	err     error
 	advance time.Duration
 	want    []string
+	// notReady are the ids the source sees but not ready (a podsSource); newTerm makes the
+	// look the first of a new leader's term.
+	notReady []string
+	newTerm  bool
 }
 
 func TestAWorkersLifeThroughLooks(t *testing.T) {
@@ -331,6 +351,111 @@ func TestALeaderLostBetweenTheMarkAndTheDrainLeavesNothingHalfDone(t *testing.T)
 			next.lookAt(context.Background(), src, now)
 			if got := c.took(); fmt.Sprint(got) != want {
 				t.Fatalf("the next term proposed %v, want %s", got, want)
+			}
+		})
+	}
+}
+
+func TestANotReadyWorkerKeepsItsBindingsForTheGraceThenDrainsAsAGoneOne(t *testing.T) {
+	const grace = 20 * time.Second // drain 10 s, suspect 30 s (testTerm)
+	abc := []string{"a", "b", "c"}
+	added := []string{"add a", "add b", "add c"}
+	cases := []struct {
+		name  string
+		grace time.Duration
+		steps []step
+		kept  bool // the binding to c made after the first step is there at the end
+	}{
+		{name: "ready again within the grace: routable again, its binding kept", grace: grace, kept: true, steps: []step{
+			{ids: abc, want: added},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"not-ready c"}},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: 19 * time.Second},
+			{ids: abc, advance: 500 * time.Millisecond, want: []string{"add c"}},
+			{ids: abc, advance: time.Hour},
+		}},
+		{name: "not ready past the grace: drained as a gone worker, then removed", grace: grace, steps: []step{
+			{ids: abc, want: added},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"not-ready c"}},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: 19 * time.Second},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: time.Second, want: []string{"mark c", "drain c"}},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: 5 * time.Second},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: 5 * time.Second, want: []string{"remove c"}},
+		}},
+		{name: "ready after its drain: the same worker back, its bindings gone", grace: grace, steps: []step{
+			{ids: abc, want: added},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"not-ready c"}},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: grace, want: []string{"mark c", "drain c"}},
+			{ids: abc, advance: time.Second, want: []string{"add c"}},
+		}},
+		{name: "a grace of 0 drains at once, as a gone worker", steps: []step{
+			{ids: abc, want: added},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"mark c", "drain c"}},
+		}},
+		{name: "terminating or deleted while not ready: drained at once", grace: grace, steps: []step{
+			{ids: abc, want: added},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"not-ready c"}},
+			{ids: []string{"a", "b"}, advance: time.Second, want: []string{"mark c", "drain c"}},
+		}},
+		{name: "a worker never ready is not added until it is", grace: grace, kept: true, steps: []step{
+			{ids: []string{"a", "b", "c"}, notReady: []string{"d"}, want: added},
+			{ids: []string{"a", "b", "c"}, notReady: []string{"d"}, advance: time.Hour},
+			{ids: []string{"a", "b", "c", "d"}, want: []string{"add d"}},
+		}},
+		{name: "a new leader resumes from the mark and starts the grace afresh", grace: grace, steps: []step{
+			{ids: abc, want: added},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"not-ready c"}},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: 15 * time.Second, newTerm: true},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: 19 * time.Second},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: time.Second, want: []string{"mark c", "drain c"}},
+		}},
+		{name: "a new leader clears the mark of a worker ready again", grace: grace, kept: true, steps: []step{
+			{ids: abc, want: added},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"not-ready c"}},
+			{ids: abc, advance: time.Second, newTerm: true, want: []string{"add c"}},
+		}},
+		{name: "more than half not ready at once is held as suspect, then acted on as the source says", grace: grace, steps: []step{
+			{ids: []string{"a", "b", "c", "d"}, want: []string{"add a", "add b", "add c", "add d"}},
+			{ids: []string{"a"}, notReady: []string{"b", "c", "d"}},
+			{ids: []string{"a"}, notReady: []string{"b", "c", "d"}, advance: 29 * time.Second},
+			{ids: []string{"a"}, notReady: []string{"b", "c", "d"}, advance: time.Second, want: []string{"mark b", "drain b", "mark c", "drain c", "mark d", "drain d"}},
+		}},
+		{name: "more than half reaching the grace at once is held as suspect", grace: grace, kept: true, steps: []step{
+			{ids: []string{"a", "b", "c", "d", "e"}, want: []string{"add a", "add b", "add c", "add d", "add e"}},
+			{ids: []string{"a", "b", "d", "e"}, notReady: []string{"c"}, want: []string{"not-ready c"}},
+			{ids: []string{"a", "b", "c"}, notReady: []string{"d", "e"}, want: []string{"add c", "not-ready d", "not-ready e"}},
+			{ids: []string{"a"}, notReady: []string{"b", "c", "d", "e"}, advance: time.Second, want: []string{"not-ready b", "not-ready c"}},
+			{ids: []string{"a"}, notReady: []string{"b", "c", "d", "e"}, advance: grace},
+			{ids: []string{"a"}, notReady: []string{"b", "c", "d", "e"}, advance: 29 * time.Second},
+			{ids: []string{"a", "c"}, notReady: []string{"b", "d", "e"}, advance: time.Second, want: []string{"add c", "mark b", "drain b", "mark d", "drain d", "mark e", "drain e"}},
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newMemCluster()
+			tm, _ := testTerm(t, c)
+			tm.cfg.NotReadyGrace = tc.grace
+			src := &podsSource{}
+			now := time.Unix(1000, 0)
+			for i, st := range tc.steps {
+				now = now.Add(st.advance)
+				if st.newTerm {
+					tm, _ = testTerm(t, c)
+					tm.cfg.NotReadyGrace = tc.grace
+				}
+				src.ids, src.notReady = st.ids, st.notReady
+				tm.lookAt(context.Background(), src, now)
+				if got := c.took(); fmt.Sprint(sorted(got)) != fmt.Sprint(sorted(st.want)) {
+					t.Fatalf("step %d: proposed %v, want %v", i, got, st.want)
+				}
+				if i == 0 {
+					if _, err := c.Apply(context.Background(), &fsm.Bind{Session: "s", Worker: "c"}); err != nil {
+						t.Fatal(err)
+					}
+					c.took()
+				}
+			}
+			if _, ok := c.f.Get("s"); ok != tc.kept {
+				t.Fatalf("the binding to c is there: %v, want %v", ok, tc.kept)
 			}
 		})
 	}

@@ -188,48 +188,62 @@ func (k *Kubernetes) Close() error {
 }
 
 // Lookup lists the ready pods from the informers' cache.
-func (k *Kubernetes) Lookup(context.Context) ([]routing.WorkerSpec, error) {
+func (k *Kubernetes) Lookup(ctx context.Context) ([]routing.WorkerSpec, error) {
+	ready, _, err := k.LookupReadiness(ctx)
+	return ready, err
+}
+
+// LookupReadiness lists, from the informers' cache, the ready pods and the ids of the pods
+// that are there but not ready: running or pending, not terminating, their Ready condition
+// not true (or no IP yet).
+func (k *Kubernetes) LookupReadiness(context.Context) (ready []routing.WorkerSpec, notReady []string, err error) {
 	if err := k.start(); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if !k.pods.HasSynced() || (k.pool != nil && !k.pool.HasSynced()) {
-		return nil, fmt.Errorf("discovery %s: waiting for the first list from the API server", k.name)
+		return nil, nil, fmt.Errorf("discovery %s: waiting for the first list from the API server", k.name)
 	}
 	if err := k.health.err(); err != nil {
-		return nil, fmt.Errorf("discovery %s: %w", k.name, err)
+		return nil, nil, fmt.Errorf("discovery %s: %w", k.name, err)
 	}
 	sel, ports := k.sel, []int{k.opts.Port}
 	if k.pool != nil {
 		obj, ok, err := k.pool.GetStore().GetByKey(k.opts.Namespace + "/" + k.opts.Pool)
 		if err != nil {
-			return nil, fmt.Errorf("discovery %s: %w", k.name, err)
+			return nil, nil, fmt.Errorf("discovery %s: %w", k.name, err)
 		}
 		if !ok {
 			// The pool is gone: an answer (no workers), which the suspect rule holds.
-			return []routing.WorkerSpec{}, nil
+			return []routing.WorkerSpec{}, nil, nil
 		}
 		u, _ := obj.(*unstructured.Unstructured)
 		if u == nil {
-			return nil, fmt.Errorf("discovery %s: the pool is a %T", k.name, obj)
+			return nil, nil, fmt.Errorf("discovery %s: the pool is a %T", k.name, obj)
 		}
 		if sel, ports, err = decodePool(u); err != nil {
-			return nil, fmt.Errorf("discovery %s: InferencePool %s: %w", k.name, k.opts.Pool, err)
+			return nil, nil, fmt.Errorf("discovery %s: InferencePool %s: %w", k.name, k.opts.Pool, err)
 		}
 	}
-	out := []routing.WorkerSpec{}
+	ready = []routing.WorkerSpec{}
 	for _, obj := range k.pods.GetStore().List() {
 		pod, ok := obj.(*corev1.Pod)
-		if !ok || !sel.Matches(labels.Set(pod.Labels)) || !podReady(pod) {
+		if !ok || !sel.Matches(labels.Set(pod.Labels)) {
 			continue
 		}
-		spec, err := podSpec(pod, ports)
-		if err != nil {
-			return nil, fmt.Errorf("discovery %s: %w", k.name, err)
+		switch podState(pod) {
+		case podIsReady:
+			spec, err := podSpec(pod, ports)
+			if err != nil {
+				return nil, nil, fmt.Errorf("discovery %s: %w", k.name, err)
+			}
+			ready = append(ready, spec)
+		case podIsNotReady:
+			notReady = append(notReady, podID(pod))
 		}
-		out = append(out, spec)
 	}
-	slices.SortFunc(out, func(a, b routing.WorkerSpec) int { return strings.Compare(a.ID, b.ID) })
-	return out, nil
+	slices.SortFunc(ready, func(a, b routing.WorkerSpec) int { return strings.Compare(a.ID, b.ID) })
+	slices.Sort(notReady)
+	return ready, notReady, nil
 }
 
 // start starts the informers once.
@@ -327,18 +341,40 @@ func (h *watchHealth) listWatch(
 	}
 }
 
-// podReady reports a pod that takes requests: its Ready condition is true, it has an IP, and
-// it is not terminating.
-func podReady(p *corev1.Pod) bool {
-	if p.DeletionTimestamp != nil || p.Status.PodIP == "" {
-		return false
+// What a pod is to discovery (podState).
+const (
+	podIsGone     = iota // terminating, or ended (failed or succeeded): drained at once
+	podIsReady           // takes requests
+	podIsNotReady        // there, and expected back: out of rotation, its bindings kept
+)
+
+// podState says whether a pod takes requests: its Ready condition is true, it has an IP, and
+// it is not terminating. A pod that is not terminating and has not ended but is not ready
+// (a readiness probe failing, an engine loading) is not ready rather than gone.
+func podState(p *corev1.Pod) int {
+	if p.DeletionTimestamp != nil || p.Status.Phase == corev1.PodFailed || p.Status.Phase == corev1.PodSucceeded {
+		return podIsGone
+	}
+	if p.Status.PodIP == "" {
+		return podIsNotReady
 	}
 	for _, c := range p.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return c.Status == corev1.ConditionTrue
+		if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+			return podIsReady
 		}
 	}
-	return false
+	return podIsNotReady
+}
+
+// podID is a pod's worker id: "name_uid" (a pod name holds no "_"), the name cut so that the
+// id fits 128 bytes.
+func podID(p *corev1.Pod) string {
+	uid := string(p.UID)
+	name := p.Name
+	if n := 128 - 1 - len(uid); len(name) > n && n > 0 {
+		name = name[:n]
+	}
+	return name + "_" + uid
 }
 
 // podMeta is a pod's annotation, or else its label, under key.
@@ -349,18 +385,13 @@ func podMeta(p *corev1.Pod, key string) string {
 	return p.Labels[key]
 }
 
-// podSpec is the worker spec of a ready pod: id "name_uid" (a pod name holds no "_"), the URL
-// at its IP and the first port; role, dp size, models, KV-event and replay ports and capacity
-// from its annotations (or labels).
+// podSpec is the worker spec of a ready pod: its podID, the URL at its IP and the first port;
+// role, dp size, models, KV-event and replay ports and capacity from its annotations (or
+// labels).
 func podSpec(p *corev1.Pod, ports []int) (routing.WorkerSpec, error) {
-	uid := string(p.UID)
-	name := p.Name
-	if n := 128 - 1 - len(uid); len(name) > n && n > 0 {
-		name = name[:n]
-	}
 	ip := p.Status.PodIP
 	spec := routing.WorkerSpec{
-		ID:   name + "_" + uid,
+		ID:   podID(p),
 		URL:  "http://" + net.JoinHostPort(ip, strconv.Itoa(ports[0])),
 		Role: routing.Role(podMeta(p, AnnotationRole)),
 	}

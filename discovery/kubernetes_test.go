@@ -3,6 +3,7 @@ package discovery
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -80,39 +81,49 @@ func TestPodSpecAndReadiness(t *testing.T) {
 	deleting.DeletionTimestamp = &now
 	noCond := testPod("p", "u1", "10.0.0.1", true, nil)
 	noCond.Status.Conditions = nil
+	ended := map[corev1.PodPhase]*corev1.Pod{}
+	for _, ph := range []corev1.PodPhase{corev1.PodFailed, corev1.PodSucceeded} {
+		ended[ph] = testPod("p", "u1", "10.0.0.1", false, nil)
+		ended[ph].Status.Phase = ph
+	}
 	for _, tc := range []struct {
 		name  string
 		pod   *corev1.Pod
 		ports []int
-		ready bool
+		state int // what podState says
 		want  routing.WorkerSpec
 		err   string
 	}{
-		{name: "ready", pod: testPod("p", "u1", "10.0.0.1", true, nil), ports: []int{8000}, ready: true,
+		{name: "ready", pod: testPod("p", "u1", "10.0.0.1", true, nil), ports: []int{8000}, state: podIsReady,
 			want: routing.WorkerSpec{ID: "p_u1", URL: "http://10.0.0.1:8000", DPSize: 1}},
-		{name: "not ready", pod: testPod("p", "u1", "10.0.0.1", false, nil), ports: []int{8000}},
-		{name: "terminating", pod: deleting, ports: []int{8000}},
-		{name: "no ready condition", pod: noCond, ports: []int{8000}},
-		{name: "no ip", pod: testPod("p", "u1", "", true, nil), ports: []int{8000}},
+		{name: "not ready", pod: testPod("p", "u1", "10.0.0.1", false, nil), ports: []int{8000}, state: podIsNotReady},
+		{name: "terminating", pod: deleting, ports: []int{8000}, state: podIsGone},
+		{name: "failed", pod: ended[corev1.PodFailed], ports: []int{8000}, state: podIsGone},
+		{name: "succeeded", pod: ended[corev1.PodSucceeded], ports: []int{8000}, state: podIsGone},
+		{name: "no ready condition", pod: noCond, ports: []int{8000}, state: podIsNotReady},
+		{name: "no ip", pod: testPod("p", "u1", "", true, nil), ports: []int{8000}, state: podIsNotReady},
 		{name: "annotations", pod: testPod("p", "u1", "fd00::1", true, map[string]string{
-			AnnotationRole: "prefill", AnnotationModels: "a, b", AnnotationKVEventsPort: "5557", AnnotationKVReplayPort: "5558", AnnotationCapacityBlocks: "32768"}), ports: []int{8000, 8001}, ready: true,
+			AnnotationRole: "prefill", AnnotationModels: "a, b", AnnotationKVEventsPort: "5557", AnnotationKVReplayPort: "5558", AnnotationCapacityBlocks: "32768"}), ports: []int{8000, 8001}, state: podIsReady,
 			want: routing.WorkerSpec{ID: "p_u1", URL: "http://[fd00::1]:8000", Role: routing.RolePrefill, DPSize: 2, Models: []string{"a", "b"}, KVEvents: "tcp://[fd00::1]:5557", KVReplay: "tcp://[fd00::1]:5558", CapacityBlocks: 32768}},
-		{name: "dp size annotation", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "4"}), ports: []int{8000}, ready: true,
+		{name: "dp size annotation", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "4"}), ports: []int{8000}, state: podIsReady,
 			want: routing.WorkerSpec{ID: "p_u1", URL: "http://10.0.0.1:8000", DPSize: 4}},
-		{name: "bad dp size", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "x"}), ports: []int{8000}, ready: true, err: "not a number"},
-		{name: "dp size out of range", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "5000"}), ports: []int{8000}, ready: true, err: "dp_size"},
-		{name: "bad role", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationRole: "boss"}), ports: []int{8000}, ready: true, err: "role"},
-		{name: "bad capacity", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationCapacityBlocks: "lots"}), ports: []int{8000}, ready: true, err: "not a number"},
-		{name: "bad replay port", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationKVReplayPort: "-1"}), ports: []int{8000}, ready: true, err: "not a port"},
-		{name: "bad kv port", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationKVEventsPort: "70000"}), ports: []int{8000}, ready: true, err: "not a port"},
-		{name: "long name is cut to fit the id", pod: testPod(strings.Repeat("n", 200), "u1", "10.0.0.1", true, nil), ports: []int{8000}, ready: true,
+		{name: "bad dp size", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "x"}), ports: []int{8000}, state: podIsReady, err: "not a number"},
+		{name: "dp size out of range", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationDPSize: "5000"}), ports: []int{8000}, state: podIsReady, err: "dp_size"},
+		{name: "bad role", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationRole: "boss"}), ports: []int{8000}, state: podIsReady, err: "role"},
+		{name: "bad capacity", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationCapacityBlocks: "lots"}), ports: []int{8000}, state: podIsReady, err: "not a number"},
+		{name: "bad replay port", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationKVReplayPort: "-1"}), ports: []int{8000}, state: podIsReady, err: "not a port"},
+		{name: "bad kv port", pod: testPod("p", "u1", "10.0.0.1", true, map[string]string{AnnotationKVEventsPort: "70000"}), ports: []int{8000}, state: podIsReady, err: "not a port"},
+		{name: "long name is cut to fit the id", pod: testPod(strings.Repeat("n", 200), "u1", "10.0.0.1", true, nil), ports: []int{8000}, state: podIsReady,
 			want: routing.WorkerSpec{ID: strings.Repeat("n", 125) + "_u1", URL: "http://10.0.0.1:8000", DPSize: 1}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := podReady(tc.pod); got != tc.ready {
-				t.Fatalf("ready %v, want %v", got, tc.ready)
+			if got := podState(tc.pod); got != tc.state {
+				t.Fatalf("state %v, want %v", got, tc.state)
 			}
-			if !tc.ready {
+			if podID(tc.pod) != tc.want.ID && tc.want.ID != "" {
+				t.Fatalf("id %s, want %s", podID(tc.pod), tc.want.ID)
+			}
+			if tc.state != podIsReady {
 				return
 			}
 			spec, err := podSpec(tc.pod, tc.ports)
@@ -201,6 +212,21 @@ func lookupIDs(t *testing.T, k *Kubernetes, want ...string) {
 	})
 }
 
+// lookupNotReady polls the source until it sees want there but not ready.
+func lookupNotReady(t *testing.T, k *Kubernetes, want ...string) {
+	t.Helper()
+	poll.Until(t, 10*time.Second, func() error {
+		_, notReady, err := k.LookupReadiness(context.Background())
+		if err != nil {
+			return err
+		}
+		if !slices.Equal(notReady, want) {
+			return fmt.Errorf("not ready %v, want %v", notReady, want)
+		}
+		return nil
+	})
+}
+
 func TestKubernetesFollowsPodsOfASelector(t *testing.T) {
 	k, cs, _ := fakeKubernetes(t, "kubernetes:namespace=ns,selector=app=vllm,port=8000")
 	ctx := context.Background()
@@ -218,9 +244,18 @@ func TestKubernetesFollowsPodsOfASelector(t *testing.T) {
 	other.Labels = map[string]string{"app": "other"}
 	must(pods.Create(ctx, other, metav1.CreateOptions{}))
 	lookupIDs(t, k, "b_ub")
+	lookupNotReady(t, k, "a_ua")
 	must(pods.UpdateStatus(ctx, testPod("a", "ua", "10.0.0.1", true, nil), metav1.UpdateOptions{}))
 	lookupIDs(t, k, "a_ua", "b_ub")
+	lookupNotReady(t, k)
 	must(pods.UpdateStatus(ctx, testPod("b", "ub", "10.0.0.2", false, nil), metav1.UpdateOptions{}))
+	lookupIDs(t, k, "a_ua")
+	lookupNotReady(t, k, "b_ub")
+	// Terminating, or ended: gone, neither ready nor not ready.
+	terminating := testPod("b", "ub", "10.0.0.2", false, nil)
+	terminating.DeletionTimestamp = &metav1.Time{Time: time.Unix(1000, 0)}
+	must(pods.Update(ctx, terminating, metav1.UpdateOptions{}))
+	lookupNotReady(t, k)
 	lookupIDs(t, k, "a_ua")
 	must(nil, pods.Delete(ctx, "a", metav1.DeleteOptions{}))
 	lookupIDs(t, k)

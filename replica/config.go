@@ -107,6 +107,9 @@ type DiscoveryConfig struct {
 	// DNSServer (host:port), when set, is the only DNS server the dns sources ask.
 	DNSServer                      string
 	Interval, DrainFor, SuspectFor time.Duration
+	// NotReadyGrace is how long a worker its source sees but not ready keeps its bindings,
+	// out of rotation, before it drains as a gone one; zero drains it at once.
+	NotReadyGrace time.Duration
 }
 
 // ClientPortConfig bounds what a client connection may hold without sending: zero takes the
@@ -225,8 +228,8 @@ func (c *Config) check() error {
 	default:
 		errs = append(errs, fmt.Errorf("gossip key: %d bytes, want 16, 24 or 32", n))
 	}
-	if d := c.Discovery; d.Interval < 0 || d.DrainFor < 0 || d.SuspectFor < 0 {
-		errs = append(errs, errors.New("--discovery-interval, --discovery-drain-for and --discovery-suspect-for must not be negative"))
+	if d := c.Discovery; d.Interval < 0 || d.DrainFor < 0 || d.SuspectFor < 0 || d.NotReadyGrace < 0 {
+		errs = append(errs, errors.New("--discovery-interval, --discovery-drain-for, --discovery-suspect-for and --discovery-not-ready-grace must not be negative"))
 	}
 	for _, s := range c.Discovery.Sources {
 		if _, err := discovery.Parse(s, c.Discovery.DNSServer); err != nil {

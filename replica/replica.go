@@ -529,6 +529,7 @@ func (r *Replica) openDiscovery() error {
 	}
 	return discovery.Start(discovery.Config{
 		Sources: sources, Cluster: r.node, Interval: d.Interval, DrainFor: d.DrainFor, SuspectFor: d.SuspectFor,
+		NotReadyGrace: d.NotReadyGrace,
 		// A worker from --worker or the workers file is in the routing registry and not the
 		// cluster's: discovery leaves its id alone.
 		Static: func(id string) bool {

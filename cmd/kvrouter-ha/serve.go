@@ -290,11 +290,12 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 // registerDiscoveryFlags declares the discovery flags on fs: where the leader finds workers
 // at run time, beside --worker, --workers-file and the admin API.
 func registerDiscoveryFlags(fs *flag.FlagSet, d *replica.DiscoveryConfig) {
-	fs.Var(discoveryFlag{&d.Sources}, "discovery", "find workers at run time (repeatable, or comma-separated): file:PATH (a JSON array of worker specs, the --workers-file shape, re-read when it changes), dns:NAME:PORT (the name's A/AAAA records, each address:port a worker), dns-srv:NAME (its SRV records), or kubernetes:namespace=NS,selector=SEL,port=PORT or kubernetes:namespace=NS,pool=INFERENCEPOOL (the ready pods, watched through the API server; add kubeconfig=PATH outside a cluster; a kubernetes: value takes the rest of the flag value, commas and all); the leader adds, drains and removes them through Raft")
+	fs.Var(discoveryFlag{&d.Sources}, "discovery", "find workers at run time (repeatable, or comma-separated): file:PATH (a JSON array of worker specs, the --workers-file shape, re-read when it changes), dns:NAME:PORT (the name's A/AAAA records, each address:port a worker), dns-srv:NAME (its SRV records), or kubernetes:namespace=NS,selector=SEL,port=PORT or kubernetes:namespace=NS,pool=INFERENCEPOOL (the ready pods, watched through the API server; one that turns not ready keeps its sessions for --discovery-not-ready-grace; add kubeconfig=PATH outside a cluster; a kubernetes: value takes the rest of the flag value, commas and all); the leader adds, drains and removes them through Raft")
 	fs.StringVar(&d.DNSServer, "discovery-dns-server", "", "host:port of the DNS server the dns discovery sources ask (default: the system's resolvers)")
 	fs.DurationVar(&d.Interval, "discovery-interval", 10*time.Second, "how often the leader looks at each discovery source")
 	fs.DurationVar(&d.DrainFor, "discovery-drain-for", 30*time.Second, "a discovered worker that is gone drains (no new requests, in-flight ones finish, its sessions move) this long before it is removed")
 	fs.DurationVar(&d.SuspectFor, "discovery-suspect-for", time.Minute, "a look that would drain more than half of a source's workers at once waits this long (still saying so) before the drains go ahead")
+	fs.DurationVar(&d.NotReadyGrace, "discovery-not-ready-grace", 30*time.Second, "a discovered worker its source sees but not ready (a Kubernetes pod whose readiness fails, not terminating) takes no new requests and keeps its sessions' bindings this long, then drains as a gone worker (0: drain at once)")
 }
 
 // listFlag collects a repeatable, comma-separated flag's values.
