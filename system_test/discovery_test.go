@@ -53,8 +53,8 @@ func writeSpecs(t *testing.T, path string, fl *fleet, ids ...string) {
 	}
 }
 
-// routable is the ids of the workers replica r routes new sessions to (listed, not drained),
-// sorted, and the ids it lists at all.
+// routable is the ids of the workers replica r routes new sessions to (listed, not drained,
+// ready), sorted, and the ids it lists at all.
 func routable(ctx context.Context, r *replica) (route, listed []string, err error) {
 	var ws []admin.WorkerView
 	if err := proc.Get(ctx, httpClient, "http://"+r.Admin+"/admin/workers", &ws); err != nil {
@@ -62,7 +62,7 @@ func routable(ctx context.Context, r *replica) (route, listed []string, err erro
 	}
 	for _, w := range ws {
 		listed = append(listed, w.Spec.ID)
-		if !w.Drained {
+		if !w.Drained && !w.NotReady {
 			route = append(route, w.Spec.ID)
 		}
 	}

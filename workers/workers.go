@@ -4,7 +4,8 @@
 //   - the spec schema: how a routing.WorkerSpec is stored in the cluster's worker registry
 //     (the FSM keeps it as opaque bytes; EncodeSpec and DecodeSpec are its only readers);
 //   - keeping this replica's routing registry in step with the cluster registry, driven by
-//     the FSM's apply (Cluster.WorkersChanged), not by polling;
+//     the FSM's apply (Cluster.WorkersChanged), not by polling, the stored spec's
+//     "not_ready" mark included;
 //   - operator actions (Add, Drain, Remove), which go through the Raft leader from any replica;
 //   - the leader duty that drops the bindings of a worker unhealthy for longer than a grace
 //     period, once per unhealthy spell;
