@@ -147,7 +147,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"source"}),
 		changes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_discovery_changes_total",
-			Help: "Worker registry changes discovery proposed: add, drain, remove.",
+			Help: "Worker registry changes discovery proposed: add, ready, mark-not-ready, mark-gone, drain, remove.",
 		}, []string{"source", "action"}),
 		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvrouter_discovery_suspect_drains",
@@ -263,12 +263,13 @@ func (t *term) lookAt(ctx context.Context, s Source, now time.Time) {
 	} else {
 		t.last[s.Name()] = seen
 	}
-	t.reconcile(ctx, s, t.last[s.Name()], now)
+	t.reconcile(ctx, s, t.last[s.Name()], err == nil, now)
 }
 
 // reconcile moves the registry's workers owned by s towards what the source saw, in the
-// order of the ids.
-func (t *term) reconcile(ctx context.Context, s Source, seen sight, now time.Time) {
+// order of the ids. A look that is not fresh (the source failed; seen is its last good one)
+// drains no worker for being not ready: that may have changed since.
+func (t *term) reconcile(ctx context.Context, s Source, seen sight, fresh bool, now time.Time) {
 	want := seen.ready
 	owner := Owner(s)
 	inCluster := map[string]fsm.Worker{}
@@ -340,7 +341,7 @@ func (t *term) reconcile(ctx context.Context, s Source, seen sight, now time.Tim
 					since = now
 					t.notReadySince[id] = now
 				}
-				if now.Sub(since) < t.cfg.NotReadyGrace {
+				if now.Sub(since) < t.cfg.NotReadyGrace || !fresh {
 					if !workers.OwnerOf(w.Spec).NotReady {
 						mark = append(mark, id)
 					}

@@ -387,6 +387,12 @@ func TestANotReadyWorkerKeepsItsBindingsForTheGraceThenDrainsAsAGoneOne(t *testi
 			{ids: []string{"a", "b"}, notReady: []string{"c"}, advance: grace, want: []string{"mark c", "drain c"}},
 			{ids: abc, advance: time.Second, want: []string{"add c"}},
 		}},
+		{name: "a failed look drains no worker for being not ready", grace: grace, kept: true, steps: []step{
+			{ids: abc, want: added},
+			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"not-ready c"}},
+			{err: errors.New("API server away"), advance: time.Hour},
+			{ids: abc, want: []string{"add c"}},
+		}},
 		{name: "a grace of 0 drains at once, as a gone worker", steps: []step{
 			{ids: abc, want: added},
 			{ids: []string{"a", "b"}, notReady: []string{"c"}, want: []string{"mark c", "drain c"}},
@@ -442,7 +448,7 @@ func TestANotReadyWorkerKeepsItsBindingsForTheGraceThenDrainsAsAGoneOne(t *testi
 					tm, _ = testTerm(t, c)
 					tm.cfg.NotReadyGrace = tc.grace
 				}
-				src.ids, src.notReady = st.ids, st.notReady
+				src.ids, src.err, src.notReady = st.ids, st.err, st.notReady
 				tm.lookAt(context.Background(), src, now)
 				if got := c.took(); fmt.Sprint(sorted(got)) != fmt.Sprint(sorted(st.want)) {
 					t.Fatalf("step %d: proposed %v, want %v", i, got, st.want)

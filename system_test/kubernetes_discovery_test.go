@@ -155,11 +155,26 @@ func notReadyOnEveryReplica(ctx context.Context, rs []*replica, id string, n int
 }
 
 func TestANotReadyPodKeepsItsSessionsWithinTheGraceAndMovesThemOnceBeyondIt(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		pool bool
+	}{{name: "selector"}, {name: "inference pool", pool: true}} {
+		t.Run(tc.name, func(t *testing.T) { notReadyPodsLife(t, tc.pool) })
+	}
+}
+
+// notReadyPodsLife is TestANotReadyPodKeepsItsSessionsWithinTheGraceAndMovesThemOnceBeyondIt
+// with the pods selected by a label selector, or by an InferencePool (pool).
+func notReadyPodsLife(t *testing.T, pool bool) {
 	const grace = 20 * time.Second
 	hosts := []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"}
 	port, _ := startFleetOnPort(t, hosts...)
 	k := k8stest.StartCluster(t, "ns")
 	source := fmt.Sprintf("kubernetes:namespace=ns,selector=app=vllm,port=%d,kubeconfig=%s", port, k.Kubeconfig)
+	if pool {
+		k.CreatePool(t, "vllm", port)
+		source = "kubernetes:namespace=ns,pool=vllm,kubeconfig=" + k.Kubeconfig
+	}
 	names := []string{"vllm-0", "vllm-1", "vllm-2"}
 	id := map[string]string{}
 	var all []string
