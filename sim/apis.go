@@ -164,7 +164,7 @@ var responsesAPI = api{
 			Stream          *bool           `json:"stream"`
 		}
 		if err := json.Unmarshal(body, &r); err != nil {
-			return nil, badRequest("", "request body: %v", err)
+			return nil, decodeError(err)
 		}
 		var msgs []ChatMessage
 		if r.Instructions != nil && *r.Instructions != "" {
@@ -284,7 +284,7 @@ type anthropicRequest struct {
 func decodeAnthropic(body []byte, needMax bool) (*anthropicRequest, []ChatMessage, *apiError) {
 	var r anthropicRequest
 	if err := json.Unmarshal(body, &r); err != nil {
-		return nil, nil, badRequest("", "request body: %v", err)
+		return nil, nil, decodeError(err)
 	}
 	if needMax && r.MaxTokens == nil {
 		return nil, nil, badRequest("max_tokens", "max_tokens: Field required")

@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"slices"
 	"testing"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 // FuzzDecodeAPIs: the Responses, Messages and Embeddings decoders take any body without a
@@ -19,7 +21,7 @@ func FuzzDecodeAPIs(f *testing.F) {
 		`{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"}]}],"stream":true}`,
 		`{"model":"m","max_tokens":5,"system":"s","messages":[{"role":"user","content":"q"}]}`,
 		`{"model":"m","max_tokens":0,"messages":[]}`,
-		`{"model":"m","input":[[1,2],[3]]}`, `null`, `{`,
+		`{"model":"m","input":[[1,2],[3]]}`, `null`, `{`, `{"model":"m","max_tokens":1,"messages":"hi"}`,
 	} {
 		f.Add([]byte(s))
 	}
@@ -27,7 +29,7 @@ func FuzzDecodeAPIs(f *testing.F) {
 		for _, x := range []api{responsesAPI, messagesAPI} {
 			req, aerr := x.decode(body, 4096)
 			if aerr != nil {
-				if aerr.status < 400 || aerr.status >= 500 || aerr.message == "" {
+				if aerr.status < 400 || aerr.status >= 500 || aerr.message == "" || jsonerr.ShowsGoTypes(aerr.message) {
 					t.Fatalf("%s: error %+v", x.name, aerr)
 				}
 				continue

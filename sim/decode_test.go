@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 func assertErrorShape(t *testing.T, body []byte, wantType string) {
@@ -152,7 +154,7 @@ func FuzzDecodeRequest(f *testing.F) {
 		`{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":5}`,
 		`{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"add_generation_prompt":false}`,
 		`{"messages":[{"role":"assistant","content":null}]}`,
-		`{"prompt":[-1]}`, `{"prompt":{}}`, `[]`, `null`, ``, `{"prompt":"\xff\xfe"}`,
+		`{"prompt":[-1]}`, `{"prompt":{}}`, `{"prompt":"p","max_tokens":"5"}`, `[]`, `null`, ``, `{"prompt":"\xff\xfe"}`,
 	} {
 		f.Add(false, []byte(seed))
 		f.Add(true, []byte(seed))
@@ -161,7 +163,7 @@ func FuzzDecodeRequest(f *testing.F) {
 	f.Fuzz(func(t *testing.T, chat bool, body []byte) {
 		req, aerr := decodeRequest(body, chat, maxModelLen)
 		if aerr != nil {
-			if aerr.status != http.StatusBadRequest || aerr.message == "" || req != nil {
+			if aerr.status != http.StatusBadRequest || aerr.message == "" || req != nil || jsonerr.ShowsGoTypes(aerr.message) {
 				t.Fatalf("bad error %+v for %q", aerr, body)
 			}
 			return

@@ -7,6 +7,8 @@ import (
 	"math"
 	"net/http"
 	"strings"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 // apiError is an error answered in the OpenAI error shape.
@@ -19,6 +21,13 @@ type apiError struct {
 }
 
 func (e *apiError) Error() string { return e.message }
+
+// decodeError is the 400 for a body json.Unmarshal refused, naming the member of the wrong
+// type in JSON's terms (jsonerr), never a Go type.
+func decodeError(err error) *apiError {
+	field, msg := jsonerr.Describe(err)
+	return badRequest(field, "%s", msg)
+}
 
 func badRequest(param, format string, args ...any) *apiError {
 	return &apiError{
@@ -94,7 +103,7 @@ func decodeWire(body []byte) (*wireRequest, *apiError) {
 		return nil, badRequest("", "request body is empty: expected a JSON object")
 	}
 	if err := json.Unmarshal(body, &w); err != nil {
-		return nil, badRequest("", "request body is not valid JSON for this endpoint: %v", err)
+		return nil, decodeError(err)
 	}
 	return &w, nil
 }

@@ -106,6 +106,13 @@ test('errors come in each API\'s shape', async () => {
     assert.equal(err.error.error.type, 'invalid_request_error');
     return true;
   });
+  // A member of the wrong type is named in JSON's terms, not in Go's.
+  await assert.rejects(anthropic.messages.create({ model, max_tokens: 4, messages: 'hi' }), (err) => {
+    assert.ok(err instanceof Anthropic.BadRequestError, `got ${err}`);
+    assert.equal(err.error.error.type, 'invalid_request_error');
+    assert.match(err.error.error.message, /^messages must be an array, not a string/);
+    return true;
+  });
 });
 
 test('a session stays on its worker', async () => {
