@@ -47,7 +47,7 @@ func TestBadRequestsAnswer400WithErrorShape(t *testing.T) {
 		{"fractional token", "/v1/completions", `{"prompt":[1.5]}`, "prompt"},
 		{"prompt object", "/v1/completions", `{"prompt":{"a":1}}`, "prompt"},
 		{"zero max_tokens", "/v1/completions", `{"prompt":"hi","max_tokens":0}`, "max_tokens"},
-		{"string max_tokens", "/v1/completions", `{"prompt":"hi","max_tokens":"9"}`, ""},
+		{"string max_tokens", "/v1/completions", `{"prompt":"hi","max_tokens":"9"}`, "max_tokens"},
 		{"n above one", "/v1/completions", `{"prompt":"hi","n":2}`, "n"},
 		{"stream options without stream", "/v1/completions", `{"prompt":"hi","stream_options":{"include_usage":true}}`, "stream_options"},
 		{"too long for the model", "/v1/completions", `{"prompt":"` + strings.Repeat("w ", 60) + `"}`, ""},
