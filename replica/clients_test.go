@@ -65,8 +65,8 @@ func TestOfficialClientsSpeakResponsesAndMessages(t *testing.T) {
 // completion, Responses and Messages answer whose worker's connection is cut after the first
 // event ends, for the official openai and @anthropic-ai/sdk clients (clients/node/midstream.mjs),
 // in a typed API error (openai's APIError with code upstream_broken, Anthropic's with type
-// api_error), not a connection error. The script prints "first NAME" at each stream's first
-// event, when the test cuts the worker, and "ok NAME ..." or "FAIL NAME ..." at its end.
+// api_error), not a connection error. The script prints "first NAME WORKER" at each stream's
+// first event, when the test cuts that worker, and "ok NAME ..." or "FAIL NAME ..." at its end.
 func TestOfficialClientsRaiseATypedErrorWhenTheWorkerDiesMidStream(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
@@ -95,9 +95,8 @@ func TestOfficialClientsRaiseATypedErrorWhenTheWorkerDiesMidStream(t *testing.T)
 		lines = append(lines, line)
 		switch {
 		case strings.HasPrefix(line, "first "):
-			for _, w := range fleet {
-				w.cut()
-			}
+			fields := strings.Fields(line)
+			fleet.byID(t, fields[len(fields)-1]).cut()
 		case strings.HasPrefix(line, "ok "):
 			ok = append(ok, line)
 		}

@@ -1,8 +1,9 @@
 // A worker that dies mid-stream: the official OpenAI and Anthropic clients raise a typed API
 // error, not a connection error. Run by replica's
 // TestOfficialClientsRaiseATypedErrorWhenTheWorkerDiesMidStream, which starts the router and
-// sets KVROUTER_URL, KVROUTER_MODEL and KVROUTER_MAX_TOKENS, reads "first NAME" when a stream
-// has its first event and cuts the worker's connection then, and counts the "ok NAME" lines.
+// sets KVROUTER_URL, KVROUTER_MODEL and KVROUTER_MAX_TOKENS, reads "first NAME WORKER" when a
+// stream has its first event and cuts that worker's connections then, and counts the "ok NAME"
+// lines.
 import OpenAI from 'openai';
 import Anthropic from '@anthropic-ai/sdk';
 
@@ -29,9 +30,9 @@ const cases = [
 for (const [name, open, typed] of cases) {
   let events = 0;
   try {
-    const stream = await open();
+    const { data: stream, response } = await open().withResponse();
     for await (const _ of stream) {
-      if (events++ === 0) console.log(`first ${name}`);
+      if (events++ === 0) console.log(`first ${name} ${response.headers.get('x-kvrouter-worker')}`);
     }
     console.log(`FAIL ${name}: the stream ended without an error after ${events} events`);
     process.exitCode = 1;
