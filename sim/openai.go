@@ -195,7 +195,7 @@ func parsePrompt(raw json.RawMessage, addSpecial bool) ([]uint32, *apiError) {
 	case '"':
 		var s string
 		if err := json.Unmarshal(raw, &s); err != nil {
-			return nil, badRequest("prompt", "%s: %v", shape, err)
+			return nil, badRequest("prompt", "%s", shape)
 		}
 		if strings.TrimSpace(s) == "" {
 			return nil, badRequest("prompt", "prompt must not be empty")
@@ -209,7 +209,7 @@ func parsePrompt(raw json.RawMessage, addSpecial bool) ([]uint32, *apiError) {
 		}
 		var items []json.RawMessage
 		if err := json.Unmarshal(raw, &items); err != nil {
-			return nil, badRequest("prompt", "%s: %v", shape, err)
+			return nil, badRequest("prompt", "%s", shape)
 		}
 		if len(items) != 1 {
 			return nil, badRequest("prompt", "batched prompts are not supported: send one prompt per request")
@@ -227,7 +227,7 @@ func parsePrompt(raw json.RawMessage, addSpecial bool) ([]uint32, *apiError) {
 func parseTokenIDs(raw json.RawMessage) ([]uint32, *apiError) {
 	var ids []int64
 	if err := json.Unmarshal(raw, &ids); err != nil {
-		return nil, badRequest("prompt", "token ids must be non-negative integers: %v", err)
+		return nil, badRequest("prompt", "token ids must be non-negative integers")
 	}
 	if len(ids) == 0 {
 		return nil, badRequest("prompt", "prompt must not be empty")
@@ -254,7 +254,7 @@ func parseMessages(raw json.RawMessage) ([]ChatMessage, *apiError) {
 	}
 	var wms []wireMessage
 	if err := json.Unmarshal(raw, &wms); err != nil {
-		return nil, badRequest("messages", "messages must be an array of {role, content} objects: %v", err)
+		return nil, badRequest("messages", "messages must be an array of {role, content} objects")
 	}
 	if len(wms) == 0 {
 		return nil, badRequest("messages", "messages must not be empty")
@@ -283,13 +283,13 @@ func parseContent(raw json.RawMessage, param string) (string, *apiError) {
 	case '"':
 		var s string
 		if err := json.Unmarshal(raw, &s); err != nil {
-			return "", badRequest(param, "content must be a string: %v", err)
+			return "", badRequest(param, "content must be a string")
 		}
 		return s, nil
 	case '[':
 		var parts []wirePart
 		if err := json.Unmarshal(raw, &parts); err != nil {
-			return "", badRequest(param, "content parts must be {type, text} objects: %v", err)
+			return "", badRequest(param, "content parts must be {type, text} objects")
 		}
 		texts := make([]string, 0, len(parts))
 		for j, p := range parts {
@@ -323,7 +323,7 @@ func decodeTokenize(body []byte) ([]uint32, *apiError) {
 	case !isNull(w.Prompt):
 		var s string
 		if err := json.Unmarshal(w.Prompt, &s); err != nil {
-			return nil, badRequest("prompt", "prompt must be a string: %v", err)
+			return nil, badRequest("prompt", "prompt must be a string")
 		}
 		return Tokenize(s, addSpecial), nil
 	default:
