@@ -5,14 +5,17 @@ package jsonerr
 import (
 	"encoding/json"
 	"errors"
+	"io"
 	"reflect"
+	"strconv"
 	"strings"
 )
 
 // maxValueText bounds how much of a number the client sent is quoted back.
 const maxValueText = 40
 
-// Describe words err, an error of json.Unmarshal or a json.Decoder, for a client. field is
+// Describe words err, an error of json.Unmarshal or a json.Decoder (DisallowUnknownFields
+// included), for a client. field is
 // the offending member's path in the body ("messages", "messages.role"; "" for the body
 // itself) and message a sentence naming it: "messages must be an array, not a string",
 // "request body is not valid JSON: invalid character 'x' looking for beginning of value".
@@ -28,6 +31,19 @@ func Describe(err error) (field, message string) {
 	var se *json.SyntaxError
 	if errors.As(err, &se) {
 		return "", "request body is not valid JSON: " + se.Error()
+	}
+	switch {
+	case errors.Is(err, io.EOF):
+		return "", "request body is empty"
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return "", "request body is not valid JSON: unexpected end of JSON input"
+	case err != nil:
+		// A Decoder with DisallowUnknownFields says `json: unknown field "name"`.
+		if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
+			if f, uerr := strconv.Unquote(name); uerr == nil {
+				return f, "request body has an unknown field " + name
+			}
+		}
 	}
 	return "", "request body is not valid JSON"
 }

@@ -47,3 +47,33 @@ func TestDescribeNamesTheFieldInJSONTerms(t *testing.T) {
 		})
 	}
 }
+
+// TestDescribeWordsADecodersErrors: a json.Decoder's own errors (nothing sent, a body cut
+// short, a field DisallowUnknownFields refuses) are worded too.
+func TestDescribeWordsADecodersErrors(t *testing.T) {
+	type target struct {
+		Name string `json:"name"`
+	}
+	for _, tc := range []struct {
+		body, field, message string
+	}{
+		{``, "", "request body is empty"},
+		{`{"name":"a"`, "", "request body is not valid JSON: unexpected end of JSON input"},
+		{`{"name":"a","color":"red"}`, "color", `request body has an unknown field "color"`},
+		{`{"name":3}`, "name", "name must be a string, not a number"},
+	} {
+		t.Run(tc.body, func(t *testing.T) {
+			dec := json.NewDecoder(strings.NewReader(tc.body))
+			dec.DisallowUnknownFields()
+			var v target
+			err := dec.Decode(&v)
+			if err == nil {
+				t.Fatal("decoded without an error")
+			}
+			field, message := Describe(err)
+			if field != tc.field || message != tc.message {
+				t.Fatalf("Describe(%v) = %q, %q; want %q, %q", err, field, message, tc.field, tc.message)
+			}
+		})
+	}
+}
