@@ -36,6 +36,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster"
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 	"github.com/kvrouter-ha/kvrouter-ha/workers"
@@ -271,7 +272,8 @@ func (a *api) addWorker(w http.ResponseWriter, r *http.Request) {
 	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&spec); err != nil {
-		fail(w, http.StatusBadRequest, "worker spec: %v", err)
+		_, msg := jsonerr.Describe(err)
+		fail(w, http.StatusBadRequest, "worker spec: %s", msg)
 		return
 	}
 	ctx, cancel := ctxOf(r)

@@ -6,6 +6,7 @@ import (
 	"net/http"
 
 	"github.com/kvrouter-ha/kvrouter-ha/fsm"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 // Aliases reads the replicated model aliases (*fsm.FSM is one).
@@ -63,7 +64,8 @@ func (a *api) setAlias(w http.ResponseWriter, r *http.Request) {
 	dec := json.NewDecoder(io.LimitReader(r.Body, 64<<10))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&body); err != nil {
-		fail(w, http.StatusBadRequest, "alias: %v", err)
+		_, msg := jsonerr.Describe(err)
+		fail(w, http.StatusBadRequest, "alias: %s", msg)
 		return
 	}
 	name := r.PathValue("name")

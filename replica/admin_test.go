@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -83,4 +84,37 @@ func TestUnhealthyWorkerLosesItsBindingsAfterTheGrace(t *testing.T) {
 		}
 		return true, ""
 	})
+}
+
+// TestAdminAPIWordsABadBodyInJSONTerms: a worker spec or alias body that does not decode is a
+// 400 naming the member and what it must be, never a Go type, and changes nothing.
+func TestAdminAPIWordsABadBodyInJSONTerms(t *testing.T) {
+	fleet := startWorkers(t, 1, simConfig(0))
+	rep := startTestReplica(t, fleet, nil)
+	ids := func() (out []string) {
+		for _, st := range rep.registry.List() {
+			out = append(out, st.Spec.ID)
+		}
+		return out
+	}
+	before := ids()
+	for _, tc := range []struct {
+		method, path, body, want string
+	}{
+		{http.MethodPost, "/admin/workers", `{"id":"x","url":3}`, "worker spec: url must be a string, not a number"},
+		{http.MethodPost, "/admin/workers", `{"id":"x","url":"http://127.0.0.1:1","capacity_blocks":"many"}`, "worker spec: capacity_blocks must be an integer in range, not a string"},
+		{http.MethodPost, "/admin/workers", `{"id":"x","color":"red"}`, `worker spec: request body has an unknown field \"color\"`},
+		{http.MethodPost, "/admin/workers", ``, "worker spec: request body is empty"},
+		{http.MethodPut, "/admin/models/aliases/llama", `{"targets":"m"}`, "alias: targets must be an array, not a string"},
+	} {
+		t.Run(tc.body, func(t *testing.T) {
+			status, body := adminSend(t, rep, tc.method, tc.path, "", tc.body)
+			if status != http.StatusBadRequest || !strings.Contains(string(body), tc.want) || strings.Contains(string(body), "Go ") {
+				t.Fatalf("%d %s, want 400 saying %q", status, body, tc.want)
+			}
+		})
+	}
+	if after := ids(); !slices.Equal(after, before) {
+		t.Fatalf("bad bodies changed the workers: %v, then %v", before, after)
+	}
 }

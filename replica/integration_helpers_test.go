@@ -31,13 +31,63 @@ const itSpeedup = 200
 // pollTimeout bounds every wait for an eventual condition.
 const pollTimeout = 15 * time.Second
 
-// testWorker is one simulated worker on loopback that a test can fault or stop.
+// testWorker is one simulated worker on loopback that a test can fault, cut or stop.
 type testWorker struct {
 	*sim.Worker
 	spec     routing.WorkerSpec
 	cancel   context.CancelFunc
 	done     chan struct{}
 	stopOnce sync.Once
+	conns    *cutListener
+}
+
+// cut closes every connection the worker has open, mid-answer or not, as its process dying
+// would; it still takes new ones.
+func (w *testWorker) cut() { w.conns.cut() }
+
+// cutListener is a listener that can close every connection it accepted.
+type cutListener struct {
+	net.Listener
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+}
+
+// Accept accepts a connection and keeps it until it is closed or cut.
+func (l *cutListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.conns == nil {
+		l.conns = make(map[net.Conn]struct{})
+	}
+	l.conns[c] = struct{}{}
+	return &cutConn{Conn: c, l: l}, nil
+}
+
+// cut closes every connection accepted and not yet closed.
+func (l *cutListener) cut() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for c := range l.conns {
+		_ = c.Close()
+		delete(l.conns, c)
+	}
+}
+
+// cutConn forgets itself in its listener when closed.
+type cutConn struct {
+	net.Conn
+	l *cutListener
+}
+
+func (c *cutConn) Close() error {
+	c.l.mu.Lock()
+	delete(c.l.conns, c.Conn)
+	c.l.mu.Unlock()
+	return c.Conn.Close()
 }
 
 // stop ends the worker's Serve and waits for it: its listener is closed, so new connections
@@ -124,16 +174,18 @@ func startRoleWorkers(t *testing.T, roles []workerRole, base sim.Config) testFle
 		if err != nil {
 			t.Fatalf("sim.New: %v", err)
 		}
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatalf("listen: %v", err)
 		}
+		ln := &cutListener{Listener: l}
 		ctx, cancel := context.WithCancel(context.Background())
 		w := &testWorker{
 			Worker: sw,
 			spec:   routing.WorkerSpec{ID: c.ID, URL: "http://" + ln.Addr().String(), CapacityBlocks: sw.Config().CapacityBlocks, Role: wr.role},
 			cancel: cancel,
 			done:   make(chan struct{}),
+			conns:  ln,
 		}
 		go func() {
 			defer close(w.done)

@@ -1,6 +1,8 @@
 package sim
 
 import (
+	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -162,7 +164,7 @@ var responsesAPI = api{
 			Stream          *bool           `json:"stream"`
 		}
 		if err := json.Unmarshal(body, &r); err != nil {
-			return nil, badRequest("", "request body: %v", err)
+			return nil, decodeError(err)
 		}
 		var msgs []ChatMessage
 		if r.Instructions != nil && *r.Instructions != "" {
@@ -282,7 +284,7 @@ type anthropicRequest struct {
 func decodeAnthropic(body []byte, needMax bool) (*anthropicRequest, []ChatMessage, *apiError) {
 	var r anthropicRequest
 	if err := json.Unmarshal(body, &r); err != nil {
-		return nil, nil, badRequest("", "request body: %v", err)
+		return nil, nil, decodeError(err)
 	}
 	if needMax && r.MaxTokens == nil {
 		return nil, nil, badRequest("max_tokens", "max_tokens: Field required")
@@ -397,18 +399,26 @@ func (w *Worker) handleCountTokens(rw http.ResponseWriter, r *http.Request) {
 const embeddingDims = 8
 
 // handleEmbeddings answers /v1/embeddings with a deterministic unit vector per input,
-// seeded by its tokens: equal inputs get equal embeddings.
+// seeded by its tokens: equal inputs get equal embeddings. encoding_format "float" (the
+// default) sends each vector as numbers; "base64" sends its float32 values, little-endian,
+// base64-encoded, as OpenAI and vLLM do (the official openai clients ask for it by default
+// and decode it); any other format is a 400.
 func (w *Worker) handleEmbeddings(rw http.ResponseWriter, r *http.Request) {
 	body, aerr := w.readBody(rw, r)
 	var in struct {
-		Model string          `json:"model"`
-		Input json.RawMessage `json:"input"`
+		Model          string          `json:"model"`
+		Input          json.RawMessage `json:"input"`
+		EncodingFormat json.RawMessage `json:"encoding_format"`
 	}
 	if aerr == nil && json.Unmarshal(body, &in) != nil {
 		aerr = badRequest("", "request body must be a JSON object")
 	}
 	if aerr == nil {
 		aerr = w.checkModel(in.Model)
+	}
+	var encode func([]float32) any
+	if aerr == nil {
+		encode, aerr = embeddingEncoder(in.EncodingFormat)
 	}
 	var inputs [][]uint32
 	if aerr == nil {
@@ -422,21 +432,49 @@ func (w *Worker) handleEmbeddings(rw http.ResponseWriter, r *http.Request) {
 	total := 0
 	for i, toks := range inputs {
 		total += len(toks)
-		seed := BlockHash(0, toks)
-		vec := make([]float64, embeddingDims)
-		norm := 0.0
-		for d := range vec {
-			vec[d] = float64(int64(seed*uint64(2*d+1)>>40)%1000)/1000 - 0.5
-			norm += vec[d] * vec[d]
-		}
-		for d := range vec {
-			vec[d] /= math.Sqrt(norm + 1e-12)
-		}
-		data[i] = map[string]any{"object": "embedding", "index": i, "embedding": vec}
+		data[i] = map[string]any{"object": "embedding", "index": i, "embedding": encode(embedding(toks))}
 	}
 	w.served.Add(1)
 	writeJSON(rw, http.StatusOK, map[string]any{"object": "list", "data": data, "model": w.cfg.Model,
 		"usage": map[string]int{"prompt_tokens": total, "total_tokens": total}})
+}
+
+// embedding is the simulated embedding of tokens: a unit vector seeded by their hash.
+func embedding(toks []uint32) []float32 {
+	seed := BlockHash(0, toks)
+	vec := make([]float64, embeddingDims)
+	norm := 0.0
+	for d := range vec {
+		vec[d] = float64(int64(seed*uint64(2*d+1)>>40)%1000)/1000 - 0.5
+		norm += vec[d] * vec[d]
+	}
+	out := make([]float32, embeddingDims)
+	for d := range vec {
+		out[d] = float32(vec[d] / math.Sqrt(norm+1e-12))
+	}
+	return out
+}
+
+// embeddingEncoder returns how an embedding is sent for an encoding_format: numbers when it
+// is absent, null or "float"; a base64 string of little-endian float32s for "base64".
+func embeddingEncoder(raw json.RawMessage) (func([]float32) any, *apiError) {
+	format := "float"
+	if len(raw) > 0 && string(raw) != "null" && json.Unmarshal(raw, &format) != nil {
+		return nil, badRequest("encoding_format", "encoding_format must be a string, \"float\" or \"base64\"")
+	}
+	switch format {
+	case "float":
+		return func(v []float32) any { return v }, nil
+	case "base64":
+		return func(v []float32) any {
+			buf := make([]byte, 0, 4*len(v))
+			for _, x := range v {
+				buf = binary.LittleEndian.AppendUint32(buf, math.Float32bits(x))
+			}
+			return base64.StdEncoding.EncodeToString(buf)
+		}, nil
+	}
+	return nil, badRequest("encoding_format", "encoding_format must be \"float\" or \"base64\", not %q", format)
 }
 
 // embeddingInputs reads input: a string, strings, token ids, or arrays of token ids.

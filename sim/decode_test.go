@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 func assertErrorShape(t *testing.T, body []byte, wantType string) {
@@ -45,7 +47,7 @@ func TestBadRequestsAnswer400WithErrorShape(t *testing.T) {
 		{"fractional token", "/v1/completions", `{"prompt":[1.5]}`, "prompt"},
 		{"prompt object", "/v1/completions", `{"prompt":{"a":1}}`, "prompt"},
 		{"zero max_tokens", "/v1/completions", `{"prompt":"hi","max_tokens":0}`, "max_tokens"},
-		{"string max_tokens", "/v1/completions", `{"prompt":"hi","max_tokens":"9"}`, ""},
+		{"string max_tokens", "/v1/completions", `{"prompt":"hi","max_tokens":"9"}`, "max_tokens"},
 		{"n above one", "/v1/completions", `{"prompt":"hi","n":2}`, "n"},
 		{"stream options without stream", "/v1/completions", `{"prompt":"hi","stream_options":{"include_usage":true}}`, "stream_options"},
 		{"too long for the model", "/v1/completions", `{"prompt":"` + strings.Repeat("w ", 60) + `"}`, ""},
@@ -152,7 +154,7 @@ func FuzzDecodeRequest(f *testing.F) {
 		`{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":5}`,
 		`{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}],"add_generation_prompt":false}`,
 		`{"messages":[{"role":"assistant","content":null}]}`,
-		`{"prompt":[-1]}`, `{"prompt":{}}`, `[]`, `null`, ``, `{"prompt":"\xff\xfe"}`,
+		`{"prompt":[-1]}`, `{"prompt":{}}`, `{"prompt":"p","max_tokens":"5"}`, `[]`, `null`, ``, `{"prompt":"\xff\xfe"}`,
 	} {
 		f.Add(false, []byte(seed))
 		f.Add(true, []byte(seed))
@@ -161,7 +163,7 @@ func FuzzDecodeRequest(f *testing.F) {
 	f.Fuzz(func(t *testing.T, chat bool, body []byte) {
 		req, aerr := decodeRequest(body, chat, maxModelLen)
 		if aerr != nil {
-			if aerr.status != http.StatusBadRequest || aerr.message == "" || req != nil {
+			if aerr.status != http.StatusBadRequest || aerr.message == "" || req != nil || jsonerr.ShowsGoTypes(aerr.message) {
 				t.Fatalf("bad error %+v for %q", aerr, body)
 			}
 			return

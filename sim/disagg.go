@@ -59,7 +59,7 @@ func parseKVTransferParams(raw json.RawMessage) (*kvParams, *apiError) {
 	}
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(raw, &m); err != nil {
-		return nil, badRequest(kvParam, "kv_transfer_params must be a JSON object: %v", err)
+		return nil, badRequest(kvParam, "kv_transfer_params must be a JSON object")
 	}
 	p := &kvParams{}
 	var aerr *apiError
@@ -248,7 +248,7 @@ func decodePullRequest(body []byte) (*pullRequest, *apiError) {
 	}
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(body, &m); err != nil {
-		return nil, badRequest("", "request body must be a JSON object {\"engine_id\", \"block_ids\"}: %v", err)
+		return nil, badRequest("", "request body must be a JSON object {\"engine_id\", \"block_ids\"}")
 	}
 	req := &pullRequest{}
 	if v, ok := m["engine_id"]; !ok || isNull(v) || json.Unmarshal(v, &req.EngineID) != nil || req.EngineID == "" {

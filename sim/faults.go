@@ -7,6 +7,8 @@ import (
 	"math"
 	"net"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 // Faults are the failures a worker injects; they can change while it runs.
@@ -68,7 +70,8 @@ func (f Faults) wire() faultsWire {
 func applyFaultsJSON(cur Faults, body []byte) (Faults, error) {
 	var w faultsWire
 	if err := json.Unmarshal(body, &w); err != nil {
-		return cur, fmt.Errorf("faults: %w", err)
+		_, msg := jsonerr.Describe(err)
+		return cur, errors.New("faults: " + msg)
 	}
 	if w.ErrorRate != nil {
 		cur.ErrorRate = *w.ErrorRate

@@ -7,6 +7,8 @@ import (
 	"math"
 	"net/http"
 	"strings"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 // apiError is an error answered in the OpenAI error shape.
@@ -19,6 +21,13 @@ type apiError struct {
 }
 
 func (e *apiError) Error() string { return e.message }
+
+// decodeError is the 400 for a body json.Unmarshal refused, naming the member of the wrong
+// type in JSON's terms (jsonerr), never a Go type.
+func decodeError(err error) *apiError {
+	field, msg := jsonerr.Describe(err)
+	return badRequest(field, "%s", msg)
+}
 
 func badRequest(param, format string, args ...any) *apiError {
 	return &apiError{
@@ -94,7 +103,7 @@ func decodeWire(body []byte) (*wireRequest, *apiError) {
 		return nil, badRequest("", "request body is empty: expected a JSON object")
 	}
 	if err := json.Unmarshal(body, &w); err != nil {
-		return nil, badRequest("", "request body is not valid JSON for this endpoint: %v", err)
+		return nil, decodeError(err)
 	}
 	return &w, nil
 }
@@ -186,7 +195,7 @@ func parsePrompt(raw json.RawMessage, addSpecial bool) ([]uint32, *apiError) {
 	case '"':
 		var s string
 		if err := json.Unmarshal(raw, &s); err != nil {
-			return nil, badRequest("prompt", "%s: %v", shape, err)
+			return nil, badRequest("prompt", "%s", shape)
 		}
 		if strings.TrimSpace(s) == "" {
 			return nil, badRequest("prompt", "prompt must not be empty")
@@ -200,7 +209,7 @@ func parsePrompt(raw json.RawMessage, addSpecial bool) ([]uint32, *apiError) {
 		}
 		var items []json.RawMessage
 		if err := json.Unmarshal(raw, &items); err != nil {
-			return nil, badRequest("prompt", "%s: %v", shape, err)
+			return nil, badRequest("prompt", "%s", shape)
 		}
 		if len(items) != 1 {
 			return nil, badRequest("prompt", "batched prompts are not supported: send one prompt per request")
@@ -218,7 +227,7 @@ func parsePrompt(raw json.RawMessage, addSpecial bool) ([]uint32, *apiError) {
 func parseTokenIDs(raw json.RawMessage) ([]uint32, *apiError) {
 	var ids []int64
 	if err := json.Unmarshal(raw, &ids); err != nil {
-		return nil, badRequest("prompt", "token ids must be non-negative integers: %v", err)
+		return nil, badRequest("prompt", "token ids must be non-negative integers")
 	}
 	if len(ids) == 0 {
 		return nil, badRequest("prompt", "prompt must not be empty")
@@ -245,7 +254,7 @@ func parseMessages(raw json.RawMessage) ([]ChatMessage, *apiError) {
 	}
 	var wms []wireMessage
 	if err := json.Unmarshal(raw, &wms); err != nil {
-		return nil, badRequest("messages", "messages must be an array of {role, content} objects: %v", err)
+		return nil, badRequest("messages", "messages must be an array of {role, content} objects")
 	}
 	if len(wms) == 0 {
 		return nil, badRequest("messages", "messages must not be empty")
@@ -274,13 +283,13 @@ func parseContent(raw json.RawMessage, param string) (string, *apiError) {
 	case '"':
 		var s string
 		if err := json.Unmarshal(raw, &s); err != nil {
-			return "", badRequest(param, "content must be a string: %v", err)
+			return "", badRequest(param, "content must be a string")
 		}
 		return s, nil
 	case '[':
 		var parts []wirePart
 		if err := json.Unmarshal(raw, &parts); err != nil {
-			return "", badRequest(param, "content parts must be {type, text} objects: %v", err)
+			return "", badRequest(param, "content parts must be {type, text} objects")
 		}
 		texts := make([]string, 0, len(parts))
 		for j, p := range parts {
@@ -314,7 +323,7 @@ func decodeTokenize(body []byte) ([]uint32, *apiError) {
 	case !isNull(w.Prompt):
 		var s string
 		if err := json.Unmarshal(w.Prompt, &s); err != nil {
-			return nil, badRequest("prompt", "prompt must be a string: %v", err)
+			return nil, badRequest("prompt", "prompt must be a string")
 		}
 		return Tokenize(s, addSpecial), nil
 	default:

@@ -70,10 +70,28 @@ test('messages.countTokens', async () => {
   assert.ok(c.input_tokens > 0);
 });
 
-test('embeddings.create', async () => {
-  const e = await openai.embeddings.create({ model, input: ['first text', 'second text'] });
-  assert.equal(e.data.length, 2);
-  assert.ok(e.data[0].embedding.length > 0);
+test('embeddings.create, base64 (the client\'s default) and float', async () => {
+  // The client asks for base64 unless told otherwise and decodes it; an answer in floats
+  // would decode silently into a few zeros.
+  const e = await openai.embeddings.create({ model, input: ['first text', 'second text', 'first text'] });
+  assert.equal(e.data.length, 3);
+  const norm = (v) => Math.sqrt(v.reduce((s, x) => s + x * x, 0));
+  for (const d of e.data) {
+    assert.equal(d.embedding.length, 8, `embedding ${d.embedding}`);
+    assert.ok(Math.abs(norm(d.embedding) - 1) < 1e-4, `embedding ${d.embedding} is not a unit vector`);
+  }
+  assert.deepEqual(e.data[0].embedding, e.data[2].embedding);
+  assert.notDeepEqual(e.data[0].embedding, e.data[1].embedding);
+  const f = await openai.embeddings.create({ model, input: 'first text', encoding_format: 'float' });
+  // JSON's shortest float32 text read as a double rounds back to the same float32.
+  assert.deepEqual(f.data[0].embedding.map(Math.fround), e.data[0].embedding);
+  const b = await openai.embeddings.create({ model, input: 'first text', encoding_format: 'base64' });
+  assert.equal(typeof b.data[0].embedding, 'string');
+  await assert.rejects(openai.embeddings.create({ model, input: 'x', encoding_format: 'bytes' }), (err) => {
+    assert.ok(err instanceof OpenAI.BadRequestError, `got ${err}`);
+    assert.equal(err.param, 'encoding_format');
+    return true;
+  });
 });
 
 test('errors come in each API\'s shape', async () => {
@@ -86,6 +104,13 @@ test('errors come in each API\'s shape', async () => {
     assert.ok(err instanceof Anthropic.BadRequestError, `got ${err}`);
     assert.equal(err.error.type, 'error');
     assert.equal(err.error.error.type, 'invalid_request_error');
+    return true;
+  });
+  // A member of the wrong type is named in JSON's terms, not in Go's.
+  await assert.rejects(anthropic.messages.create({ model, max_tokens: 4, messages: 'hi' }), (err) => {
+    assert.ok(err instanceof Anthropic.BadRequestError, `got ${err}`);
+    assert.equal(err.error.error.type, 'invalid_request_error');
+    assert.match(err.error.error.message, /^messages must be an array, not a string/);
     return true;
   });
 });

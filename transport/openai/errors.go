@@ -60,9 +60,9 @@ func (e *Error) Body() []byte {
 	return append(body, '\n')
 }
 
-// writeAnthropic sends e as the whole response in Anthropic's error shape,
-// {"type": "error", "error": {"type", "message"}}, its type named as Anthropic names it.
-func (e *Error) writeAnthropic(w http.ResponseWriter) {
+// anthropicBody is e in Anthropic's error shape, {"type": "error", "error": {"type",
+// "message"}}, its type named as Anthropic names it.
+func (e *Error) anthropicBody() []byte {
 	typ := "api_error"
 	switch {
 	case e.Status == http.StatusRequestEntityTooLarge:
@@ -84,6 +84,11 @@ func (e *Error) writeAnthropic(w http.ResponseWriter) {
 	if err != nil {
 		body = []byte(`{"type":"error","error":{"type":"api_error","message":"internal error"}}`)
 	}
+	return body
+}
+
+// writeAnthropic sends e as the whole response in Anthropic's error shape.
+func (e *Error) writeAnthropic(w http.ResponseWriter) {
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("X-Content-Type-Options", "nosniff")
@@ -91,7 +96,50 @@ func (e *Error) writeAnthropic(w http.ResponseWriter) {
 		h.Set("Retry-After", e.RetryAfter)
 	}
 	w.WriteHeader(e.Status)
-	_, _ = w.Write(append(body, '\n'))
+	_, _ = w.Write(append(e.anthropicBody(), '\n'))
+}
+
+// responsesErrorEvent is a Responses stream's error event: the fields flat, as the API
+// reference documents them, and nested under "error", as the live API sends them (the
+// openai SDKs raise an APIError on an event whose data has "error").
+type responsesErrorEvent struct {
+	Type     string  `json:"type"`
+	Sequence int     `json:"sequence_number"`
+	Code     *string `json:"code"`
+	Message  string  `json:"message"`
+	Param    *string `json:"param"`
+	Error    *Error  `json:"error"`
+}
+
+// streamEvent is e as the last server-sent event of a stream of kind k that broke off after
+// it started, in the API's own shape, so that the official SDKs raise a typed error:
+// Anthropic's `event: error` with its error body (anthropic set); Responses' `event: error`
+// (responsesErrorEvent; seq is the events sent so far); chat's and completions'
+// `data: {"error": {...}}`, as vLLM sends.
+func (e *Error) streamEvent(k Kind, anthropic bool, seq int) []byte {
+	var data []byte
+	var err error
+	switch {
+	case anthropic:
+		return append(append([]byte("event: error\ndata: "), e.anthropicBody()...), "\n\n"...)
+	case k == KindResponses:
+		ev := responsesErrorEvent{Type: "error", Sequence: seq, Message: e.Message, Error: e}
+		if e.Code != "" {
+			ev.Code = &e.Code
+		}
+		if e.Param != "" {
+			ev.Param = &e.Param
+		}
+		if data, err = json.Marshal(ev); err == nil {
+			return append(append([]byte("event: error\ndata: "), data...), "\n\n"...)
+		}
+	default:
+		if data, err = json.Marshal(errorBody{Error: e}); err == nil {
+			return append(append([]byte("data: "), data...), "\n\n"...)
+		}
+	}
+	// Marshalling plain strings cannot fail; keep a valid event regardless.
+	return []byte(`data: {"error":{"message":"internal error","type":"server_error"}}` + "\n\n")
 }
 
 // write sends e as the whole response.

@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"unicode/utf16"
 	"unicode/utf8"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 // Kind is the OpenAI endpoint a request body belongs to.
@@ -89,10 +91,7 @@ func Parse(k Kind, body []byte) (*Request, error) {
 	switch scanTop(body, &f) {
 	case topNotJSON:
 		var probe json.RawMessage
-		if err := json.Unmarshal(body, &probe); err != nil {
-			return nil, invalid("", "request body is not valid JSON: "+err.Error())
-		}
-		return nil, invalid("", "request body is not valid JSON")
+		return nil, invalid(jsonerr.Describe(json.Unmarshal(body, &probe)))
 	case topNotObject:
 		return nil, invalid("", "request body must be a JSON object")
 	}

@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"strconv"
 	"strings"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 // The APIs beyond chat and completions: OpenAI's Responses and Embeddings, Anthropic's
@@ -25,18 +27,11 @@ func parseAPI(k Kind, body []byte, req *Request) error {
 	return invalid("", "unknown request kind "+strconv.Itoa(int(k)))
 }
 
-// decodeObject decodes body into v, worded as Parse words a body that is not an object.
+// decodeObject decodes body, a JSON object (Parse checked), into v; a member of the wrong
+// type is a 400 naming it in JSON's terms, as jsonerr words it, never a Go type.
 func decodeObject(body []byte, v any) error {
 	if err := json.Unmarshal(body, v); err != nil {
-		var probe any
-		if json.Unmarshal(body, &probe) == nil {
-			if _, ok := probe.(map[string]any); !ok {
-				return invalid("", "request body must be a JSON object")
-			}
-			// A member of the wrong type: the field checks below word it.
-			return invalid("", "request body has a member of the wrong type: "+err.Error())
-		}
-		return invalid("", "request body is not valid JSON: "+err.Error())
+		return invalid(jsonerr.Describe(err))
 	}
 	return nil
 }

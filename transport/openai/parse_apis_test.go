@@ -5,6 +5,8 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 // TestParseAPIs: the Responses, Messages, count_tokens and Embeddings bodies clients send
@@ -69,6 +71,34 @@ func TestParseAPIs(t *testing.T) {
 	}
 }
 
+// TestParseAPIsWordWrongTypesInJSONTerms: a member of the wrong type is a 400 naming it and
+// what it must be, never encoding/json's Go type names ("cannot unmarshal string into Go
+// struct field ... of type []struct {...}").
+func TestParseAPIsWordWrongTypesInJSONTerms(t *testing.T) {
+	tests := []struct {
+		kind           Kind
+		body           string
+		param, message string
+	}{
+		{KindMessages, `{"model":"m","max_tokens":1,"messages":"hi"}`, "messages", "messages must be an array, not a string"},
+		{KindCountTokens, `{"model":"m","messages":{"role":"user"}}`, "messages", "messages must be an array, not an object"},
+		{KindMessages, `{"model":"m","max_tokens":1,"messages":[{"role":3,"content":"q"}]}`, "messages.role", "messages.role must be a string, not a number"},
+		{KindMessages, `{"model":"m","max_tokens":1,"stream":"yes","messages":[{"role":"user","content":"q"}]}`, "stream", "stream must be a boolean, not a string"},
+		{KindResponses, `{"model":5,"input":"x"}`, "model", "model must be a string, not a number"},
+		{KindResponses, `{"model":"m","input":"x","instructions":["a"]}`, "instructions", "instructions must be a string, not an array"},
+		{KindEmbeddings, `{"model":true,"input":"x"}`, "model", "model must be a string, not a boolean"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.body, func(t *testing.T) {
+			_, err := Parse(tt.kind, []byte(tt.body))
+			var apiErr *Error
+			if !errors.As(err, &apiErr) || apiErr.Status != http.StatusBadRequest || apiErr.Param != tt.param || apiErr.Message != tt.message {
+				t.Fatalf("Parse = %#v, want a 400 naming %q: %q", err, tt.param, tt.message)
+			}
+		})
+	}
+}
+
 // FuzzParseAPIs: any body for the Responses, Messages, count_tokens and Embeddings kinds is
 // accepted with what routing needs, or refused with a 400 that says why; nothing panics.
 func FuzzParseAPIs(f *testing.F) {
@@ -92,6 +122,9 @@ func FuzzParseAPIs(f *testing.F) {
 			var apiErr *Error
 			if !errors.As(err, &apiErr) || apiErr.Status != http.StatusBadRequest || apiErr.Message == "" {
 				t.Fatalf("error %v is not a 400 *Error with a message", err)
+			}
+			if jsonerr.ShowsGoTypes(apiErr.Message) {
+				t.Fatalf("error %q shows Go types", apiErr.Message)
 			}
 			return
 		}

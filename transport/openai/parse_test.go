@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
 
 func TestParseAcceptsWhatRoutingNeeds(t *testing.T) {
@@ -188,6 +190,9 @@ func FuzzParse(f *testing.F) {
 			var apiErr *Error
 			if !errors.As(err, &apiErr) || apiErr.Status != http.StatusBadRequest || apiErr.Message == "" {
 				t.Fatalf("error %v is not a 400 *Error with a message", err)
+			}
+			if jsonerr.ShowsGoTypes(apiErr.Message) {
+				t.Fatalf("error %q shows Go types", apiErr.Message)
 			}
 			return
 		}

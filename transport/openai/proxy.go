@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -272,7 +273,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if resp.StatusCode < 200 || resp.StatusCode >= 300 {
 		// The worker refused the request itself: the client's fault, so it is theirs to see.
 		s.writeHeaders(c, resp, d, routing.Binding{}, -1)
-		return s.relay(c, &rd, d, nil)
+		return s.relay(c, &rd, d, false, nil)
 	}
 
 	if span := trace.SpanFromContext(ctx); span.IsRecording() {
@@ -313,7 +314,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 
 	if c.p.Stream || isEventStream(resp.Header) {
-		res, fail := s.relay(c, &rd, d, func() {
+		res, fail := s.relay(c, &rd, d, isEventStream(resp.Header), func() {
 			c.observeTTFT(s)
 			s.observeDecodeLeg(c, resp.Header)
 			s.writeHeaders(c, resp, d, binding, -1)
@@ -590,8 +591,11 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 
 // relay streams the worker's body to the client read by read, flushing each. hdr, when set,
 // writes the headers at the first body bytes, so that a stream that fails before them can
-// still be retried; without it the headers are already out.
-func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func()) (outcome, failure) {
+// still be retried; without it the headers are already out. sse says the body is a stream of
+// server-sent events: one that breaks off after it started, between two events, ends with an
+// error event in the API's shape (Error.streamEvent) so that SDKs raise a typed error; any
+// other body that breaks off after it started is aborted.
+func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, sse bool, hdr func()) (outcome, failure) {
 	ctx := c.r.Context()
 	rc := http.NewResponseController(c.w)
 	bp := s.getCopyBuffer()
@@ -600,6 +604,7 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 	started := hdr == nil
 	cached, sawUsage := 0, false
 	var tally Tally
+	var tail eventEnd
 	// Each pass reads at least one byte or ends; the idle timeout bounds how long a pass waits.
 	for {
 		n, err := rd.read(buf)
@@ -620,6 +625,7 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 				s.metrics.errors.WithLabelValues("client_cancel").Inc()
 				return done, failure{}
 			}
+			tail.add(buf[:n])
 			// Bytes that came with the end of the stream go out with the end of the response,
 			// in one write, when the handler returns; all others at once.
 			if !errors.Is(err, io.EOF) {
@@ -654,9 +660,41 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 			return retry, fail
 		}
 		s.metrics.errors.WithLabelValues(cause).Inc()
-		s.log.Warn("worker stream broke off mid-response", "worker", d.Target.Worker.String(), "error", why)
-		return aborted, fail
+		s.log.Warn("worker stream broke off mid-response", "worker", d.Target.Worker.String(), "error", why,
+			"error_event", sse && tail.at())
+		if !sse || !tail.at() {
+			// Half an event, or a body that is not events: nothing can be added that a client
+			// would read as an error, so the connection is cut.
+			return aborted, fail
+		}
+		apiErr := &Error{Status: http.StatusBadGateway, Type: TypeServer, Code: cause, Cause: cause,
+			Message: "the answer is incomplete: " + fail.err.Error()}
+		if _, err := c.w.Write(apiErr.streamEvent(c.p.Kind, c.w.anthropic, tally.events)); err != nil {
+			c.w.clientGone()
+			return done, failure{}
+		}
+		return done, fail
 	}
+}
+
+// eventEnd follows a stream of server-sent events as it is relayed: whether the bytes so far
+// end with a whole event (a blank line, in any of the three line endings).
+type eventEnd struct{ last [4]byte }
+
+// add notes bytes relayed after the ones before.
+func (t *eventEnd) add(b []byte) {
+	if len(b) >= len(t.last) {
+		copy(t.last[:], b[len(b)-len(t.last):])
+		return
+	}
+	copy(t.last[:], t.last[len(b):])
+	copy(t.last[len(t.last)-len(b):], b)
+}
+
+// at reports whether the bytes so far end with a whole event.
+func (t *eventEnd) at() bool {
+	l := t.last[:]
+	return bytes.HasSuffix(l, []byte("\n\n")) || bytes.HasSuffix(l, []byte("\r\r")) || bytes.HasSuffix(l, []byte("\n\r\n"))
 }
 
 // getCopyBuffer returns a relay buffer of copyBuffer bytes; put it back in s.copyBuffers.

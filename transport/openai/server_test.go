@@ -500,7 +500,7 @@ func TestRetryLandsOnAnotherWorker(t *testing.T) {
 			return fw.URL, fw.requests
 		}, "upstream_garbage"},
 		{"stream broken before first byte", func(t *testing.T) (string, func() int) {
-			fw := newFakeWorker(t, brokenStream(false))
+			fw := newFakeWorker(t, brokenStream("text/event-stream", ""))
 			return fw.URL, fw.requests
 		}, "upstream_broken"},
 	}
@@ -542,15 +542,12 @@ func TestRetryLandsOnAnotherWorker(t *testing.T) {
 	}
 }
 
-// brokenStream answers 200 and then breaks the chunked framing, after one good chunk when
-// afterChunk is set.
-func brokenStream(afterChunk bool) http.HandlerFunc {
+// brokenStream answers 200 with contentType, sends sent, and then breaks the chunked framing.
+func brokenStream(contentType, sent string) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/event-stream")
+		w.Header().Set("Content-Type", contentType)
 		w.WriteHeader(http.StatusOK)
-		if afterChunk {
-			_, _ = io.WriteString(w, "data: 1\n\n")
-		}
+		_, _ = io.WriteString(w, sent)
 		rc := http.NewResponseController(w)
 		_ = rc.Flush()
 		conn, buf, err := rc.Hijack()
@@ -625,29 +622,65 @@ func TestGarbageEverywhereIs502AndMarksWorkersUnhealthy(t *testing.T) {
 	}
 }
 
-func TestStreamBrokenMidwayAbortsClientAndMarksWorker(t *testing.T) {
-	w0 := newFakeWorker(t, brokenStream(true))
-	rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL)}, rigOptions{})
-	req, _ := http.NewRequest(http.MethodPost, rg.front.URL+"/v1/completions", strings.NewReader(`{"model":"m","stream":true,"prompt":"x"}`))
-	resp, err := rg.front.Client().Do(req)
-	if err != nil {
-		t.Fatal(err)
+// TestStreamBrokenMidwayEndsWithAnErrorEventInTheAPIsShape: a worker whose stream breaks off
+// after the answer started is marked unhealthy, and the client, having had every byte before
+// the break, gets one more event, an error in the API's own shape (what the official SDKs
+// raise as a typed error), and a clean end. A stream broken inside an event, or a streamed
+// body that is not events, cannot be ended so: its connection is cut.
+func TestStreamBrokenMidwayEndsWithAnErrorEventInTheAPIsShape(t *testing.T) {
+	const chunk = "data: {\"choices\":[{\"text\":\"a\"}]}\n\n"
+	tests := []struct {
+		name, path, body string
+		sent             string // what the worker sends before it breaks
+		contentType      string
+		event            string // the event the client gets after sent; "" when it is cut
+	}{
+		{"chat", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}`, chunk, "text/event-stream",
+			`data: {"error":{"message":"the answer is incomplete: worker w0: bad response: stream broke off: invalid byte in chunk length","type":"server_error","code":"upstream_broken"}}`},
+		{"completions, CRLF events", "/v1/completions", `{"model":"m","stream":true,"prompt":"x"}`, "data: 1\r\n\r\n", "text/event-stream",
+			`data: {"error":{"message":"the answer is incomplete: worker w0: bad response: stream broke off: invalid byte in chunk length","type":"server_error","code":"upstream_broken"}}`},
+		{"responses", "/v1/responses", `{"model":"m","stream":true,"input":"x"}`,
+			"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0}\n\n", "text/event-stream",
+			"event: error\n" + `data: {"type":"error","sequence_number":1,"code":"upstream_broken","message":"the answer is incomplete: worker w0: bad response: stream broke off: invalid byte in chunk length","param":null,"error":{"message":"the answer is incomplete: worker w0: bad response: stream broke off: invalid byte in chunk length","type":"server_error","code":"upstream_broken"}}`},
+		{"messages", "/v1/messages", `{"model":"m","max_tokens":4,"stream":true,"messages":[{"role":"user","content":"x"}]}`,
+			"event: message_start\ndata: {\"type\":\"message_start\"}\n\n", "text/event-stream",
+			"event: error\n" + `data: {"error":{"message":"the answer is incomplete: worker w0: bad response: stream broke off: invalid byte in chunk length","type":"api_error"},"type":"error"}`},
+		{"inside an event", "/v1/chat/completions", `{"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}`, chunk + "data: {\"cho", "text/event-stream", ""},
+		{"streamed, not events", "/v1/completions", `{"model":"m","stream":true,"prompt":"x"}`, `{"choices":[`, "application/json", ""},
 	}
-	got, err := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if err == nil {
-		t.Fatalf("client read a clean end after a broken stream: %q", got)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			w0 := newFakeWorker(t, brokenStream(tt.contentType, tt.sent))
+			rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL)}, rigOptions{})
+			req, _ := http.NewRequest(http.MethodPost, rg.front.URL+tt.path, strings.NewReader(tt.body))
+			resp, err := rg.front.Client().Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if !strings.HasPrefix(string(got), tt.sent) {
+				t.Fatalf("the bytes before the break were lost: %q", got)
+			}
+			if tt.event == "" {
+				if err == nil {
+					t.Fatalf("client read a clean end after a stream broken where no event fits: %q", got)
+				}
+			} else if err != nil || string(got) != tt.sent+tt.event+"\n\n" {
+				t.Fatalf("client read %q (%v), want %q then the error event %q and a clean end", got, err, tt.sent, tt.event)
+			}
+			if rg.healthy("w0") {
+				t.Fatal("worker still healthy after breaking a stream")
+			}
+			if got := rg.metric("kvrouter_errors_total", map[string]string{"cause": "upstream_broken"}); got != 1 {
+				t.Fatalf("upstream_broken counted %v times, want 1", got)
+			}
+			poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
+		})
 	}
-	if !strings.HasPrefix(string(got), "data: 1") {
-		t.Fatalf("the chunk before the break was lost: %q", got)
-	}
-	if rg.healthy("w0") {
-		t.Fatal("worker still healthy after breaking a stream")
-	}
-	poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
 }
 
-func TestIdleStreamIsCutAndFirstByteTimeoutRetries(t *testing.T) {
+func TestIdleStreamEndsWithATimeoutEventAndFirstByteTimeoutRetries(t *testing.T) {
 	stall := newFakeWorker(t, func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		_, _ = io.WriteString(w, "data: 1\n\n")
@@ -668,10 +701,10 @@ func TestIdleStreamIsCutAndFirstByteTimeoutRetries(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = io.ReadAll(resp.Body)
+	got, err := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if err == nil {
-		t.Fatal("an idle stream ended cleanly")
+	if err != nil || !strings.HasPrefix(string(got), "data: 1\n\n") || errorOf(t, strings.TrimPrefix(strings.TrimPrefix(string(got), "data: 1\n\n"), "data: ")).Code != "upstream_timeout" {
+		t.Fatalf("an idle stream gave %q (%v), want its event then an upstream_timeout error event", got, err)
 	}
 	if rg.healthy("stall") {
 		t.Fatal("stalled worker still healthy")
@@ -920,5 +953,35 @@ func TestEveryWorkerFailingGivesTheClientTheLastWorkersAnswer(t *testing.T) {
 	}
 	if e := errorOf(t, body); e.Code != "upstream_failed" || !strings.Contains(e.Message, "d0") && !strings.Contains(e.Message, "d1") {
 		t.Fatalf("error %+v, want upstream_failed naming the last worker", e)
+	}
+}
+
+// TestEventEndFindsAWholeEventAcrossReads: the bytes relayed end with a whole server-sent
+// event however the reads split them, in each line ending, and never inside one.
+func TestEventEndFindsAWholeEventAcrossReads(t *testing.T) {
+	tests := []struct {
+		stream string
+		at     bool
+	}{
+		{"data: 1\n\n", true},
+		{"data: 1\r\n\r\n", true},
+		{"data: 1\r\r", true},
+		{"data: 1\n", false},
+		{"data: 1\r\n", false},
+		{"data: 1\n\ndata: {\"a", false},
+		{"event: error\ndata: x\n\n", true},
+	}
+	for _, tt := range tests {
+		for split := 1; split <= len(tt.stream); split++ {
+			var e eventEnd
+			for b := []byte(tt.stream); len(b) > 0; {
+				n := min(split, len(b))
+				e.add(b[:n])
+				b = b[n:]
+			}
+			if e.at() != tt.at {
+				t.Fatalf("%q read %d bytes at a time: at %v, want %v", tt.stream, split, e.at(), tt.at)
+			}
+		}
 	}
 }
