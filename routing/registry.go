@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"reflect"
 	"slices"
 	"sort"
 	"sync"
@@ -240,6 +241,28 @@ func (r *Registry) Add(spec WorkerSpec) error {
 	}
 	r.changed(*r.workers[spec.ID], false)
 	return nil
+}
+
+// Update replaces a registered worker's spec (same id) and keeps its state: health, drain,
+// readiness and what was learned from it. It reports whether anything changed; a spec that
+// does not validate is refused and changes nothing.
+func (r *Registry) Update(spec WorkerSpec) (bool, error) {
+	if err := ValidateSpec(&spec); err != nil {
+		return false, err
+	}
+	r.mu.Lock()
+	st, ok := r.workers[spec.ID]
+	if !ok {
+		r.mu.Unlock()
+		return false, fmt.Errorf("worker %s: %w", spec.ID, ErrUnknownTarget)
+	}
+	if reflect.DeepEqual(st.Spec, spec) {
+		r.mu.Unlock()
+		return false, nil
+	}
+	st.Spec = spec
+	r.changed(*st, false)
+	return true, nil
 }
 
 // Drain stops new requests to a worker; in-flight ones finish.

@@ -220,6 +220,11 @@ func (l *Lifecycle) sync(ctx context.Context, seen map[string]fsm.Worker) map[st
 				l.log.Warn("replacing worker from the cluster", "worker", id, "err", err)
 				continue
 			}
+		} else if _, err := l.reg.Update(spec); err != nil {
+			// The same endpoint with another spec (models, role, ranks, event ports): the
+			// cache and the sessions stay.
+			l.log.Warn("updating worker from the cluster", "worker", id, "err", err)
+			continue
 		}
 		if w.Draining {
 			_ = l.reg.Drain(id)

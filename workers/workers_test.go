@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -160,6 +161,31 @@ func TestRegistryFollowsTheClusterRegistry(t *testing.T) {
 	}
 	poll.Holds(t, 5*time.Second, "w1 gone", func() bool { _, ok := reg.Lookup("w1"); return !ok })
 	poll.Holds(t, 5*time.Second, "w1 forgotten", func() bool { return forgot.count() >= 2 }) // the URL change, then the removal
+}
+
+func TestASpecChangeOnTheSameEndpointAppliesAndKeepsTheSessions(t *testing.T) {
+	c := newMemCluster()
+	l, reg, _ := start(t, c, 0)
+	ctx := context.Background()
+	if _, err := l.Add(ctx, spec("w1", "http://127.0.0.1:1")); err != nil {
+		t.Fatal(err)
+	}
+	poll.Holds(t, 5*time.Second, "w1 in the routing registry", func() bool { _, ok := reg.Lookup("w1"); return ok })
+	if _, err := c.Apply(ctx, &fsm.Bind{Session: "s", Worker: "w1"}); err != nil {
+		t.Fatal(err)
+	}
+	changed := spec("w1", "http://127.0.0.1:1")
+	changed.Models, changed.DPSize = []string{"llama-70b"}, 2
+	if _, err := l.Add(ctx, changed); err != nil {
+		t.Fatal(err)
+	}
+	poll.Holds(t, 5*time.Second, "w1 serving llama-70b on 2 ranks", func() bool {
+		s, _ := reg.Lookup("w1")
+		return slices.Equal(s.Models, []string{"llama-70b"}) && s.DPSize == 2 && len(reg.Routable()) == 2
+	})
+	if c.invalidations() != 0 {
+		t.Fatalf("%d InvalidateWorker proposals after a spec change on the same URL, want 0", c.invalidations())
+	}
 }
 
 func TestANotReadyMarkTakesTheWorkerOutOfRotationAndKeepsItsBindings(t *testing.T) {
