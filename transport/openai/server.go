@@ -476,9 +476,16 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	if catalog.Adapter(p.Model) {
 		lora = p.Model
 	}
+	resume := false
+	if key := resumes(p); key != "" {
+		// The stored response it continues outranks a session header: only its worker
+		// holds it.
+		session, resume = key, true
+	}
 	req := &routing.Request{
 		PromptTokens: p.PromptTokens(),
 		Session:      session,
+		Resume:       resume,
 		Target:       target,
 		LoRA:         lora,
 		Model:        p.Model,
@@ -687,7 +694,18 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		return
 	}
 	client := ""
-	if req.Session != "" {
+	switch {
+	case storesResponse(p):
+		// The answer's id will be bound, a new session whatever the request continues: it
+		// is admitted as one, here, before anything is routed.
+		client = s.clientKey(r.Header, r.RemoteAddr)
+		if admit := s.admitNew(client); admit != nil {
+			if err := admit(); err != nil {
+				s.fail(w, r, routeError(err))
+				return
+			}
+		}
+	case req.Session != "":
 		client = s.clientKey(r.Header, r.RemoteAddr)
 		req.AdmitNew = s.admitNew(client)
 	}

@@ -1,0 +1,164 @@
+package openai
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+
+	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// State that lives on a worker. A Responses answer the worker stored (store, the API's
+// default) is continued by a later request naming it as previous_response_id, and only that
+// worker holds it (vLLM keeps it in its process; elsewhere the id is 404). So the router binds
+// the answer's id to its worker as a session (routing.ResponseSession: a key no client
+// header can name), through Raft with the session TTL, and routes a request naming it as a
+// request of that session, without any session header. The id is the worker's, from its
+// answer: the response object's id (whole, or in the stream's response.completed event),
+// never the client's. The binding is made before the end of the answer goes to the client,
+// so a client cannot have a finished answer whose id is not yet bound; a replica that has not
+// applied the binding yet confirms its miss with a read-index round (routing Request.Resume).
+
+// maxResponseEvent bounds a streamed event the router reads for the response's id: the
+// response.completed event repeats the whole answer. A longer one is passed on unread, and
+// its answer stays unbound.
+const maxResponseEvent = 8 << 20
+
+// responseSession is the session key of response id, false for an id that cannot be one
+// (empty, too long, not printable ASCII without spaces): such an id is not bound, and a
+// request naming it is routed as any other.
+func responseSession(id string) (string, bool) {
+	key := routing.ResponseSession(id)
+	if id == "" || len(key) > maxSessionKey {
+		return "", false
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; c < 0x21 || c > 0x7e {
+			return "", false
+		}
+	}
+	return key, true
+}
+
+// resumes is the session of a request that continues a stored response: the key of its
+// previous_response_id, else "".
+func resumes(p *Request) string {
+	if p.Kind != KindResponses || p.PreviousResponseID == "" {
+		return ""
+	}
+	key, _ := responseSession(p.PreviousResponseID)
+	return key
+}
+
+// storesResponse reports whether the worker will keep p's answer, which the router binds.
+func storesResponse(p *Request) bool { return p.Kind == KindResponses && p.StoreResponse }
+
+// responseObject is what the router reads of a Responses answer.
+type responseObject struct {
+	ID     string `json:"id"`
+	Object string `json:"object"`
+	Status string `json:"status"`
+}
+
+// kept reports whether the worker keeps this answer: a response object that did not fail
+// (completed, incomplete, or queued and running in the background).
+func (o *responseObject) kept() bool {
+	if o.Object != "" && o.Object != "response" {
+		return false
+	}
+	switch o.Status {
+	case "completed", "incomplete", "queued", "in_progress":
+		return true
+	}
+	return false
+}
+
+// scanResponse reads a whole (non-streamed) Responses answer.
+func scanResponse(body []byte) (responseObject, bool) {
+	var o responseObject
+	if json.Unmarshal(body, &o) != nil || !o.kept() {
+		return responseObject{}, false
+	}
+	return o, true
+}
+
+// responseWatch reads a Responses stream as it passes for the event that ends it well
+// (response.completed or response.incomplete) and the response id it carries.
+type responseWatch struct {
+	line []byte // the current line, while it is a data line of bounded length
+	skip bool   // the current line is dropped (too long, or not data)
+	done bool   // the end was found
+}
+
+// endMarkers are the event types whose data the watch decodes.
+var endMarkers = [][]byte{[]byte(`"response.completed"`), []byte(`"response.incomplete"`)}
+
+// feed reads the next bytes of the stream and returns the response once the event that ends
+// it has arrived whole in them (at most once).
+func (w *responseWatch) feed(b []byte) (responseObject, bool) {
+	var found responseObject
+	ok := false
+	for len(b) > 0 && !w.done {
+		i := bytes.IndexByte(b, '\n')
+		part := b
+		if i >= 0 {
+			part = b[:i]
+		}
+		if !w.skip {
+			if len(w.line)+len(part) > maxResponseEvent {
+				w.skip, w.line = true, w.line[:0]
+			} else {
+				w.line = append(w.line, part...)
+			}
+		}
+		if i < 0 {
+			break
+		}
+		if !w.skip {
+			found, ok = endEvent(w.line)
+			w.done = ok
+		}
+		w.line, w.skip = w.line[:0], false
+		b = b[i+1:]
+	}
+	return found, ok
+}
+
+// endEvent decodes one stream line: the response of a data line of an event that ends a
+// stream well.
+func endEvent(line []byte) (responseObject, bool) {
+	data, ok := bytes.CutPrefix(bytes.TrimSuffix(line, []byte{'\r'}), []byte("data:"))
+	if !ok || !bytes.Contains(data, endMarkers[0]) && !bytes.Contains(data, endMarkers[1]) {
+		return responseObject{}, false
+	}
+	var ev struct {
+		Type     string         `json:"type"`
+		Response responseObject `json:"response"`
+	}
+	if json.Unmarshal(data, &ev) != nil || ev.Type != "response.completed" && ev.Type != "response.incomplete" || !ev.Response.kept() {
+		return responseObject{}, false
+	}
+	return ev.Response, true
+}
+
+// keepResponse binds the answer o, which worker w made for call c, to w. A binding that
+// cannot be made (no quorum within the bind wait, the cap on bindings, an id bound
+// elsewhere) is logged and counted; the answer still goes to the client, and a request
+// continuing it is routed as any other.
+func (s *Server) keepResponse(ctx context.Context, c *call, w indexer.Worker, o responseObject) {
+	key, ok := responseSession(o.ID)
+	if !ok {
+		s.metrics.errors.WithLabelValues("response_unbound").Inc()
+		s.log.Debug("a response id that cannot be a session key is not bound", "worker", w.String(), "id_bytes", len(o.ID))
+		return
+	}
+	b, err := s.router.Pin(ctx, key, w)
+	if err != nil {
+		s.metrics.errors.WithLabelValues("response_unbound").Inc()
+		s.log.Warn("could not bind a stored response to its worker; a request continuing it is routed as any other",
+			"worker", w.String(), "response", o.ID, "error", err)
+		return
+	}
+	s.madeSession(c.client, false, b)
+}

@@ -1,0 +1,198 @@
+package openai
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/kvrouter-ha/kvrouter-ha/routing"
+)
+
+// statefulWorker is a Responses worker that keeps its answers, as vLLM does with its store
+// on: a previous_response_id it did not make is 404. busy makes it answer 429.
+type statefulWorker struct {
+	*fakeWorker
+	mu   sync.Mutex
+	kept map[string]bool
+	n    int
+	busy bool
+}
+
+func newStatefulWorker(t *testing.T, id string) *statefulWorker {
+	sw := &statefulWorker{kept: map[string]bool{}}
+	sw.fakeWorker = newFakeWorker(t, func(w http.ResponseWriter, r *http.Request) {
+		raw, _, _ := sw.last()
+		var req struct {
+			Previous *string `json:"previous_response_id"`
+			Store    *bool   `json:"store"`
+			Stream   bool    `json:"stream"`
+		}
+		_ = json.Unmarshal([]byte(raw), &req)
+		sw.mu.Lock()
+		if sw.busy {
+			sw.mu.Unlock()
+			http.Error(w, `{"error":{"message":"busy"}}`, http.StatusTooManyRequests)
+			return
+		}
+		if req.Previous != nil && !sw.kept[*req.Previous] {
+			sw.mu.Unlock()
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusNotFound)
+			fmt.Fprintf(w, `{"error":{"message":"Response with id '%s' not found.","type":"invalid_request_error"}}`, *req.Previous)
+			return
+		}
+		sw.n++
+		rid := fmt.Sprintf("resp_%s_%d", id, sw.n)
+		if req.Store == nil || *req.Store {
+			sw.kept[rid] = true
+		}
+		sw.mu.Unlock()
+		obj := func(status string) string {
+			return fmt.Sprintf(`{"id":%q,"object":"response","status":%q,"output":[]}`, rid, status)
+		}
+		if !req.Stream {
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = w.Write([]byte(obj("completed")))
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		rc := http.NewResponseController(w)
+		for _, ev := range []string{
+			fmt.Sprintf(`{"type":"response.created","response":%s}`, obj("in_progress")),
+			`{"type":"response.output_text.delta","delta":"hi"}`,
+			fmt.Sprintf(`{"type":"response.completed","response":%s}`, obj("completed")),
+		} {
+			var typ struct{ Type string }
+			_ = json.Unmarshal([]byte(ev), &typ)
+			fmt.Fprintf(w, "event: %s\ndata: %s\n\n", typ.Type, ev)
+			_ = rc.Flush()
+		}
+	})
+	return sw
+}
+
+// responseID reads the id of a Responses answer, whole or streamed.
+func responseID(t *testing.T, body string) string {
+	t.Helper()
+	if i := strings.LastIndex(body, "data: "); strings.HasPrefix(body, "event:") && i >= 0 {
+		var ev struct {
+			Response struct{ ID string } `json:"response"`
+		}
+		if err := json.Unmarshal([]byte(strings.TrimSpace(body[i+len("data: "):])), &ev); err != nil {
+			t.Fatalf("last event of %q: %v", body, err)
+		}
+		return ev.Response.ID
+	}
+	var o struct{ ID string }
+	if err := json.Unmarshal([]byte(body), &o); err != nil {
+		t.Fatalf("answer %q: %v", body, err)
+	}
+	return o.ID
+}
+
+// TestAStoredResponseIsContinuedOnItsWorker: turns chained by previous_response_id, with no
+// session header, streamed and not, each go to the worker that stored the one before (any
+// other answers 404); an answer stored with store false is not bound; a continued request
+// whose worker is busy is not retried on a worker that lacks its state.
+func TestAStoredResponseIsContinuedOnItsWorker(t *testing.T) {
+	var ws []*statefulWorker
+	var specs []routing.WorkerSpec
+	for i := range 4 {
+		w := newStatefulWorker(t, fmt.Sprintf("w%d", i))
+		ws = append(ws, w)
+		specs = append(specs, spec(fmt.Sprintf("w%d", i), w.URL))
+	}
+	r := newRig(t, specs, rigOptions{})
+	send := func(prev string, stream bool, extra string) (*http.Response, string) {
+		body := fmt.Sprintf(`{"model":"m","input":"turn","stream":%v%s`, stream, extra)
+		if prev != "" {
+			body += fmt.Sprintf(`,"previous_response_id":%q`, prev)
+		}
+		return r.post("/v1/responses", body+"}", nil)
+	}
+	resp, body := send("", false, "")
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("first turn: %d %s", resp.StatusCode, body)
+	}
+	worker, prev := resp.Header.Get(HeaderWorker), responseID(t, body)
+	for turn := 2; turn <= 6; turn++ {
+		resp, body := send(prev, turn%2 == 0, "")
+		if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderWorker) != worker {
+			t.Fatalf("turn %d on %s (%d %s), want %s, the worker that stored %s", turn, resp.Header.Get(HeaderWorker),
+				resp.StatusCode, body, worker, prev)
+		}
+		prev = responseID(t, body)
+	}
+
+	resp, body = send(prev, false, `,"store":false`)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("unstored turn: %d %s", resp.StatusCode, body)
+	}
+	if b, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(responseID(t, body))); ok {
+		t.Errorf("an answer sent with store false is bound: %+v", b)
+	}
+
+	var held *statefulWorker
+	for i, w := range ws {
+		if specs[i].ID == worker {
+			held = w
+		}
+	}
+	held.mu.Lock()
+	held.busy = true
+	held.mu.Unlock()
+	before := 0
+	for _, w := range ws {
+		before += w.requests()
+	}
+	resp, body = send(prev, false, "")
+	after := 0
+	for _, w := range ws {
+		after += w.requests()
+	}
+	if resp.StatusCode != http.StatusTooManyRequests || after-before != 1 {
+		t.Errorf("a continued request whose worker is busy: %d %s after %d dispatches, want its worker's 429 after 1",
+			resp.StatusCode, body, after-before)
+	}
+}
+
+// TestResponsesStateFieldsAreChecked: previous_response_id and store of the wrong type are
+// the client's error, naming the field; an id that cannot be a session key routes freely.
+func TestResponsesStateFieldsAreChecked(t *testing.T) {
+	tests := []struct {
+		name, body string
+		want       string // the param of a 400; "" for an accepted request
+		resume     bool
+		store      bool
+	}{
+		{"none", `{"model":"m","input":"x"}`, "", false, true},
+		{"null", `{"model":"m","input":"x","previous_response_id":null,"store":null}`, "", false, true},
+		{"continued", `{"model":"m","input":"x","previous_response_id":"resp_1","store":false}`, "", true, false},
+		{"id with a space", `{"model":"m","input":"x","previous_response_id":"resp 1"}`, "", false, true},
+		{"id too long", `{"model":"m","input":"x","previous_response_id":"` + strings.Repeat("r", maxSessionKey) + `"}`, "", false, true},
+		{"id a number", `{"model":"m","input":"x","previous_response_id":7}`, "previous_response_id", false, false},
+		{"store a string", `{"model":"m","input":"x","store":"yes"}`, "store", false, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, err := Parse(KindResponses, []byte(tt.body))
+			if tt.want != "" {
+				var apiErr *Error
+				if err == nil || !errors.As(err, &apiErr) || apiErr.Param != tt.want {
+					t.Fatalf("Parse: %v, want a 400 naming %s", err, tt.want)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Parse: %v", err)
+			}
+			if got := resumes(p) != ""; got != tt.resume || p.StoreResponse != tt.store {
+				t.Errorf("resumes %v store %v, want %v %v", got, p.StoreResponse, tt.resume, tt.store)
+			}
+		})
+	}
+}
