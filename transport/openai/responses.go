@@ -59,12 +59,16 @@ type responseObject struct {
 	ID     string `json:"id"`
 	Object string `json:"object"`
 	Status string `json:"status"`
+	// Store is the answer's own word on whether it was stored, when it says (vLLM's does
+	// not: it drops the request's store silently unless VLLM_ENABLE_RESPONSES_API_STORE).
+	Store *bool `json:"store"`
 }
 
 // kept reports whether the worker keeps this answer: a response object that did not fail
-// (completed, incomplete, or queued and running in the background).
+// (completed, incomplete, or queued and running in the background) and does not say it was
+// not stored.
 func (o *responseObject) kept() bool {
-	if o.Object != "" && o.Object != "response" {
+	if o.Object != "" && o.Object != "response" || o.Store != nil && !*o.Store {
 		return false
 	}
 	switch o.Status {

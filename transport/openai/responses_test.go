@@ -196,3 +196,59 @@ func TestResponsesStateFieldsAreChecked(t *testing.T) {
 		})
 	}
 }
+
+// FuzzResponseWatch: the watch takes any stream, cut anywhere, without a panic; it finds an
+// answer's end the same however the stream is cut, and only a kept response with an id.
+func FuzzResponseWatch(f *testing.F) {
+	f.Add([]byte("event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"object\":\"response\",\"status\":\"completed\"}}\n\n"), uint8(7))
+	f.Add([]byte("data: {\"type\":\"response.incomplete\",\"response\":{\"id\":\"r\",\"status\":\"incomplete\"}}\r\n"), uint8(1))
+	f.Add([]byte("data: {\"type\":\"response.failed\",\"response\":{\"id\":\"r\",\"status\":\"failed\"}}\n"), uint8(3))
+	f.Add([]byte(`{"id":"r","object":"response","status":"completed"}`), uint8(0))
+	f.Fuzz(func(t *testing.T, stream []byte, cut uint8) {
+		var whole responseWatch
+		wo, wok := whole.feed(stream)
+		var parts responseWatch
+		var po responseObject
+		pok := false
+		step := int(cut) + 1
+		for i := 0; i < len(stream) && !pok; i += step {
+			po, pok = parts.feed(stream[i:min(i+step, len(stream))])
+		}
+		same := func(a, b responseObject) bool {
+			return a.ID == b.ID && a.Object == b.Object && a.Status == b.Status && (a.Store == nil) == (b.Store == nil)
+		}
+		if wok != pok || !same(wo, po) {
+			t.Fatalf("whole %+v %v, cut every %d bytes %+v %v", wo, wok, step, po, pok)
+		}
+		if wok && !wo.kept() {
+			t.Fatalf("found a response that is not kept: %+v", wo)
+		}
+		if len(whole.line) > maxResponseEvent || len(parts.line) > maxResponseEvent {
+			t.Fatalf("a line of %d bytes held", max(len(whole.line), len(parts.line)))
+		}
+		_, _ = scanResponse(stream)
+	})
+}
+
+// TestOnlyAnswersTheWorkerKeepsAreBound: what a whole answer must say to be bound.
+func TestOnlyAnswersTheWorkerKeepsAreBound(t *testing.T) {
+	tests := []struct {
+		body string
+		want bool
+	}{
+		{`{"id":"r","object":"response","status":"completed"}`, true},
+		{`{"id":"r","object":"response","status":"incomplete","store":true}`, true},
+		{`{"id":"r","object":"response","status":"queued"}`, true},
+		{`{"id":"r","object":"response","status":"failed"}`, false},
+		{`{"id":"r","object":"response","status":"cancelled"}`, false},
+		{`{"id":"r","object":"response","status":"completed","store":false}`, false},
+		{`{"id":"r","object":"chat.completion","status":"completed"}`, false},
+		{`{"id":7,"object":"response","status":"completed"}`, false},
+		{`[1]`, false},
+	}
+	for _, tt := range tests {
+		if _, got := scanResponse([]byte(tt.body)); got != tt.want {
+			t.Errorf("%s: bound %v, want %v", tt.body, got, tt.want)
+		}
+	}
+}

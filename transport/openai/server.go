@@ -476,16 +476,9 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	if catalog.Adapter(p.Model) {
 		lora = p.Model
 	}
-	resume := false
-	if key := resumes(p); key != "" {
-		// The stored response it continues outranks a session header: only its worker
-		// holds it.
-		session, resume = key, true
-	}
 	req := &routing.Request{
 		PromptTokens: p.PromptTokens(),
 		Session:      session,
-		Resume:       resume,
 		Target:       target,
 		LoRA:         lora,
 		Model:        p.Model,
@@ -692,6 +685,11 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
 		return
+	}
+	if key := resumes(p); key != "" {
+		// The stored response it continues outranks a session header: only its worker
+		// holds it.
+		req.Session, req.Resume = key, true
 	}
 	client := ""
 	switch {
