@@ -18,7 +18,8 @@ const clientsDir = "../clients/node"
 // @anthropic-ai/sdk npm clients (clients/node/apis.test.mjs) against a replica in front of
 // simulated workers: Responses and Messages, streamed and not, count_tokens, embeddings,
 // errors in each API's shape (a model no worker serves among them), models.list() and
-// models.retrieve(), a session kept on one worker. It installs the packages from
+// models.retrieve(), a session kept on one worker, a conversation chained by
+// previous_response_id kept on the worker that stored it. It installs the packages from
 // the lock file when they are missing. Without Node it skips, unless KVROUTER_REQUIRE_NODE
 // is set (CI sets it), when it fails.
 func TestOfficialClientsSpeakResponsesAndMessages(t *testing.T) {
