@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
@@ -146,9 +147,12 @@ func endEvent(line []byte) (responseObject, bool) {
 	return ev.Response, true
 }
 
-// keepResponse binds the answer o, which worker w made for call c, to w. A binding that
-// cannot be made (no quorum within the bind wait, the cap on bindings, an id bound
-// elsewhere) is logged and counted; the answer still goes to the client, and a request
+// keepResponse binds the answer o, which worker w made for call c, to w. The binding is a new
+// session of the client's, admitted as one (its rate, its live sessions): past them the
+// answer is served unbound, since most clients send store true only because it is the
+// API's default and never continue an answer. A binding that cannot be made (no quorum
+// within the bind wait, the cap on bindings, an id bound elsewhere) is counted and logged
+// (at most every respWarnEvery); the answer still goes to the client, and a request
 // continuing it is routed as any other.
 func (s *Server) keepResponse(ctx context.Context, c *call, w indexer.Worker, o responseObject) {
 	key, ok := responseSession(o.ID)
@@ -157,12 +161,24 @@ func (s *Server) keepResponse(ctx context.Context, c *call, w indexer.Worker, o 
 		s.log.Debug("a response id that cannot be a session key is not bound", "worker", w.String(), "id_bytes", len(o.ID))
 		return
 	}
+	if admit := s.admitNew(c.client); admit != nil {
+		if err := admit(); err != nil {
+			// Counted in kvrouter_client_limited_total.
+			s.log.Debug("a stored response is not bound: its client is past its new-session limits", "worker", w.String(), "error", err)
+			return
+		}
+	}
 	b, err := s.router.Pin(ctx, key, w)
 	if err != nil {
 		s.metrics.errors.WithLabelValues("response_unbound").Inc()
-		s.log.Warn("could not bind a stored response to its worker; a request continuing it is routed as any other",
-			"worker", w.String(), "response", o.ID, "error", err)
+		if ok, left := s.respWarn.Allow("bind", time.Now()); ok && ctx.Err() == nil {
+			s.log.Warn("could not bind a stored response to its worker; a request continuing it is routed as any other",
+				"worker", w.String(), "response", o.ID, "error", err, "suppressed", left)
+		}
 		return
 	}
 	s.madeSession(c.client, false, b)
 }
+
+// respWarnEvery spaces the warnings of responses that could not be bound.
+const respWarnEvery = 10 * time.Second

@@ -252,3 +252,28 @@ func TestOnlyAnswersTheWorkerKeepsAreBound(t *testing.T) {
 		}
 	}
 }
+
+// TestStoredResponsesPastTheClientLimitsAreServedUnbound: each stored answer is a new session
+// of its client's; past the client's new-session rate the answer is still served, but not
+// bound (the router stores no more for one client than its sessions would).
+func TestStoredResponsesPastTheClientLimitsAreServedUnbound(t *testing.T) {
+	w := newStatefulWorker(t, "w0")
+	r := newRig(t, []routing.WorkerSpec{spec("w0", w.URL)}, rigOptions{front: func(c *Config) {
+		c.ClientLimits = ClientLimits{SessionRate: 1e-6, SessionBurst: 2}
+	}})
+	var bound []bool
+	for range 3 {
+		resp, body := r.post("/v1/responses", `{"model":"m","input":"hi"}`, nil)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+		_, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(responseID(t, body)))
+		bound = append(bound, ok)
+	}
+	if !bound[0] || !bound[1] || bound[2] {
+		t.Errorf("bound %v, want the first two (the burst) and not the third", bound)
+	}
+	if n := r.metric("kvrouter_client_limited_total", map[string]string{"what": "session"}); n != 1 {
+		t.Errorf("kvrouter_client_limited_total{what=session} = %v, want 1", n)
+	}
+}

@@ -174,6 +174,8 @@ type Server struct {
 	made        made
 	// tokenizeWarn spaces the warnings of a failing tokenizer.
 	tokenizeWarn *ratelog.Limiter
+	// respWarn spaces the warnings of stored responses that could not be bound.
+	respWarn *ratelog.Limiter
 	// tr traces requests; nil without Config.Tracer.
 	tr *tracing
 	// sessionKeys are Config.SessionHeaders in canonical form, the keys they have in a
@@ -192,6 +194,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 	}
 	s := &Server{
 		tokenizeWarn: ratelog.New(tokenizeWarnEvery, 1),
+		respWarn:     ratelog.New(respWarnEvery, 1),
 		cfg:          cfg,
 		log:          cfg.Logger,
 		router:       router,
@@ -692,19 +695,11 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		req.Session, req.Resume = key, true
 	}
 	client := ""
-	switch {
-	case storesResponse(p):
-		// The answer's id will be bound, a new session whatever the request continues: it
-		// is admitted as one, here, before anything is routed.
+	if req.Session != "" || storesResponse(p) {
+		// (A stored answer's binding is a new session of the client's: keepResponse.)
 		client = s.clientKey(r.Header, r.RemoteAddr)
-		if admit := s.admitNew(client); admit != nil {
-			if err := admit(); err != nil {
-				s.fail(w, r, routeError(err))
-				return
-			}
-		}
-	case req.Session != "":
-		client = s.clientKey(r.Header, r.RemoteAddr)
+	}
+	if req.Session != "" {
 		req.AdmitNew = s.admitNew(client)
 	}
 	sctx, sspan := s.tr.start(r.Context(), "select", trace.SpanKindInternal)
