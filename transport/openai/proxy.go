@@ -315,7 +315,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 
 	if c.p.Stream || isEventStream(resp.Header) {
-		if storesResponse(c.p) {
+		if s.bindsResponse(c.p) {
 			c.watch = &responseWatch{}
 		}
 		res, fail := s.relay(c, &rd, d, func() {
@@ -366,7 +366,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 			break
 		}
 	}
-	if storesResponse(c.p) {
+	if s.bindsResponse(c.p) {
 		if o, ok := scanResponse(body); ok {
 			s.keepResponse(ctx, c, d.Target.Worker, o)
 		}

@@ -43,17 +43,20 @@ func responseSession(id string) (string, bool) {
 }
 
 // resumes is the session of a request that continues a stored response: the key of its
-// previous_response_id, else "".
-func resumes(p *Request) string {
-	if p.Kind != KindResponses || p.PreviousResponseID == "" {
+// previous_response_id, else "" (always "" with Config.NoResponsesAffinity).
+func (s *Server) resumes(p *Request) string {
+	if s.cfg.NoResponsesAffinity || p.Kind != KindResponses || p.PreviousResponseID == "" {
 		return ""
 	}
 	key, _ := responseSession(p.PreviousResponseID)
 	return key
 }
 
-// storesResponse reports whether the worker will keep p's answer, which the router binds.
-func storesResponse(p *Request) bool { return p.Kind == KindResponses && p.StoreResponse }
+// bindsResponse reports whether p's answer is bound to its worker: the worker keeps it
+// (store), and Config.NoResponsesAffinity is off.
+func (s *Server) bindsResponse(p *Request) bool {
+	return !s.cfg.NoResponsesAffinity && p.Kind == KindResponses && p.StoreResponse
+}
 
 // responseObject is what the router reads of a Responses answer.
 type responseObject struct {

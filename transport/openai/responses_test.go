@@ -190,7 +190,7 @@ func TestResponsesStateFieldsAreChecked(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Parse: %v", err)
 			}
-			if got := resumes(p) != ""; got != tt.resume || p.StoreResponse != tt.store {
+			if got := (&Server{}).resumes(p) != ""; got != tt.resume || p.StoreResponse != tt.store {
 				t.Errorf("resumes %v store %v, want %v %v", got, p.StoreResponse, tt.resume, tt.store)
 			}
 		})
@@ -275,5 +275,24 @@ func TestStoredResponsesPastTheClientLimitsAreServedUnbound(t *testing.T) {
 	}
 	if n := r.metric("kvrouter_client_limited_total", map[string]string{"what": "session"}); n != 1 {
 		t.Errorf("kvrouter_client_limited_total{what=session} = %v, want 1", n)
+	}
+}
+
+// TestNoResponsesAffinityBindsNothing: with the binding off, a stored answer is not bound and
+// a request continuing it is routed as any other (no session).
+func TestNoResponsesAffinityBindsNothing(t *testing.T) {
+	w := newStatefulWorker(t, "w0")
+	r := newRig(t, []routing.WorkerSpec{spec("w0", w.URL)}, rigOptions{front: func(c *Config) { c.NoResponsesAffinity = true }})
+	resp, body := r.post("/v1/responses", `{"model":"m","input":"hi"}`, nil)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	id := responseID(t, body)
+	if _, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(id)); ok {
+		t.Error("a stored answer is bound with the binding off")
+	}
+	resp, body = r.post("/v1/responses", `{"model":"m","input":"more","previous_response_id":"`+id+`"}`, nil)
+	if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderRevision) != "" {
+		t.Errorf("continued with the binding off: %d, revision %q: %s", resp.StatusCode, resp.Header.Get(HeaderRevision), body)
 	}
 }

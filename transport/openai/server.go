@@ -101,6 +101,10 @@ type Config struct {
 	Tracer trace.TracerProvider
 	// ClientLimits are the limits per client (limits.go); zero: none.
 	ClientLimits ClientLimits
+	// NoResponsesAffinity turns off the binding of stored Responses answers to their worker
+	// (responses.go): for workers that keep no Responses state, where each binding would be
+	// a Raft write for nothing. previous_response_id is then routed as any request.
+	NoResponsesAffinity bool
 }
 
 func (c *Config) setDefaults() error {
@@ -689,13 +693,13 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		s.fail(w, r, apiErr)
 		return
 	}
-	if key := resumes(p); key != "" {
+	if key := s.resumes(p); key != "" {
 		// The stored response it continues outranks a session header: only its worker
 		// holds it.
 		req.Session, req.Resume = key, true
 	}
 	client := ""
-	if req.Session != "" || storesResponse(p) {
+	if req.Session != "" || s.bindsResponse(p) {
 		// (A stored answer's binding is a new session of the client's: keepResponse.)
 		client = s.clientKey(r.Header, r.RemoteAddr)
 	}
