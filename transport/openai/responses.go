@@ -16,15 +16,15 @@ import (
 // the answer's id to its worker as a session (routing.ResponseSession: a key no client
 // header can name), through Raft with the session TTL, and routes a request naming it as a
 // request of that session, without any session header. The id is the worker's, from its
-// answer: the response object's id (whole, or in the stream's response.completed event),
-// never the client's. The binding is made before the end of the answer goes to the client,
+// answer: the response object's id (whole, or in the stream's response.created event, the
+// stream's end from its response.completed event), never the client's. The binding is made before the end of the answer goes to the client,
 // so a client cannot have a finished answer whose id is not yet bound; a replica that has not
 // applied the binding yet confirms its miss with a read-index round (routing Request.Resume).
 
-// maxResponseEvent bounds a streamed event the router reads for the response's id: the
-// response.completed event repeats the whole answer. A longer one is passed on unread, and
-// its answer stays unbound.
-const maxResponseEvent = 8 << 20
+// maxResponseEvent bounds a streamed line the watch reads. The end event's data repeats the
+// whole answer: it is read only from a stream without SSE event lines (the router then knows
+// the end from that line alone), and a longer one leaves its answer unbound.
+const maxResponseEvent = 1 << 20
 
 // responseSession is the session key of response id, false for an id that cannot be one
 // (empty, too long, not printable ASCII without spaces): such an id is not bound, and a
@@ -92,21 +92,28 @@ func scanResponse(body []byte) (responseObject, bool) {
 }
 
 // responseWatch reads a Responses stream as it passes for the event that ends it well
-// (response.completed or response.incomplete) and the response id it carries.
+// (response.completed or response.incomplete) and the response id. The id and what the
+// answer says of its storing come from the stream's first event (response.created, small);
+// the end from the SSE event line that names it, so that the end event's data, which
+// repeats the whole answer, need not be read. A stream without event lines has its end
+// event's data read instead, up to maxResponseEvent.
 type responseWatch struct {
-	line []byte // the current line, while it is a data line of bounded length
-	skip bool   // the current line is dropped (too long, or not data)
-	done bool   // the end was found
+	line    []byte // the current line, while it is of bounded length
+	skip    bool   // the current line is dropped (too long)
+	done    bool   // the end was found
+	created responseObject
 }
 
-// endMarkers are the event types whose data the watch decodes.
-var endMarkers = [][]byte{[]byte(`"response.completed"`), []byte(`"response.incomplete"`)}
+// Event types the watch reads.
+const (
+	eventCreated    = "response.created"
+	eventCompleted  = "response.completed"
+	eventIncomplete = "response.incomplete"
+)
 
 // feed reads the next bytes of the stream and returns the response once the event that ends
-// it has arrived whole in them (at most once).
+// it has arrived in them (at most once).
 func (w *responseWatch) feed(b []byte) (responseObject, bool) {
-	var found responseObject
-	ok := false
 	for len(b) > 0 && !w.done {
 		i := bytes.IndexByte(b, '\n')
 		part := b
@@ -124,30 +131,51 @@ func (w *responseWatch) feed(b []byte) (responseObject, bool) {
 			break
 		}
 		if !w.skip {
-			found, ok = endEvent(w.line)
-			w.done = ok
+			if o, ok := w.readLine(bytes.TrimSuffix(w.line, []byte{'\r'})); ok {
+				w.done = true
+				return o, true
+			}
 		}
 		w.line, w.skip = w.line[:0], false
 		b = b[i+1:]
 	}
-	return found, ok
+	return responseObject{}, false
 }
 
-// endEvent decodes one stream line: the response of a data line of an event that ends a
-// stream well.
-func endEvent(line []byte) (responseObject, bool) {
-	data, ok := bytes.CutPrefix(bytes.TrimSuffix(line, []byte{'\r'}), []byte("data:"))
-	if !ok || !bytes.Contains(data, endMarkers[0]) && !bytes.Contains(data, endMarkers[1]) {
+// readLine reads one whole stream line, and returns the response when it ends the stream well.
+func (w *responseWatch) readLine(line []byte) (responseObject, bool) {
+	if name, ok := bytes.CutPrefix(line, []byte("event:")); ok {
+		switch string(bytes.TrimSpace(name)) {
+		case eventCompleted, eventIncomplete:
+			if o := w.created; o.ID != "" && (o.Store == nil || *o.Store) {
+				o.Status = string(bytes.TrimPrefix(bytes.TrimSpace(name), []byte("response.")))
+				return o, true
+			}
+		}
+		return responseObject{}, false
+	}
+	data, ok := bytes.CutPrefix(line, []byte("data:"))
+	if !ok || !bytes.Contains(data, []byte(`"response.`)) {
 		return responseObject{}, false
 	}
 	var ev struct {
 		Type     string         `json:"type"`
 		Response responseObject `json:"response"`
 	}
-	if json.Unmarshal(data, &ev) != nil || ev.Type != "response.completed" && ev.Type != "response.incomplete" || !ev.Response.kept() {
+	if json.Unmarshal(data, &ev) != nil {
 		return responseObject{}, false
 	}
-	return ev.Response, true
+	switch ev.Type {
+	case eventCreated:
+		if w.created.ID == "" {
+			w.created = ev.Response
+		}
+	case eventCompleted, eventIncomplete:
+		if ev.Response.kept() {
+			return ev.Response, true
+		}
+	}
+	return responseObject{}, false
 }
 
 // keepResponse binds the answer o, which worker w made for call c, to w. The binding is a new

@@ -296,3 +296,35 @@ func TestNoResponsesAffinityBindsNothing(t *testing.T) {
 		t.Errorf("continued with the binding off: %d, revision %q: %s", resp.StatusCode, resp.Header.Get(HeaderRevision), body)
 	}
 }
+
+// TestTheStreamWatchFindsTheEnd: where a stream's id and end are read from.
+func TestTheStreamWatchFindsTheEnd(t *testing.T) {
+	created := `event: response.created` + "\n" + `data: {"type":"response.created","response":{"id":"r1","object":"response","status":"in_progress"%s}}` + "\n\n"
+	huge := strings.Repeat("x", maxResponseEvent)
+	tests := []struct {
+		name, stream string
+		want         string // the id found, "" for none
+	}{
+		{"event lines", fmt.Sprintf(created, "") + "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r1\",\"output\":\"" + huge + "\"}}\n\n", "r1"},
+		{"incomplete", fmt.Sprintf(created, "") + "event: response.incomplete\n", "r1"},
+		{"data only", "data: {\"type\":\"response.completed\",\"response\":{\"id\":\"r2\",\"object\":\"response\",\"status\":\"completed\"}}\r\n", "r2"},
+		{"data only, longer than the bound", "data: {\"type\":\"response.completed\",\"response\":{\"id\":\"r2\",\"status\":\"completed\",\"x\":\"" + huge + "\"}}\n", ""},
+		{"not stored", fmt.Sprintf(created, `,"store":false`) + "event: response.completed\n", ""},
+		{"failed", fmt.Sprintf(created, "") + "event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":{\"id\":\"r1\",\"status\":\"failed\"}}\n", ""},
+		{"cut off", fmt.Sprintf(created, ""), ""},
+	}
+	for _, tt := range tests {
+		var w responseWatch
+		var got responseObject
+		ok := false
+		for i := 0; i < len(tt.stream) && !ok; i += 4096 {
+			got, ok = w.feed([]byte(tt.stream[i:min(i+4096, len(tt.stream))]))
+		}
+		if got.ID != tt.want || ok != (tt.want != "") {
+			t.Errorf("%s: found %q (%v), want %q", tt.name, got.ID, ok, tt.want)
+		}
+		if cap(w.line) > 2*maxResponseEvent {
+			t.Errorf("%s: the watch holds %d bytes", tt.name, cap(w.line))
+		}
+	}
+}
