@@ -13,6 +13,7 @@ FUZZ_TARGETS := \
 	./transport/openai:FuzzDecodeModelList \
 	./transport/openai:FuzzReadCommonHead \
 	./transport/openai:FuzzScanUsage \
+	./transport/openai:FuzzResponseWatch \
 	./sim:FuzzDecodeRequest \
 	./sim/trace:FuzzRead \
 	./indexer:FuzzChain \

@@ -86,6 +86,29 @@ func (a *Affinity) fence(ctx context.Context) error {
 	}
 }
 
+// Sync implements routing.Syncer: it returns once the local FSM has applied every change
+// acknowledged before the call (a read-index round through the leader, whatever the
+// consistency level), waiting up to BindWait for a leader to answer one.
+func (a *Affinity) Sync(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, a.n.cfg.BindWait)
+	defer cancel()
+	for {
+		ch := a.n.changeCh()
+		idx, err := a.n.readIndex(ctx, a.n.IsLeader())
+		if err == nil {
+			return a.n.waitApplied(ctx, idx)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("sync bindings: %w", err)
+		case <-ch:
+		case <-time.After(25 * time.Millisecond):
+		}
+	}
+}
+
+var _ routing.Syncer = (*Affinity)(nil)
+
 // current is the session's binding as this replica knows it: the FSM's, or a newer one
 // this replica committed that the FSM has not applied yet.
 func (a *Affinity) currentLocked(session string) (routing.Binding, bool) {

@@ -43,7 +43,8 @@ func nodeClients(t *testing.T, ctx context.Context) string {
 // @anthropic-ai/sdk npm clients (clients/node/apis.test.mjs) against a replica in front of
 // simulated workers: Responses and Messages, streamed and not, count_tokens, embeddings,
 // errors in each API's shape (a model no worker serves among them), models.list() and
-// models.retrieve(), a session kept on one worker.
+// models.retrieve(), a session kept on one worker, a conversation chained by
+// previous_response_id kept on the worker that stored it.
 func TestOfficialClientsSpeakResponsesAndMessages(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 4*time.Minute)
 	defer cancel()

@@ -150,6 +150,21 @@ type AffinityStore interface {
 	Invalidate(ctx context.Context, session string, revision uint64) error
 }
 
+// Syncer is an AffinityStore that can catch up: Sync returns once the store reflects every
+// binding acknowledged before the call, wherever it was made (the Raft store: a read-index
+// round through the leader, whatever its consistency level).
+type Syncer interface {
+	Sync(ctx context.Context) error
+}
+
+// ResponseSession is the session key that binds state a worker keeps under id (a Responses
+// API response's id) to that worker. Its space cannot occur in a session header's key
+// (printable ASCII without spaces), so a client cannot name it as a session of its own.
+func ResponseSession(id string) string { return responseSessionPrefix + id }
+
+// responseSessionPrefix starts every ResponseSession key.
+const responseSessionPrefix = "response "
+
 // Lease is one request's hold on a session.
 type Lease interface {
 	// Binding returns the binding this lease found; false means this lease initializes it.

@@ -54,6 +54,12 @@ type Request struct {
 	// selection, load or record, and the session stays unbound. A session already bound is
 	// never asked about, nor a binding replaced because its worker failed.
 	AdmitNew func() error
+	// Resume marks a session that names state a worker made (a Responses API response id):
+	// its binding may have been made a moment ago on another replica, so a miss is
+	// confirmed against every acknowledged binding (the store's Sync) before the request
+	// is routed as new; and a bound request does not retry on another worker, where the
+	// state is not.
+	Resume bool
 }
 
 // Decision is the outcome of a selection.
@@ -290,7 +296,7 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 	}
 	useAffinity := req.Session != "" && r.deps.Affinity != nil
 	if useAffinity {
-		lease, err := r.deps.Affinity.Acquire(ctx, req.Session, req.Target)
+		lease, err := r.acquire(ctx, req)
 		if err != nil {
 			return nil, err
 		}
@@ -340,6 +346,45 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 		a.lease = nil
 	}
 	return nil, err
+}
+
+// acquire takes the request's session lease; for a Resume session that this replica finds
+// unbound, once more after the store has caught up with every acknowledged binding.
+func (r *Router) acquire(ctx context.Context, req *Request) (Lease, error) {
+	lease, err := r.deps.Affinity.Acquire(ctx, req.Session, req.Target)
+	if err != nil || !req.Resume {
+		return lease, err
+	}
+	s, ok := r.deps.Affinity.(Syncer)
+	if _, bound := lease.Binding(); bound || !ok {
+		return lease, nil
+	}
+	lease.Release()
+	if err := s.Sync(ctx); err != nil && ctx.Err() != nil {
+		return nil, ctx.Err()
+	}
+	// A Sync that failed otherwise (no leader within its wait) leaves the miss as it was.
+	return r.deps.Affinity.Acquire(ctx, req.Session, req.Target)
+}
+
+// Pin binds session to w unless it is bound already, as a first request that chose w would,
+// and releases it at once, so its idle TTL starts now: for state a worker made that later
+// requests must find there (a Responses API answer, keyed by ResponseSession). A session
+// bound to another worker is ErrTargetConflict, one bound by a concurrent request first
+// ErrBoundElsewhere. Without an affinity store it binds nothing.
+func (r *Router) Pin(ctx context.Context, session string, w indexer.Worker) (Binding, error) {
+	if r.deps.Affinity == nil {
+		return Binding{}, nil
+	}
+	lease, err := r.deps.Affinity.Acquire(ctx, session, &w)
+	if err != nil {
+		return Binding{}, err
+	}
+	defer lease.Release()
+	if b, bound := lease.Binding(); bound {
+		return b, nil
+	}
+	return lease.Commit(ctx, w, "")
 }
 
 // resolveAlias sets the request's model to its alias's target: the one its session's
@@ -679,7 +724,7 @@ func (a *Attempt) Retry(ctx context.Context, cause error) error {
 	}
 	a.ticket.Finish()
 	a.tried = append(a.tried, a.decision.Target.Worker)
-	if a.req.Target != nil || a.retries >= a.router.cfg.MaxRetries {
+	if a.req.Target != nil || a.retries >= a.router.cfg.MaxRetries || a.req.Resume && a.decision.Bound {
 		a.fail(ctx)
 		return fmt.Errorf("%w after %d tries: %w", ErrRetriesExhausted, len(a.tried), cause)
 	}

@@ -67,6 +67,9 @@ func (w *Worker) handleAPI(x api) http.HandlerFunc {
 		if aerr == nil {
 			aerr = w.checkModel(req.model)
 		}
+		if aerr == nil && req.turn != nil {
+			req, aerr = w.responses.resume(req, w.cfg.MaxModelLen)
+		}
 		if aerr != nil {
 			w.metrics.outcome("rejected")
 			x.writeErr(rw, aerr)
@@ -110,6 +113,11 @@ func (w *Worker) handleAPI(x api) http.HandlerFunc {
 		w.metrics.outcome("ok")
 		w.metrics.finished.WithLabelValues("length").Inc()
 		w.metrics.e2e.Observe(time.Since(start).Seconds())
+		if req.turn != nil && req.turn.store {
+			// Stored before the answer ends, as vLLM does: a follow-up sent the moment the
+			// client has it finds it.
+			w.responses.keep(a.id, req.turn.msgs, a.text())
+		}
 		if req.stream {
 			_ = writeEvents(rw, x.events.end(a))
 			return
@@ -157,18 +165,25 @@ var responsesAPI = api{
 	name: "resp",
 	decode: func(body []byte, maxModelLen int) (*genRequest, *apiError) {
 		var r struct {
-			Model           string          `json:"model"`
-			Input           json.RawMessage `json:"input"`
-			Instructions    *string         `json:"instructions"`
-			MaxOutputTokens *int64          `json:"max_output_tokens"`
-			Stream          *bool           `json:"stream"`
+			Model              string          `json:"model"`
+			Input              json.RawMessage `json:"input"`
+			Instructions       *string         `json:"instructions"`
+			MaxOutputTokens    *int64          `json:"max_output_tokens"`
+			Stream             *bool           `json:"stream"`
+			Store              *bool           `json:"store"`
+			PreviousResponseID *string         `json:"previous_response_id"`
 		}
 		if err := json.Unmarshal(body, &r); err != nil {
 			return nil, decodeError(err)
 		}
+		turn := &responseTurn{store: r.Store == nil || *r.Store}
+		if r.PreviousResponseID != nil {
+			turn.previous = *r.PreviousResponseID
+		}
 		var msgs []ChatMessage
 		if r.Instructions != nil && *r.Instructions != "" {
 			msgs = append(msgs, ChatMessage{Role: "system", Content: *r.Instructions})
+			turn.instructions = 1
 		}
 		var s string
 		if json.Unmarshal(r.Input, &s) == nil {
@@ -193,7 +208,12 @@ var responsesAPI = api{
 				msgs = append(msgs, ChatMessage{Role: it.Role, Content: text})
 			}
 		}
-		return genFrom(r.Model, msgs, r.MaxOutputTokens, r.Stream, "max_output_tokens", maxModelLen)
+		turn.msgs, turn.maxTokens, turn.stream = msgs, r.MaxOutputTokens, r.Stream
+		req, aerr := genFrom(r.Model, msgs, r.MaxOutputTokens, r.Stream, "max_output_tokens", maxModelLen)
+		if req != nil {
+			req.turn = turn
+		}
+		return req, aerr
 	},
 	whole: func(a *apiAnswer) any { return responseObject(a, "completed", true) },
 	events: apiEvents{
@@ -261,6 +281,12 @@ func outputItem(a *apiAnswer, status, text string) map[string]any {
 func responseObject(a *apiAnswer, status string, done bool) map[string]any {
 	resp := map[string]any{"id": a.id, "object": "response", "created_at": a.created, "status": status, "model": a.model,
 		"output": []any{}, "parallel_tool_calls": false, "tool_choice": "auto", "tools": []any{}}
+	if t := a.req.turn; t != nil {
+		resp["store"] = t.store
+		if t.previous != "" {
+			resp["previous_response_id"] = t.previous
+		}
+	}
 	if done {
 		n := len(a.out.pieces)
 		resp["output"] = []any{outputItem(a, "completed", a.text())}

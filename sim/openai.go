@@ -71,6 +71,8 @@ type genRequest struct {
 	// cacheSalt is the request's cache_salt: its blocks are other blocks than the same
 	// tokens' under another salt or none, as vLLM keys the salt into the first block.
 	cacheSalt string
+	// turn is a Responses request's place in its conversation; nil for the other APIs.
+	turn *responseTurn
 }
 
 type streamOptions struct {

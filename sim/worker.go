@@ -35,6 +35,8 @@ type Worker struct {
 	engineID   string
 	transfers  kvTransfers
 	pullClient *http.Client
+	// responses are the Responses answers kept for a later previous_response_id.
+	responses responseStore
 
 	faultMu     sync.Mutex
 	faults      Faults

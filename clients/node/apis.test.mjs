@@ -1,6 +1,7 @@
 // The official OpenAI and Anthropic clients against kvrouter-ha in front of simulated
 // workers: Responses and Messages, streamed and not, count_tokens, embeddings, errors in each
-// API's shape, and a session kept on one worker. Run by replica's
+// API's shape, a session kept on one worker, and a Responses conversation chained by
+// previous_response_id kept on the worker that stored it. Run by replica's
 // TestOfficialClientsSpeakResponsesAndMessages, which starts the router and sets KVROUTER_URL
 // and KVROUTER_MODEL.
 import { test } from 'node:test';
@@ -128,6 +129,28 @@ test('a session stays on its worker', async () => {
     .withResponse();
   workers.add(response.headers.get('x-kvrouter-worker'));
   assert.equal(workers.size, 1, `the session went to ${[...workers]}`);
+});
+
+test('a conversation chained by previous_response_id stays on the worker that stored it', async () => {
+  const workers = new Set();
+  let previous;
+  for (let turn = 1; turn <= 5; turn++) {
+    const stream = turn % 2 === 0;
+    const { data, response } = await openai.responses
+      .create({ model, input: `turn ${turn}`, max_output_tokens: 2, stream, ...(previous && { previous_response_id: previous }) })
+      .withResponse();
+    workers.add(response.headers.get('x-kvrouter-worker'));
+    if (!stream) {
+      previous = data.id;
+      continue;
+    }
+    for await (const ev of data) {
+      if (ev.type === 'response.completed') previous = ev.response.id;
+    }
+  }
+  assert.equal(workers.size, 1, `the conversation went to ${[...workers]}`);
+  await assert.rejects(openai.responses.create({ model, input: 'more', previous_response_id: 'resp-nobody-1' }),
+    (err) => err instanceof OpenAI.NotFoundError && err.message.includes("Response with id 'resp-nobody-1' not found"));
 });
 
 test('models.list and models.retrieve', async () => {

@@ -176,6 +176,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 		}
 		return nil
 	})
+	fs.BoolVar(&cfg.Proxy.NoResponsesAffinity, "no-responses-affinity", false, "do not bind stored Responses API answers to the worker that made them (one Raft write each) nor route previous_response_id there: for workers that keep no Responses state, such as vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1")
 	fs.IntVar(&cfg.Proxy.MaxReservations, "max-reservations", 1<<16, "decision service: reservations open at once; more are refused with 429")
 	// Limits per client (transport/openai/limits.go): a client is its TCP peer's address, or
 	// the trusted key header's last value.

@@ -66,6 +66,12 @@ type Request struct {
 	Messages json.RawMessage
 	// Body is the request exactly as the client sent it.
 	Body []byte
+	// PreviousResponseID is a Responses request's previous_response_id ("" for none): the
+	// stored answer it continues, which lives on the worker that made it.
+	PreviousResponseID string
+	// StoreResponse: a Responses request whose answer the worker keeps (store, true unless
+	// the client says false), to be continued by a later previous_response_id.
+	StoreResponse bool
 	// CacheSalt is vLLM's cache_salt, "" for none: it keys the prompt's first block on the
 	// engine, so it keys the router's too.
 	CacheSalt string

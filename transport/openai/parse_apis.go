@@ -93,6 +93,8 @@ func parseResponses(body []byte, req *Request) error {
 		Stream       *bool           `json:"stream"`
 		Input        json.RawMessage `json:"input"`
 		Instructions *string         `json:"instructions"`
+		Previous     json.RawMessage `json:"previous_response_id"`
+		Store        json.RawMessage `json:"store"`
 	}
 	if err := decodeObject(body, &r); err != nil {
 		return err
@@ -100,7 +102,10 @@ func parseResponses(body []byte, req *Request) error {
 	if err := modelAndStream(r.Model, r.Stream, req); err != nil {
 		return err
 	}
-	if len(r.Input) == 0 || string(r.Input) == "null" {
+	if err := responseState(r.Previous, r.Store, req); err != nil {
+		return err
+	}
+	if isNull(r.Input) {
 		return invalid("input", "missing required field: input")
 	}
 	var b strings.Builder
@@ -137,6 +142,31 @@ func parseResponses(body []byte, req *Request) error {
 	req.Text = b.String()
 	return nil
 }
+
+// responseState reads what a Responses request says of the state its worker keeps: the
+// response it continues (previous_response_id: a string, null or absent for none) and
+// whether its own answer is kept (store: a boolean, true when null or absent, as the API
+// has it).
+func responseState(previous, store json.RawMessage, req *Request) error {
+	if !isNull(previous) {
+		id, ok := jsonString(previous)
+		if !ok {
+			return invalid("previous_response_id", "previous_response_id must be a string")
+		}
+		req.PreviousResponseID = id
+	}
+	switch string(store) {
+	case "", "null", "true":
+		req.StoreResponse = true
+	case "false":
+	default:
+		return invalid("store", "store must be a boolean")
+	}
+	return nil
+}
+
+// isNull reports whether a raw member is absent or null.
+func isNull(raw json.RawMessage) bool { return len(raw) == 0 || string(raw) == "null" }
 
 // parseMessages reads an Anthropic Messages request (or count_tokens, which has no
 // max_tokens): messages a non-empty array of {role, content}, system a string or text blocks.

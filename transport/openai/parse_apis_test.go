@@ -104,6 +104,7 @@ func TestParseAPIsWordWrongTypesInJSONTerms(t *testing.T) {
 func FuzzParseAPIs(f *testing.F) {
 	for _, s := range []string{
 		`{"model":"m","input":"hi"}`,
+		`{"model":"m","input":"hi","previous_response_id":"resp_1","store":false}`, `{"model":"m","input":"x","previous_response_id":7,"store":"no"}`,
 		`{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"}]}]}`,
 		`{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"q"}]}`,
 		`{"model":"m","system":"s","messages":[{"role":"assistant","content":[{"type":"text","text":"a"}]}]}`,

@@ -113,6 +113,8 @@ type call struct {
 	// when its decode leg was sent.
 	prefill  string
 	decodeAt time.Time
+	// watch reads a stored Responses stream for its id (nil: not watched).
+	watch *responseWatch
 }
 
 // firstBytes notes the first body bytes of a dispatch: the load moves from prefill to decode.
@@ -224,7 +226,7 @@ func retryError(err error, last failure) *Error {
 func (s *Server) dispatch(c *call) (outcome, failure) {
 	ctx := c.r.Context()
 	d := c.att.Decision()
-	c.firstAt, c.ended, c.generated = time.Time{}, false, 0
+	c.firstAt, c.ended, c.generated, c.watch = time.Time{}, false, 0, nil
 	if d.Target.Spec == nil {
 		return retry, failure{cause: "internal", err: errors.New("routing chose a target without a spec")}
 	}
@@ -314,6 +316,9 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 
 	if c.p.Stream || isEventStream(resp.Header) {
+		if s.bindsResponse(c.p) {
+			c.watch = &responseWatch{}
+		}
 		res, fail := s.relay(c, &rd, d, isEventStream(resp.Header), func() {
 			c.observeTTFT(s)
 			s.observeDecodeLeg(c, resp.Header)
@@ -360,6 +365,11 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		if u.ok[key] {
 			s.observePrediction(d, u.n[key])
 			break
+		}
+	}
+	if s.bindsResponse(c.p) {
+		if o, ok := scanResponse(body); ok {
+			s.keepResponse(ctx, c, d.Target.Worker, o)
 		}
 	}
 	s.writeHeaders(c, resp, d, binding, len(body))
@@ -618,6 +628,13 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, sse bool
 			if !started {
 				hdr()
 				started = true
+			}
+			if c.watch != nil {
+				// The end of a stored answer waits for its binding, so that the client
+				// cannot continue it before it is bound.
+				if o, ok := c.watch.feed(buf[:n]); ok {
+					s.keepResponse(ctx, c, d.Target.Worker, o)
+				}
 			}
 			if _, werr := c.w.Write(buf[:n]); werr != nil {
 				s.log.Debug("client write failed", "error", werr)

@@ -101,6 +101,10 @@ type Config struct {
 	Tracer trace.TracerProvider
 	// ClientLimits are the limits per client (limits.go); zero: none.
 	ClientLimits ClientLimits
+	// NoResponsesAffinity turns off the binding of stored Responses answers to their worker
+	// (responses.go): for workers that keep no Responses state, where each binding would be
+	// a Raft write for nothing. previous_response_id is then routed as any request.
+	NoResponsesAffinity bool
 }
 
 func (c *Config) setDefaults() error {
@@ -174,6 +178,8 @@ type Server struct {
 	made        made
 	// tokenizeWarn spaces the warnings of a failing tokenizer.
 	tokenizeWarn *ratelog.Limiter
+	// respWarn spaces the warnings of stored responses that could not be bound.
+	respWarn *ratelog.Limiter
 	// tr traces requests; nil without Config.Tracer.
 	tr *tracing
 	// sessionKeys are Config.SessionHeaders in canonical form, the keys they have in a
@@ -192,6 +198,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 	}
 	s := &Server{
 		tokenizeWarn: ratelog.New(tokenizeWarnEvery, 1),
+		respWarn:     ratelog.New(respWarnEvery, 1),
 		cfg:          cfg,
 		log:          cfg.Logger,
 		router:       router,
@@ -686,9 +693,17 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		s.fail(w, r, apiErr)
 		return
 	}
+	if key := s.resumes(p); key != "" {
+		// The stored response it continues outranks a session header: only its worker
+		// holds it.
+		req.Session, req.Resume = key, true
+	}
 	client := ""
-	if req.Session != "" {
+	if req.Session != "" || s.bindsResponse(p) {
+		// (A stored answer's binding is a new session of the client's: keepResponse.)
 		client = s.clientKey(r.Header, r.RemoteAddr)
+	}
+	if req.Session != "" {
 		req.AdmitNew = s.admitNew(client)
 	}
 	sctx, sspan := s.tr.start(r.Context(), "select", trace.SpanKindInternal)
