@@ -21,7 +21,8 @@ import (
 // endpoint serving its target, with the body's model replaced by the target (the simulated
 // worker refuses a model it does not serve, 404, as vLLM does) and a content-length that
 // matches the new body; both turns of a session, through two replicas, go to one target
-// and one endpoint.
+// and one endpoint. With --tokenizer worker each prompt is tokenized as its target by a
+// worker serving it (the simulated worker's /tokenize refuses another model, as vLLM's).
 func TestAnAliasThroughThePickerReachesTheWorkerAsItsTarget(t *testing.T) {
 	const v2, v3 = "llama-v2", "llama-v3"
 	fl := startFleetOf(t, sim.Config{Model: v2}, sim.Config{Model: v2}, sim.Config{Model: v3}, sim.Config{Model: v3})
@@ -29,7 +30,7 @@ func TestAnAliasThroughThePickerReachesTheWorkerAsItsTarget(t *testing.T) {
 	for i, m := range []string{v2, v2, v3, v3} {
 		serves[strings.TrimPrefix(fl.urls[i], "http://")] = m
 	}
-	c, gws := startPickers(t, fl)
+	c, gws := startPickers(t, fl, "--tokenizer", "worker")
 	ctx := t.Context()
 	servingModels(ctx, t, c, v2, v3)
 	for r, gw := range gws {
@@ -97,4 +98,20 @@ func TestAnAliasThroughThePickerReachesTheWorkerAsItsTarget(t *testing.T) {
 		send("", i, 0)
 	}
 	t.Logf("sessions by target: %v", targets)
+	// The workers' own record: each prompt was tokenized by a worker serving its target, as
+	// the target, and none was asked for a model it does not serve.
+	tokenized := map[string]uint64{}
+	for i, w := range fl.sims {
+		st := w.Stats()
+		if st.WrongModel != 0 {
+			t.Fatalf("%s (%s) was asked for another model %d times", fl.ids[i], w.Config().Model, st.WrongModel)
+		}
+		tokenized[w.Config().Model] += st.Tokenized
+	}
+	for model, n := range targets {
+		if tokenized[model] == 0 {
+			t.Fatalf("no prompt tokenized as %s, the target of %d sessions (tokenized: %v)", model, n, tokenized)
+		}
+	}
+	t.Logf("prompts tokenized by target: %v", tokenized)
 }
