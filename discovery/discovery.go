@@ -54,6 +54,15 @@ type readiness interface {
 	LookupReadiness(ctx context.Context) (ready []routing.WorkerSpec, notReady []string, err error)
 }
 
+// stopper is a Source that holds something open between looks (the Kubernetes source's
+// watch on the API server), from its first look in a term until Stop. The duty stops it as
+// its term ends, so a replica that does not lead holds nothing open, and the next term's
+// first look opens it afresh.
+type stopper interface {
+	// Stop closes what the source holds open and returns once nothing of it runs.
+	Stop()
+}
+
 // Cluster is what discovery needs of the replicated state (cluster.Node is one).
 type Cluster interface {
 	// Workers lists the cluster registry's workers.
@@ -194,6 +203,13 @@ func newTerm(cfg Config, m *metrics) *term {
 func (t *term) run(ctx context.Context) {
 	tick := time.NewTicker(t.cfg.Interval)
 	defer tick.Stop()
+	defer func() {
+		for _, s := range t.cfg.Sources {
+			if st, ok := s.(stopper); ok {
+				st.Stop()
+			}
+		}
+	}()
 	for {
 		for _, s := range t.cfg.Sources {
 			t.look(ctx, s)

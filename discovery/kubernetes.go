@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -17,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
@@ -69,9 +71,10 @@ type KubernetesOptions struct {
 // terminating; its id is the pod's name and UID, so a pod recreated under the same name is a
 // new worker. A pod that is not ready is not listed: it drains as a gone worker does.
 //
-// The watch starts on the first look (on the leader), and runs until Close. While the API
-// server cannot be reached the look fails (the last set stands) and the informers retry;
-// they list again when it is back.
+// The watch starts on the first look of a leadership term and stops when the term ends (the
+// discovery duty calls Stop): a replica that does not lead holds no watch on the API server,
+// and each term lists afresh. While the API server cannot be reached the look fails (the
+// last set stands) and the informers retry; they list again when it is back.
 type Kubernetes struct {
 	name string
 	opts KubernetesOptions
@@ -79,9 +82,14 @@ type Kubernetes struct {
 	// connect makes the clients (a fake in unit tests).
 	connect func() (kubernetes.Interface, dynamic.Interface, error)
 
-	mu      sync.Mutex
-	started bool
-	stop    context.CancelFunc
+	mu    sync.Mutex
+	watch *podWatch // nil: not watching
+}
+
+// podWatch is one run of the informers, from a term's first look to Stop.
+type podWatch struct {
+	cancel  context.CancelFunc
+	running sync.WaitGroup // the informers' goroutines
 	pods    cache.SharedIndexInformer
 	pool    cache.SharedIndexInformer // nil without Pool
 	health  *watchHealth
@@ -177,17 +185,22 @@ func (k *Kubernetes) Name() string { return k.name }
 // Kind is "kubernetes".
 func (k *Kubernetes) Kind() string { return "kubernetes" }
 
-// Close stops the watch.
-func (k *Kubernetes) Close() error {
+// Stop stops the watch and returns once none of its goroutines runs (its watches on the API
+// server closed); the next Lookup starts a new one. The discovery duty calls it as its term
+// ends.
+func (k *Kubernetes) Stop() {
 	k.mu.Lock()
-	defer k.mu.Unlock()
-	if k.stop != nil {
-		k.stop()
+	w := k.watch
+	k.watch = nil
+	k.mu.Unlock()
+	if w != nil {
+		w.cancel()
+		w.running.Wait()
 	}
-	return nil
 }
 
-// Lookup lists the ready pods from the informers' cache.
+// Lookup lists the ready pods from the informers' cache, starting the watch if it is not
+// running.
 func (k *Kubernetes) Lookup(ctx context.Context) ([]routing.WorkerSpec, error) {
 	ready, _, err := k.LookupReadiness(ctx)
 	return ready, err
@@ -195,20 +208,24 @@ func (k *Kubernetes) Lookup(ctx context.Context) ([]routing.WorkerSpec, error) {
 
 // LookupReadiness lists, from the informers' cache, the ready pods and the ids of the pods
 // that are there but not ready: running or pending, not terminating, their Ready condition
-// not true (or no IP yet).
-func (k *Kubernetes) LookupReadiness(context.Context) (ready []routing.WorkerSpec, notReady []string, err error) {
-	if err := k.start(); err != nil {
+// not true (or no IP yet). It starts the watch if it is not running.
+func (k *Kubernetes) LookupReadiness(ctx context.Context) (ready []routing.WorkerSpec, notReady []string, err error) {
+	w, fresh, err := k.start()
+	if err != nil {
 		return nil, nil, err
 	}
-	if !k.pods.HasSynced() || (k.pool != nil && !k.pool.HasSynced()) {
+	if fresh {
+		w.awaitFirstList(ctx)
+	}
+	if !w.synced() {
 		return nil, nil, fmt.Errorf("discovery %s: waiting for the first list from the API server", k.name)
 	}
-	if err := k.health.err(); err != nil {
+	if err := w.health.err(); err != nil {
 		return nil, nil, fmt.Errorf("discovery %s: %w", k.name, err)
 	}
 	sel, ports := k.sel, []int{k.opts.Port}
-	if k.pool != nil {
-		obj, ok, err := k.pool.GetStore().GetByKey(k.opts.Namespace + "/" + k.opts.Pool)
+	if w.pool != nil {
+		obj, ok, err := w.pool.GetStore().GetByKey(k.opts.Namespace + "/" + k.opts.Pool)
 		if err != nil {
 			return nil, nil, fmt.Errorf("discovery %s: %w", k.name, err)
 		}
@@ -225,7 +242,7 @@ func (k *Kubernetes) LookupReadiness(context.Context) (ready []routing.WorkerSpe
 		}
 	}
 	ready = []routing.WorkerSpec{}
-	for _, obj := range k.pods.GetStore().List() {
+	for _, obj := range w.pods.GetStore().List() {
 		pod, ok := obj.(*corev1.Pod)
 		if !ok || !sel.Matches(labels.Set(pod.Labels)) {
 			continue
@@ -246,26 +263,26 @@ func (k *Kubernetes) LookupReadiness(context.Context) (ready []routing.WorkerSpe
 	return ready, notReady, nil
 }
 
-// start starts the informers once.
-func (k *Kubernetes) start() error {
+// start returns the running watch, starting it if there is none (fresh).
+func (k *Kubernetes) start() (w *podWatch, fresh bool, err error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if k.started {
-		return nil
+	if k.watch != nil {
+		return k.watch, false, nil
 	}
 	cs, dc, err := k.connect()
 	if err != nil {
-		return fmt.Errorf("discovery %s: %w", k.name, err)
+		return nil, false, fmt.Errorf("discovery %s: %w", k.name, err)
 	}
-	ctx, stop := context.WithCancel(context.Background())
-	k.health = &watchHealth{}
+	ctx, cancel := context.WithCancel(context.Background())
+	w = &podWatch{cancel: cancel, health: &watchHealth{}}
 	ns := k.opts.Namespace
 	selector := ""
 	if k.sel != nil {
 		selector = k.sel.String()
 	}
 	podsAPI := cs.CoreV1().Pods(ns)
-	k.pods = cache.NewSharedIndexInformer(k.health.listWatch(
+	w.pods = cache.NewSharedIndexInformer(w.health.listWatch(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			o.LabelSelector = selector
 			return podsAPI.List(ctx, o)
@@ -274,11 +291,11 @@ func (k *Kubernetes) start() error {
 			o.LabelSelector = selector
 			return podsAPI.Watch(ctx, o)
 		}), &corev1.Pod{}, 0, cache.Indexers{})
-	informers := []cache.SharedIndexInformer{k.pods}
+	informers := []cache.SharedIndexInformer{w.pods}
 	if k.opts.Pool != "" {
 		poolAPI := dc.Resource(inferencePools()).Namespace(ns)
 		field := fields.OneTermEqualSelector("metadata.name", k.opts.Pool).String()
-		k.pool = cache.NewSharedIndexInformer(k.health.listWatch(
+		w.pool = cache.NewSharedIndexInformer(w.health.listWatch(
 			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 				o.FieldSelector = field
 				return poolAPI.List(ctx, o)
@@ -287,19 +304,38 @@ func (k *Kubernetes) start() error {
 				o.FieldSelector = field
 				return poolAPI.Watch(ctx, o)
 			}), &unstructured.Unstructured{}, 0, cache.Indexers{})
-		informers = append(informers, k.pool)
+		informers = append(informers, w.pool)
 	}
 	for _, inf := range informers {
 		if err := inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
-			k.health.failed(err)
+			w.health.failed(err)
 		}); err != nil {
-			stop()
-			return fmt.Errorf("discovery %s: %w", k.name, err)
+			cancel()
+			return nil, false, fmt.Errorf("discovery %s: %w", k.name, err)
 		}
-		go inf.RunWithContext(ctx)
 	}
-	k.started, k.stop = true, stop
-	return nil
+	for _, inf := range informers {
+		w.running.Go(func() { inf.RunWithContext(ctx) })
+	}
+	k.watch = w
+	return w, true, nil
+}
+
+// firstListWait bounds how long the look that starts a watch waits for its first list.
+const firstListWait = 5 * time.Second
+
+// awaitFirstList waits, until ctx ends or firstListWait, for the informers' first list, or
+// for a list or watch that fails: a new leader's first look then answers with the pods
+// rather than failing while they are listed.
+func (w *podWatch) awaitFirstList(ctx context.Context) {
+	_ = wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, firstListWait, true, func(context.Context) (bool, error) {
+		return w.synced() || w.health.err() != nil, nil
+	})
+}
+
+// synced reports that every informer has had its first list.
+func (w *podWatch) synced() bool {
+	return w.pods.HasSynced() && (w.pool == nil || w.pool.HasSynced())
 }
 
 // watchHealth remembers whether the informers' last call to the API server failed: a list or

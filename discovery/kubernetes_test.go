@@ -193,7 +193,7 @@ func fakeKubernetes(t *testing.T, spec string, objs ...runtime.Object) (*Kuberne
 	scheme := runtime.NewScheme()
 	dc := dynfake.NewSimpleDynamicClientWithCustomListKinds(scheme, map[schema.GroupVersionResource]string{inferencePools(): "InferencePoolList"}, objs...)
 	k.connect = func() (kubernetes.Interface, dynamic.Interface, error) { return cs, dc, nil }
-	t.Cleanup(func() { k.Close() })
+	t.Cleanup(func() { k.Stop() })
 	return k, cs, dc
 }
 
@@ -306,11 +306,12 @@ func TestKubernetesLookupFailsWhileTheAPIServerFails(t *testing.T) {
 	// than answering from a cache that no longer follows the API server; a list or watch that
 	// works again clears it.
 	away := errors.New("the API server is away")
-	k.health.failed(away)
+	health := k.watch.health
+	health.failed(away)
 	if _, err := k.Lookup(ctx); !errors.Is(err, away) {
 		t.Fatalf("look while the watch is broken: %v", err)
 	}
-	lw := k.health.listWatch(
+	lw := health.listWatch(
 		func(context.Context, metav1.ListOptions) (runtime.Object, error) {
 			return cs.CoreV1().Pods("ns").List(ctx, metav1.ListOptions{})
 		},

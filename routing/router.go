@@ -35,6 +35,9 @@ type Request struct {
 	// (at least one of positive weight): a session whose binding records one of them keeps
 	// it; any other request draws one by weight. The binding made records the target.
 	Alias *Alias
+	// Keys, when set with Alias, computes Hashes and PromptTokens for the target once it is
+	// chosen, before selection: a target's tokenizer is the one to ask, not the alias's.
+	Keys func(ctx context.Context, model string) (hashes []uint64, promptTokens int)
 	// Role restricts candidates to workers of this role: RoleBoth, any but prefill-only;
 	// RoleDecode, decode or aggregated workers; RolePrefill (a prefill leg), prefill-only
 	// workers, chosen on prefill cost alone.
@@ -301,7 +304,7 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 			return nil, err
 		}
 		a.lease = lease
-		a.resolveAlias()
+		a.resolveAlias(ctx)
 		if _, bound := lease.Binding(); !bound && req.AdmitNew != nil {
 			if err := req.AdmitNew(); err != nil {
 				a.releaseLease()
@@ -310,7 +313,7 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 		}
 	}
 	if !useAffinity {
-		a.resolveAlias()
+		a.resolveAlias(ctx)
 	}
 	err := a.selectAndStart(ctx)
 	if err == nil {
@@ -388,19 +391,30 @@ func (r *Router) Pin(ctx context.Context, session string, w indexer.Worker) (Bin
 }
 
 // resolveAlias sets the request's model to its alias's target: the one its session's
-// binding records, when that is still a target, else one drawn by weight.
-func (a *Attempt) resolveAlias() {
+// binding records, when that is still a target, else one drawn by weight; then the keys for
+// that target.
+func (a *Attempt) resolveAlias(ctx context.Context) {
 	al := a.req.Alias
 	if al == nil {
 		return
 	}
+	bound := false
 	if a.lease != nil {
-		if b, bound := a.lease.Binding(); bound && b.Model != "" && al.has(b.Model) {
-			a.req.Model = b.Model
-			return
+		if b, ok := a.lease.Binding(); ok && b.Model != "" && al.has(b.Model) {
+			a.req.Model, bound = b.Model, true
 		}
 	}
-	a.req.Model = a.router.drawTarget(al)
+	if !bound {
+		a.req.Model = a.router.drawTarget(al)
+	}
+	a.req.keysFor(ctx)
+}
+
+// keysFor fills the request's keys for its model, when Keys is set.
+func (req *Request) keysFor(ctx context.Context) {
+	if req.Keys != nil {
+		req.Hashes, req.PromptTokens = req.Keys(ctx, req.Model)
+	}
 }
 
 // drawTarget picks one of al's targets with probability proportional to its weight.
@@ -443,10 +457,12 @@ func (r *Router) routeQuery(ctx context.Context, a *Attempt) error {
 		if req.Alias != nil && ok && b.Model != "" && req.Alias.has(b.Model) {
 			req.Model = b.Model
 			req.Alias = nil
+			req.keysFor(ctx)
 		}
 	}
 	if req.Alias != nil {
 		req.Model = r.drawTarget(req.Alias)
+		req.keysFor(ctx)
 	}
 	d, err := r.selectWorker(ctx, req, pref, nil)
 	if errors.Is(err, errPreferredGone) && req.Target == nil {
@@ -592,6 +608,13 @@ func eligible(req *Request, t *Target, m *targetMeta, exclude []indexer.Worker) 
 // models, unless those are not known. It is asked of a bound or explicit worker too, so
 // that a session bound to a worker of another model is rebound within the model's workers
 // as one whose worker left would be.
+// ServesModel reports whether t answers to model, as a base model or a LoRA adapter, as
+// selection judges it ("" and a worker whose models are not known: any).
+func (t *Target) ServesModel(model string) bool {
+	m := metaOf(t)
+	return serves(&Request{Model: model}, &m) || (model != "" && serves(&Request{LoRA: model}, &m))
+}
+
 func serves(req *Request, m *targetMeta) bool {
 	if req.LoRA != "" {
 		for _, l := range m.loras {

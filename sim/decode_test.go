@@ -172,7 +172,7 @@ func FuzzDecodeRequest(f *testing.F) {
 			len(req.prompt)+req.maxTokens > maxModelLen || req.chat != chat {
 			t.Fatalf("accepted request breaks limits: %+v for %q", req, body)
 		}
-		if _, aerr := decodeTokenize(body); aerr != nil && aerr.status != http.StatusBadRequest {
+		if _, _, aerr := decodeTokenize(body); aerr != nil && aerr.status != http.StatusBadRequest {
 			t.Fatalf("tokenize error status %d", aerr.status)
 		}
 	})

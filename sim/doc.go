@@ -143,7 +143,8 @@
 //	POST /v1/completions        prompt: string, token ids, or an array with one of those
 //	POST /v1/chat/completions   messages with string or text-part content
 //	GET  /v1/models, GET /health, GET /metrics (vLLM metric names, a registry per worker)
-//	POST /tokenize              vLLM's shape: {"prompt"} or {"messages"} -> {count, max_model_len, tokens}
+//	POST /tokenize              vLLM's shape: {"prompt"} or {"messages"} -> {count, max_model_len, tokens};
+//	                            a "model" the worker does not serve is 404 model_not_found, as in vLLM
 //	POST /reset_prefix_cache    clears the cache, as vLLM's endpoint does
 //	GET|POST /sim/faults        {"error_rate", "stall_rate", "stall": "2s", "refuse", "refuse_for": "1s"};
 //	                            a POST changes only the fields it gives

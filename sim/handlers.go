@@ -110,8 +110,14 @@ func (w *Worker) handleModels(rw http.ResponseWriter, _ *http.Request) {
 func (w *Worker) handleTokenize(rw http.ResponseWriter, r *http.Request) {
 	body, aerr := w.readBody(rw, r)
 	if aerr == nil {
+		var model string
 		var tokens []uint32
-		if tokens, aerr = decodeTokenize(body); aerr == nil {
+		if model, tokens, aerr = decodeTokenize(body); aerr == nil {
+			// vLLM answers /tokenize only for a model it serves.
+			aerr = w.checkModel(model)
+		}
+		if aerr == nil {
+			w.tokenized.Add(1)
 			writeJSON(rw, http.StatusOK, tokenizeResponse{Count: len(tokens), MaxModelLen: w.cfg.MaxModelLen, Tokens: tokens})
 			return
 		}

@@ -307,29 +307,30 @@ func parseContent(raw json.RawMessage, param string) (string, *apiError) {
 	}
 }
 
-// decodeTokenize parses a /tokenize body: a prompt string or chat messages.
-func decodeTokenize(body []byte) ([]uint32, *apiError) {
+// decodeTokenize parses a /tokenize body: the model it names ("" for none) and the tokens
+// of its prompt string or chat messages.
+func decodeTokenize(body []byte) (string, []uint32, *apiError) {
 	w, aerr := decodeWire(body)
 	if aerr != nil {
-		return nil, aerr
+		return "", nil, aerr
 	}
 	addSpecial := w.AddSpecialTokens == nil || *w.AddSpecialTokens
 	switch {
 	case !isNull(w.Messages):
 		msgs, aerr := parseMessages(w.Messages)
 		if aerr != nil {
-			return nil, aerr
+			return "", nil, aerr
 		}
 		addGen := w.AddGenerationPrompt == nil || *w.AddGenerationPrompt
-		return Tokenize(RenderChat(msgs, addGen), addSpecial), nil
+		return w.Model, Tokenize(RenderChat(msgs, addGen), addSpecial), nil
 	case !isNull(w.Prompt):
 		var s string
 		if err := json.Unmarshal(w.Prompt, &s); err != nil {
-			return nil, badRequest("prompt", "prompt must be a string")
+			return "", nil, badRequest("prompt", "prompt must be a string")
 		}
-		return Tokenize(s, addSpecial), nil
+		return w.Model, Tokenize(s, addSpecial), nil
 	default:
-		return nil, badRequest("", "give either prompt or messages")
+		return "", nil, badRequest("", "give either prompt or messages")
 	}
 }
 

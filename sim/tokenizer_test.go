@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -94,6 +95,11 @@ func TestTokenizeEndpointMatchesTokenizer(t *testing.T) {
 		{"messages", map[string]any{"messages": msgs}, Tokenize(RenderChat(chat, true), true)},
 		{"messages without generation prompt", map[string]any{"messages": msgs, "add_generation_prompt": false},
 			Tokenize(RenderChat(chat, false), true)},
+	}
+	// A model the worker does not serve is refused, as vLLM refuses it.
+	if status, _, body := post(t, context.Background(), srv.Client(), srv.URL+"/tokenize",
+		map[string]any{"model": "other-model", "prompt": "Hello"}); status != http.StatusNotFound || !strings.Contains(string(body), "model_not_found") {
+		t.Fatalf("tokenize for a model not served: %d %s, want 404 model_not_found", status, body)
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

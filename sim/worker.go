@@ -48,6 +48,7 @@ type Worker struct {
 	aborted      atomic.Uint64
 	failed       atomic.Uint64
 	wrongModel   atomic.Uint64
+	tokenized    atomic.Uint64
 	promptTokens atomic.Uint64
 	cachedTokens atomic.Uint64
 	genTokens    atomic.Uint64
@@ -70,6 +71,8 @@ type Stats struct {
 	// WrongModel counts requests refused 404 model_not_found: a model this worker does not
 	// serve.
 	WrongModel uint64 `json:"wrong_model"`
+	// Tokenized counts /tokenize requests answered.
+	Tokenized uint64 `json:"tokenized"`
 	// Running is how many requests hold an engine slot; Waiting how many queue for one.
 	Running int `json:"running"`
 	Waiting int `json:"waiting"`
@@ -252,6 +255,7 @@ func (w *Worker) Stats() Stats {
 		Aborted:         w.aborted.Load(),
 		Failed:          w.failed.Load(),
 		WrongModel:      w.wrongModel.Load(),
+		Tokenized:       w.tokenized.Load(),
 		Running:         running,
 		Waiting:         waiting,
 		PromptTokens:    w.promptTokens.Load(),

@@ -68,16 +68,7 @@ func TestAliasSplitsSessionsByWeightAndEachKeepsItsTarget(t *testing.T) {
 	c := startCluster(t, 3, fl)
 	ctx, cancel := context.WithTimeout(t.Context(), 8*time.Minute)
 	defer cancel()
-	eventually(t, 30*time.Second, func() error {
-		for _, r := range c.replicas {
-			for _, m := range []string{v2, v3} {
-				if code, body, err := getJSON(ctx, "http://"+r.Client+"/v1/models/"+m); err != nil || code != http.StatusOK {
-					return fmt.Errorf("%s: /v1/models/%s: %d %v %s", r.ID, m, code, err, body)
-				}
-			}
-		}
-		return nil
-	})
+	servingModels(ctx, t, c, v2, v3)
 	leader := c.leader()
 	follower := c.others(leader)[0]
 	adm := &admin.Client{Addr: follower.Admin, HTTP: httpClient}
@@ -280,6 +271,21 @@ func TestAliasSplitsSessionsByWeightAndEachKeepsItsTarget(t *testing.T) {
 }
 
 // getAdmin GETs path from r's admin API into out.
+// servingModels polls until every replica of c answers GET /v1/models/{m} for each of models.
+func servingModels(ctx context.Context, t *testing.T, c *cluster, models ...string) {
+	t.Helper()
+	eventually(t, 30*time.Second, func() error {
+		for _, r := range c.replicas {
+			for _, m := range models {
+				if code, body, err := getJSON(ctx, "http://"+r.Client+"/v1/models/"+m); err != nil || code != http.StatusOK {
+					return fmt.Errorf("%s: /v1/models/%s: %d %v %s", r.ID, m, code, err, body)
+				}
+			}
+		}
+		return nil
+	})
+}
+
 func getAdmin(ctx context.Context, r *replica, path string, out any) error {
 	adm := &admin.Client{Addr: r.Admin, HTTP: httpClient}
 	b, err := adm.Do(ctx, http.MethodGet, path, nil)

@@ -14,9 +14,9 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
-// startPickers starts three replicas with their endpoint pickers in front of fl, and a
-// gateway connected to each picker.
-func startPickers(t *testing.T, fl *fleet) (*cluster, map[*replica]*envoytest.Gateway) {
+// startPickers starts three replicas with their endpoint pickers in front of fl (with the
+// extra flags), and a gateway connected to each picker.
+func startPickers(t *testing.T, fl *fleet, extra ...string) (*cluster, map[*replica]*envoytest.Gateway) {
 	t.Helper()
 	var workers []string
 	for i, u := range fl.urls {
@@ -28,7 +28,7 @@ func startPickers(t *testing.T, fl *fleet) (*cluster, map[*replica]*envoytest.Ga
 			t.Fatal(err)
 		}
 		r.ExtProc = addr
-	})
+	}, extra...)
 	gws := map[*replica]*envoytest.Gateway{}
 	for _, r := range c.replicas {
 		gw, err := envoytest.Dial(r.ExtProc)

@@ -13,6 +13,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
+	"strconv"
 	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -185,6 +187,10 @@ func (g *Gateway) sendRequest(st extprocv3.ExternalProcessor_ProcessClient, req 
 			add(k, v)
 		}
 	}
+	if req.Body != nil && req.Header.Get("Content-Length") == "" {
+		// A client's request with a body says its length, as an HTTP/1.1 client does.
+		add("content-length", strconv.Itoa(len(req.Body)))
+	}
 	first := &extprocv3.ProcessingRequest{
 		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
 			Headers: hm, EndOfStream: req.Body == nil}},
@@ -294,6 +300,18 @@ func (g *Gateway) carry(ctx context.Context, st extprocv3.ExternalProcessor_Proc
 	var body io.Reader
 	if req.Body != nil {
 		body = bytes.NewReader(res.Sent)
+		// Envoy refuses (500) a request whose content-length, as the picker left it, is
+		// not the length of the body the picker sent on.
+		length := strconv.Itoa(len(req.Body))
+		if v, ok := res.Headers["content-length"]; ok {
+			length = v
+		}
+		if slices.Contains(res.Removed, "content-length") {
+			length = ""
+		}
+		if length != "" && length != strconv.Itoa(len(res.Sent)) {
+			return fmt.Errorf("envoytest: content-length %s, but the picker sent on a body of %d bytes", length, len(res.Sent))
+		}
 	}
 	hr, err := http.NewRequestWithContext(ctx, method, "http://"+upstream+req.Path, body)
 	if err != nil {

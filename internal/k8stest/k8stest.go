@@ -25,6 +25,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
@@ -203,14 +206,7 @@ func stop(p *proc.Process) {
 
 // ready asks the API server's /readyz.
 func (s *Server) ready(ctx context.Context) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+"/readyz", nil)
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Authorization", "Bearer "+s.Token)
-	// The API server's certificate is self-signed for this run; the server is on loopback.
-	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
-	resp, err := hc.Do(req)
+	resp, err := s.get(ctx, "/readyz")
 	if err != nil {
 		return err
 	}
@@ -219,4 +215,49 @@ func (s *Server) ready(ctx context.Context) error {
 		return fmt.Errorf("kube-apiserver /readyz: %s", resp.Status)
 	}
 	return nil
+}
+
+// NamespaceWatches is how many WATCH requests on resource (pods, inferencepools) within a
+// namespace (the whole namespace, or one object by its name) the API server is serving now,
+// by its apiserver_longrunning_requests gauge: a client that stopped watching has none left
+// open. The API server's own informers watch across every namespace, and are not counted.
+func (s *Server) NamespaceWatches(ctx context.Context, resource string) (int, error) {
+	resp, err := s.get(ctx, "/metrics")
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("kube-apiserver /metrics: %s", resp.Status)
+	}
+	parser := expfmt.NewTextParser(model.LegacyValidation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		return 0, fmt.Errorf("kube-apiserver /metrics: %w", err)
+	}
+	n := 0
+	for _, m := range families["apiserver_longrunning_requests"].GetMetric() {
+		labels := map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		if labels["verb"] == "WATCH" && labels["scope"] != "cluster" && labels["resource"] == resource {
+			n += int(m.GetGauge().GetValue())
+		}
+	}
+	return n, nil
+}
+
+// get asks the API server for path as the kubeconfig's user.
+func (s *Server) get(ctx context.Context, path string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+s.Token)
+	// The API server's certificate is self-signed for this run; the server is on loopback.
+	// No connection is kept: a test may count its own goroutines.
+	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
+		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, DisableKeepAlives: true}}
+	return hc.Do(req)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"strings"
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -17,12 +18,14 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 )
 
-// fakeFront holds every request on one worker, or refuses it with err.
+// fakeFront holds every request on one worker, or refuses it with err; with sendAs, the
+// held body is sendAs (an alias's request sent as its target).
 type fakeFront struct {
-	spec  routing.WorkerSpec
-	err   *openai.Error
-	holds int
-	last  []byte
+	spec   routing.WorkerSpec
+	err    *openai.Error
+	sendAs []byte
+	holds  int
+	last   []byte
 }
 
 func (f *fakeFront) Hold(_ context.Context, _ http.Header, body []byte, opts openai.HoldOptions) (*openai.Held, *openai.Error) {
@@ -35,7 +38,11 @@ func (f *fakeFront) Hold(_ context.Context, _ http.Header, body []byte, opts ope
 	if opts.Subset != nil && !opts.Subset(t) {
 		return nil, &openai.Error{Status: http.StatusServiceUnavailable, Message: "none", Type: openai.TypeUnavailable}
 	}
-	return &openai.Held{Decision: routing.Decision{Target: t}}, nil
+	sent := body
+	if f.sendAs != nil {
+		sent = f.sendAs
+	}
+	return &openai.Held{Decision: routing.Decision{Target: t}, Body: sent}, nil
 }
 func (f *fakeFront) MaxBodyBytes() int64 { return 1 << 10 }
 func (f *fakeFront) Readiness() error    { return nil }
@@ -82,19 +89,8 @@ func bodyMsg(b string, eos bool) *extprocv3.ProcessingRequest {
 }
 
 func destinationOf(r *extprocv3.ProcessingResponse) string {
-	var common *extprocv3.CommonResponse
-	switch m := r.GetResponse().(type) {
-	case *extprocv3.ProcessingResponse_RequestHeaders:
-		common = m.RequestHeaders.GetResponse()
-	case *extprocv3.ProcessingResponse_RequestBody:
-		common = m.RequestBody.GetResponse()
-	}
-	for _, h := range common.GetHeaderMutation().GetSetHeaders() {
-		if h.GetHeader().GetKey() == HeaderDestination {
-			return string(h.GetHeader().GetRawValue())
-		}
-	}
-	return ""
+	v, _ := headerSet(r, HeaderDestination)
+	return v
 }
 
 // TestBodyModesAnswerAsEnvoyExpects: in FULL_DUPLEX_STREAMED mode the headers' answer waits
@@ -145,6 +141,90 @@ func TestBodyModesAnswerAsEnvoyExpects(t *testing.T) {
 				if string(sr.GetBody()) != `{"a":1}` || !sr.GetEndOfStream() {
 					t.Fatalf("body sent back %q (end %v)", sr.GetBody(), sr.GetEndOfStream())
 				}
+			}
+		})
+	}
+}
+
+// headerSet is the value r's header mutation sets for key, and whether it sets one.
+func headerSet(r *extprocv3.ProcessingResponse, key string) (string, bool) {
+	var common *extprocv3.CommonResponse
+	switch m := r.GetResponse().(type) {
+	case *extprocv3.ProcessingResponse_RequestHeaders:
+		common = m.RequestHeaders.GetResponse()
+	case *extprocv3.ProcessingResponse_RequestBody:
+		common = m.RequestBody.GetResponse()
+	}
+	for _, h := range common.GetHeaderMutation().GetSetHeaders() {
+		if h.GetHeader().GetKey() == key {
+			return string(h.GetHeader().GetRawValue()), true
+		}
+	}
+	return "", false
+}
+
+// TestAnAliasIsSentAsItsTarget: when the front sends a request as another body (an alias's
+// model replaced by its target), the worker gets that body, with its content-length: in
+// FULL_DUPLEX_STREAMED mode the body sent back is the new one and the headers' answer sets
+// the length; in BUFFERED mode the body's answer replaces it; in STREAMED mode, where the
+// first chunks went on unchanged, the request is refused rather than sent as the alias. A
+// body the front leaves alone keeps its length.
+func TestAnAliasIsSentAsItsTarget(t *testing.T) {
+	spec := routing.WorkerSpec{ID: "w", URL: "http://10.1.2.3:8000"}
+	const asked, target = `{"model":"llama","prompt":"x"}`, `{"model":"llama-v3","prompt":"x"}`
+	full, buffered, streamed := filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_BUFFERED, filterv3.ProcessingMode_STREAMED
+	tests := []struct {
+		name   string
+		mode   filterv3.ProcessingMode_BodySendMode
+		chunks []string
+		sendAs string // "": the body as it came
+		want   string // the body the worker gets; "": refused
+		length string // the content-length set; "": none
+	}{
+		{"full duplex", full, []string{asked[:10], asked[10:]}, target, target, "33"},
+		{"full duplex, no alias", full, []string{asked[:10], asked[10:]}, "", asked, ""},
+		{"buffered", buffered, []string{asked}, target, target, "33"},
+		{"buffered, no alias", buffered, []string{asked}, "", "", ""},
+		{"streamed, one chunk", streamed, []string{asked}, target, target, "33"},
+		{"streamed, chunks sent on", streamed, []string{asked[:10], asked[10:]}, target, "", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			front := &fakeFront{spec: spec}
+			if tt.sendAs != "" {
+				front.sendAs = []byte(tt.sendAs)
+			}
+			p := newTestPicker(t, Config{}, front)
+			in := []*extprocv3.ProcessingRequest{headersMsg("/v1/completions", false, tt.mode)}
+			for i, c := range tt.chunks {
+				in = append(in, bodyMsg(c, i == len(tt.chunks)-1))
+			}
+			fs := &fakeStream{in: in}
+			if err := p.Process(fs); err != nil {
+				t.Fatal(err)
+			}
+			last := fs.out[len(fs.out)-1]
+			if tt.want == "" && tt.sendAs != "" {
+				ir := last.GetImmediateResponse()
+				if ir == nil || ir.GetStatus().GetCode() != http.StatusInternalServerError || !strings.Contains(string(ir.GetBody()), "FULL_DUPLEX_STREAMED") {
+					t.Fatalf("last answer %v, want a 500 naming the body modes", last)
+				}
+				return
+			}
+			named := fs.out[0]
+			var got []byte
+			switch tt.mode {
+			case full:
+				got = last.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody()
+			default:
+				named = last
+				got = last.GetRequestBody().GetResponse().GetBodyMutation().GetBody()
+			}
+			if string(got) != tt.want {
+				t.Fatalf("the worker gets %q, want %q", got, tt.want)
+			}
+			if l, ok := headerSet(named, "content-length"); l != tt.length || ok != (tt.length != "") {
+				t.Fatalf("content-length set to %q (%v), want %q", l, ok, tt.length)
 			}
 		})
 	}

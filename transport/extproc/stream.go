@@ -1,6 +1,7 @@
 package extproc
 
 import (
+	"bytes"
 	"errors"
 	"io"
 	"net/http"
@@ -41,6 +42,7 @@ type stream struct {
 	answered   bool            // the request headers have had their answer
 	body       []byte
 	sawBody    bool // a body message came
+	passed     int  // body chunks answered unchanged before the pick (STREAMED mode)
 	picked     bool
 	endpoint   string
 	pickedAt   time.Time
@@ -236,6 +238,7 @@ func (st *stream) handle(req *extprocv3.ProcessingRequest) error {
 		}
 		if st.reqBuffered {
 			// STREAMED mode: each chunk is answered, unchanged.
+			st.passed++
 			return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
 				RequestBody: &extprocv3.BodyResponse{}}})
 		}
@@ -389,12 +392,23 @@ func (st *stream) pick(trailers bool) error {
 	}
 	st.held = held
 	d := held.Decision
+	// An alias is sent as its target (held.Body names it), with the body's new length.
+	rewritten := !bytes.Equal(held.Body, st.body)
+	if rewritten && st.passed > 0 {
+		return st.immediate(&openai.Error{Status: http.StatusInternalServerError, Type: openai.TypeServer, Code: "body_mode",
+			Message: "ext_proc: model " + strconv.Quote(d.Model) + " must replace the request's alias, but the gateway sent its body on in STREAMED mode; " +
+				"configure the request body mode FULL_DUPLEX_STREAMED or BUFFERED"})
+	}
 	ep, err := p.endpoint(ctx, d.Target)
 	if err != nil {
 		return st.immediate(&openai.Error{Status: http.StatusInternalServerError, Type: openai.TypeServer, Code: "bad_endpoint", Message: err.Error()})
 	}
 	st.endpoint, st.pickedAt = ep, time.Now()
 	mut := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{setHeader(HeaderDestination, ep)}}
+	if rewritten {
+		// Envoy leaves the length of a body the processor changes to the processor.
+		mut.SetHeaders = append(mut.SetHeaders, setHeader("content-length", strconv.Itoa(len(held.Body))))
+	}
 	if p.ranksShareAPort(d.Target) {
 		mut.SetHeaders = append(mut.SetHeaders, setHeader(headerDPRank, strconv.FormatUint(uint64(d.Target.Worker.DPRank), 10)))
 	} else {
@@ -435,10 +449,14 @@ func (st *stream) pick(trailers bool) error {
 		return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
 			RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
 				Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{
-					Body: st.body, EndOfStream: !trailers}}}}}}})
+					Body: held.Body, EndOfStream: !trailers}}}}}}})
 	}
 	// BUFFERED or STREAMED: the headers were answered already; the last body chunk's answer
-	// carries the endpoint.
+	// carries the endpoint (and, for an alias, the body: the whole of it, since no chunk was
+	// sent on before).
+	if rewritten {
+		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: held.Body}}
+	}
 	return st.send(&extprocv3.ProcessingResponse{DynamicMetadata: meta, Response: &extprocv3.ProcessingResponse_RequestBody{
 		RequestBody: &extprocv3.BodyResponse{Response: common}}})
 }

@@ -44,6 +44,9 @@ type Held struct {
 	// not; Prefill is the prefill worker when it is.
 	Plan    routing.PrefillPlan
 	Prefill routing.Decision
+	// Body is the body the worker must receive: the client's, but for a request naming an
+	// alias, whose "model" is the target it was sent as (Decision.Model), as the proxy sends it.
+	Body []byte
 
 	mu  sync.Mutex
 	att *routing.Attempt
@@ -129,6 +132,10 @@ func (s *Server) hold(ctx context.Context, h http.Header, body []byte, opts Hold
 	held := &Held{Session: req.Session, att: att, Plan: routing.PrefillPlan{Outcome: routing.OutcomeNever}}
 	held.Decision = att.Decision()
 	held.Decision.Binding = b
+	if held.Body, err = sentBody(p, held.Decision.Model); err != nil {
+		held.End(false, 0)
+		return nil, &Error{Status: http.StatusInternalServerError, Type: TypeServer, Message: err.Error(), Cause: "internal"}
+	}
 	s.metrics.selection.Observe(held.Decision.Took.Seconds())
 	if d := held.Decision; d.PromptBlocks > 0 {
 		s.metrics.kvHit.Observe(float64(d.Overlap) / float64(d.PromptBlocks))

@@ -234,16 +234,12 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if d.Bound {
 		by = "binding"
 	}
-	c.body, c.prefill = c.p.Body, ""
-	if d.Model != c.p.Model {
-		// An alias: the worker serves the target, under the target's name.
-		name, _ := json.Marshal(d.Model)
-		body, err := setField(c.p.Body, "model", name)
-		if err != nil {
-			return retry, failure{cause: "internal", err: fmt.Errorf("send as model %s: %w", d.Model, err)}
-		}
-		c.body = body
+	c.prefill = ""
+	sent, err := sentBody(c.p, d.Model)
+	if err != nil {
+		return retry, failure{cause: "internal", err: err}
 	}
+	c.body = sent
 	if res, fail, ok := s.disaggregate(c); !ok {
 		return res, fail
 	}
@@ -847,4 +843,21 @@ func (s *Server) observePrediction(d routing.Decision, cached int) {
 		diff = -diff
 	}
 	s.metrics.predError.Observe(float64(diff))
+}
+
+// sentBody is the body a worker receives for request p sent as model: p's own, but for an
+// alias (model differs from the one p names), whose "model" is the target, the name the
+// worker serves it under.
+func sentBody(p *Request, model string) ([]byte, error) {
+	if model == p.Model {
+		return p.Body, nil
+	}
+	name, err := json.Marshal(model)
+	if err == nil {
+		var body []byte
+		if body, err = setField(p.Body, "model", name); err == nil {
+			return body, nil
+		}
+	}
+	return nil, fmt.Errorf("send as model %s: %w", model, err)
 }

@@ -494,9 +494,27 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		DPRank:       rank,
 		QueryOnly:    queryOnly,
 	}
+	if alias != nil && s.cfg.Tokenizer != nil && !p.HasTokens {
+		// The prompt is tokenized as the target (its tokenizer, and a worker that serves
+		// it), once Route has chosen the target.
+		req.Keys = func(ctx context.Context, model string) ([]uint64, int) {
+			q := *p
+			q.Model = model
+			return s.promptKeys(ctx, &q, lora)
+		}
+	} else {
+		req.Hashes, req.PromptTokens = s.promptKeys(ctx, p, lora)
+	}
+	return req, nil
+}
+
+// promptKeys are p's block keys and its prompt length in tokens: from its token ids, from the
+// tokenizer's answer (asked as p.Model), or, without either, from its text.
+func (s *Server) promptKeys(ctx context.Context, p *Request, lora string) (hashes []uint64, promptTokens int) {
+	promptTokens = p.PromptTokens()
 	switch {
 	case p.HasTokens:
-		req.Hashes = s.router.HashTokensWithSalt(p.Tokens, lora, p.CacheSalt, nil)
+		hashes = s.router.HashTokensWithSalt(p.Tokens, lora, p.CacheSalt, nil)
 	case s.cfg.Tokenizer != nil:
 		tctx, span := s.tr.start(ctx, "tokenize", trace.SpanKindClient)
 		tokens, err := s.cfg.Tokenizer.Tokenize(tctx, p)
@@ -506,9 +524,7 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		}
 		span.End()
 		if err == nil {
-			req.PromptTokens = len(tokens)
-			req.Hashes = s.router.HashTokensWithSalt(tokens, lora, p.CacheSalt, nil)
-			break
+			return s.router.HashTokensWithSalt(tokens, lora, p.CacheSalt, nil), len(tokens)
 		}
 		// The request still routes, on approximate keys; the failure is counted and said,
 		// at most once per tokenizeWarnEvery so that a tokenizer down cannot flood the log.
@@ -524,11 +540,11 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		} else {
 			s.log.Debug("tokenize failed; routing on text chunks", "reason", reason, "error", err)
 		}
-		req.Hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
+		hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
 	default:
-		req.Hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
+		hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
 	}
-	return req, nil
+	return hashes, promptTokens
 }
 
 // Aliases looks up model aliases (the replicated ones, in a replica).

@@ -32,9 +32,9 @@ type TokenizerConfig struct {
 	CacheTokens  int           // tokens remembered in all (8M)
 }
 
-// WorkerTokenizer asks a routable worker's POST /tokenize (vLLM's endpoint: {"model", "prompt"}
-// or {"model", "messages"} -> {"tokens": [...]}) and remembers the answers in a bounded LRU,
-// since multi-turn chats resend the same prompts.
+// WorkerTokenizer asks the POST /tokenize of a routable worker that serves the request's model
+// (vLLM's endpoint: {"model", "prompt"} or {"model", "messages"} -> {"tokens": [...]}) and
+// remembers the answers in a bounded LRU, since multi-turn chats resend the same prompts.
 type WorkerTokenizer struct {
 	workers *routing.Registry
 	cfg     TokenizerConfig
@@ -105,9 +105,16 @@ func (t *WorkerTokenizer) Tokenize(ctx context.Context, p *Request) ([]uint32, e
 		t.hits.Add(1)
 		return tokens, nil
 	}
-	targets := t.workers.Routable()
+	// A worker that serves the model: another would refuse it (vLLM answers 404), and a
+	// model's tokenizer is its own.
+	var targets []routing.Target
+	for _, tg := range t.workers.Routable() {
+		if tg.ServesModel(p.Model) {
+			targets = append(targets, tg)
+		}
+	}
 	if len(targets) == 0 {
-		return nil, routing.ErrNoWorker
+		return nil, fmt.Errorf("tokenize %s: %w", p.Model, routing.ErrNoWorker)
 	}
 	target := targets[int(t.next.Add(1)%uint64(len(targets)))]
 	ctx, cancel := context.WithTimeout(ctx, t.cfg.Timeout)

@@ -126,3 +126,89 @@ func TestTokenizeFailureStillRoutes(t *testing.T) {
 		})
 	}
 }
+
+// fixedAliases is an alias table that does not change.
+type fixedAliases map[string]routing.Alias
+
+func (f fixedAliases) Alias(name string) (routing.Alias, bool) { a, ok := f[name]; return a, ok }
+func (f fixedAliases) List() []routing.Alias {
+	var out []routing.Alias
+	for _, a := range f {
+		out = append(out, a)
+	}
+	return out
+}
+
+// TestAnAliasIsTokenizedAsItsTarget: with llama -> llama-v2 / llama-v3 and two workers, one
+// serving each, a request for llama is tokenized as the target it is sent as, by a worker that
+// serves that target (each worker refuses any other model, 404, as vLLM does): no prompt
+// falls back to text keys, and every request reaches a worker as the model it serves.
+func TestAnAliasIsTokenizedAsItsTarget(t *testing.T) {
+	models := []string{"llama-v2", "llama-v3"}
+	var refused atomic.Int64
+	var tokenized [2]atomic.Int64 // by target
+	// The requests come one at a time, each prompt new: a request's prompt was tokenized
+	// last, as the model it is then sent as.
+	var lastTokenized atomic.Value
+	var mismatched atomic.Int64
+	var specs []routing.WorkerSpec
+	for i, m := range models {
+		var fw *fakeWorker
+		fw = newFakeWorker(t, func(w http.ResponseWriter, r *http.Request) {
+			// The requests come one at a time: the last body is this one's.
+			raw, _, _ := fw.last()
+			var req struct {
+				Model string `json:"model"`
+			}
+			_ = json.Unmarshal([]byte(raw), &req)
+			if req.Model != m {
+				refused.Add(1)
+				http.Error(w, `{"error":{"message":"The model does not exist.","code":"model_not_found"}}`, http.StatusNotFound)
+				return
+			}
+			if r.URL.Path == "/tokenize" {
+				tokenized[i].Add(1)
+				lastTokenized.Store(m)
+				_, _ = w.Write([]byte(`{"count":3,"max_model_len":100,"tokens":[5,6,7]}`))
+				return
+			}
+			if lastTokenized.Load() != m {
+				mismatched.Add(1)
+			}
+			okJSON(w, r)
+		})
+		sp := spec(fmt.Sprintf("w%d", i), fw.URL)
+		sp.Models = []string{m}
+		specs = append(specs, sp)
+	}
+	tokReg, err := routing.NewRegistry(specs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rg := newRig(t, specs, rigOptions{front: func(c *Config) {
+		c.Tokenizer = NewWorkerTokenizer(tokReg, TokenizerConfig{})
+		c.Aliases = fixedAliases{"llama": {Name: "llama", Targets: []routing.AliasTarget{{Model: models[0], Weight: 1}, {Model: models[1], Weight: 1}}}}
+	}})
+	for s := range 10 {
+		for turn := range 2 {
+			resp, body := rg.post("/v1/chat/completions",
+				fmt.Sprintf(`{"model":"llama","messages":[{"role":"user","content":"turn %d of session %d"}]}`, turn, s),
+				map[string]string{"X-Session-Id": fmt.Sprintf("s%d", s)})
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("session %d turn %d: %d %s", s, turn, resp.StatusCode, body)
+			}
+		}
+	}
+	if n := refused.Load(); n != 0 {
+		t.Fatalf("workers were asked %d times for a model they do not serve", n)
+	}
+	if n := mismatched.Load(); n != 0 {
+		t.Fatalf("%d requests were sent as another model than their prompt was tokenized as", n)
+	}
+	if n := rg.metric("kvrouter_tokenize_fallbacks_total", map[string]string{"reason": "error"}); n != 0 {
+		t.Fatalf("%v prompts fell back to text keys", n)
+	}
+	if tokenized[0].Load() == 0 || tokenized[1].Load() == 0 {
+		t.Fatalf("prompts tokenized as %s: %d, as %s: %d; want both targets drawn", models[0], tokenized[0].Load(), models[1], tokenized[1].Load())
+	}
+}
