@@ -57,6 +57,7 @@ type Replica struct {
 	peerSrv   *peer.Server
 	share     *sharing // nil with NoGossip
 	lifecycle *workers.Lifecycle
+	discovery *discovery.Duty // nil without --discovery
 	router    *routing.Router
 	server    *openai.Server
 	picker    *extproc.Picker // nil without ExtProcListen
@@ -325,9 +326,13 @@ func (r *Replica) openRouting(context.Context) error {
 	r.http = &http.Server{Handler: r.closeWhileDraining(bodyDeadline(r.server.Handler(), cp.BodyTimeout)),
 		ReadHeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
 		ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
+	var disc admin.Discovery
+	if r.discovery != nil {
+		disc = discoveryStatus{r.discovery}
+	}
 	r.admin = &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: admin.Handler(admin.Config{
 		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry, Aliases: r.node.FSM(),
-		Metrics: openai.AdminHandler(r.promReg),
+		Metrics: openai.AdminHandler(r.promReg), Discovery: disc,
 		StaticSource: func(id string) string {
 			if cfg.WorkersFromFile[id] {
 				return admin.SourceFile
@@ -514,7 +519,7 @@ func (r *Replica) Policy() string { return r.router.Policy() }
 func (r *Replica) Scheme() string { return r.cfg.TLS.Scheme() }
 
 // openDiscovery registers the discovery leader duty over the configured sources (none: off).
-func (r *Replica) openDiscovery() error {
+func (r *Replica) openDiscovery() (err error) {
 	d := r.cfg.Discovery
 	if len(d.Sources) == 0 {
 		return nil
@@ -527,7 +532,7 @@ func (r *Replica) openDiscovery() error {
 		}
 		sources = append(sources, s)
 	}
-	return discovery.Start(discovery.Config{
+	r.discovery, err = discovery.Start(discovery.Config{
 		Sources: sources, Cluster: r.node, Interval: d.Interval, DrainFor: d.DrainFor, SuspectFor: d.SuspectFor,
 		// A worker from --worker or the workers file is in the routing registry and not the
 		// cluster's: discovery leaves its id alone.
@@ -537,4 +542,20 @@ func (r *Replica) openDiscovery() error {
 		},
 		Registerer: r.promReg, Logger: r.log.With("duty", "discovery"),
 	})
+	return err
+}
+
+// discoveryStatus is the discovery duty as the admin API reads it.
+type discoveryStatus struct{ d *discovery.Duty }
+
+func (s discoveryStatus) Sources() []string { return s.d.Sources() }
+
+func (s discoveryStatus) Status() (bool, []admin.SourceView) {
+	running, sts := s.d.Status()
+	out := make([]admin.SourceView, 0, len(sts))
+	for _, st := range sts {
+		out = append(out, admin.SourceView{Source: st.Source, LastGood: st.LastGood, FailingSince: st.FailingSince,
+			Failures: st.Failures, LastError: st.LastError, SuspectDrains: st.SuspectDrains})
+	}
+	return running, out
 }
