@@ -328,7 +328,7 @@ func (r *Replica) openRouting(context.Context) error {
 		ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
 	var disc admin.Discovery
 	if r.discovery != nil {
-		disc = discoveryStatus{r.discovery}
+		disc = discoveryStatus{d: r.discovery, node: r.node}
 	}
 	r.admin = &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: admin.Handler(admin.Config{
 		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry, Aliases: r.node.FSM(),
@@ -542,20 +542,44 @@ func (r *Replica) openDiscovery() (err error) {
 		},
 		Registerer: r.promReg, Logger: r.log.With("duty", "discovery"),
 	})
-	return err
+	if err != nil {
+		return err
+	}
+	// The peer Status carries the looks while the duty runs here: a follower's admin API
+	// shows the leader's.
+	duty := r.discovery
+	r.node.SetDiscoveryStatus(func() []peer.DiscoverySource {
+		if running, sts := duty.Status(); running {
+			return looksOf(sts)
+		}
+		return nil
+	})
+	return nil
 }
 
 // discoveryStatus is the discovery duty as the admin API reads it.
-type discoveryStatus struct{ d *discovery.Duty }
+type discoveryStatus struct {
+	d    *discovery.Duty
+	node *cluster.Node
+}
 
 func (s discoveryStatus) Sources() []string { return s.d.Sources() }
 
-func (s discoveryStatus) Status() (bool, []admin.SourceView) {
+func (s discoveryStatus) Looks() (bool, []peer.DiscoverySource) {
 	running, sts := s.d.Status()
-	out := make([]admin.SourceView, 0, len(sts))
+	return running, looksOf(sts)
+}
+
+func (s discoveryStatus) LeaderStatus(ctx context.Context) (peer.Status, error) {
+	return s.node.LeaderStatus(ctx)
+}
+
+// looksOf is the discovery duty's sources as the peer Status carries them.
+func looksOf(sts []discovery.SourceStatus) []peer.DiscoverySource {
+	out := make([]peer.DiscoverySource, 0, len(sts))
 	for _, st := range sts {
-		out = append(out, admin.SourceView{Source: st.Source, LastGood: st.LastGood, FailingSince: st.FailingSince,
+		out = append(out, peer.DiscoverySource{Source: st.Source, LastGood: st.LastGood, FailingSince: st.FailingSince,
 			Failures: st.Failures, LastError: st.LastError, SuspectDrains: st.SuspectDrains})
 	}
-	return running, out
+	return out
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
 // startSimWorkers serves n fast simulated workers on loopback until the test ends.
@@ -258,8 +259,8 @@ func TestCtlWorkersListSaysAFailingDiscoverySourceKeepsItsWorkersAndClearsWhenFi
 	// drained on failure would show it.
 	rep := startLoneReplicaWith(t, nil, replica.DiscoveryConfig{Sources: []string{source},
 		Interval: 100 * time.Millisecond, DrainFor: 200 * time.Millisecond, SuspectFor: 200 * time.Millisecond})
-	// list polls ctl workers list until its discovery line has want, and checks that both
-	// workers are listed and active then.
+	// list polls ctl workers list until its discovery line has want and both workers are
+	// listed, active, as the source's.
 	list := func(want string) string {
 		t.Helper()
 		var out string
@@ -271,13 +272,13 @@ func TestCtlWorkersListSaysAFailingDiscoverySourceKeepsItsWorkersAndClearsWhenFi
 			if !strings.Contains(out, "discovery "+source+": "+want) {
 				return fmt.Errorf("no %q in:\n%s", want, out)
 			}
+			for _, s := range specs {
+				if !regexp.MustCompile(`(?m)^` + s.ID + `\s+\S+\s+discovery:` + regexp.QuoteMeta(source) + `\s+active\s`).MatchString(out) {
+					return fmt.Errorf("%s is not an active discovered worker:\n%s", s.ID, out)
+				}
+			}
 			return nil
 		})
-		for _, s := range specs {
-			if !regexp.MustCompile(`(?m)^` + s.ID + `\s+\S+\s+discovery:` + regexp.QuoteMeta(source) + `\s+active\s`).MatchString(out) {
-				t.Errorf("%s is not an active discovered worker:\n%s", s.ID, out)
-			}
-		}
 		return out
 	}
 	out := list("ok, last good look ")
@@ -312,23 +313,27 @@ func TestDiscoveryLinesSayWhatTheReplicaAskedKnows(t *testing.T) {
 		return v
 	}
 	src := "file:/etc/fleet.json"
+	failing := admin.SourceView{DiscoverySource: peer.DiscoverySource{Source: src, LastGood: at("12:00:58"), FailingSince: at("12:01:02"),
+		Failures: 3, LastError: "open /etc/fleet.json: no such file"}, Workers: 4}
 	for _, tc := range []struct {
 		name string
 		view admin.DiscoveryView
 		want string
 	}{
-		{"a failing source on the leader", admin.DiscoveryView{Replica: "r1", Running: true, LeaderID: "r1", Sources: []admin.SourceView{{
-			Source: src, LastGood: at("12:00:58"), FailingSince: at("12:01:02"), Failures: 3, LastError: "open /etc/fleet.json: no such file", Workers: 4}}},
+		{"a failing source on the leader", admin.DiscoveryView{Replica: "r1", Running: true, LooksFrom: "r1", LeaderID: "r1", Sources: []admin.SourceView{failing}},
 			"discovery file:/etc/fleet.json: FAILING since 12:01:02 (3 looks): open /etc/fleet.json: no such file; last good look 12:00:58; 4 workers kept"},
-		{"a source failing since the term began", admin.DiscoveryView{Replica: "r1", Running: true, Sources: []admin.SourceView{{
-			Source: src, FailingSince: at("12:01:02"), Failures: 1, LastError: "boom", Workers: 2}}},
+		{"a follower shows the leader's looks", admin.DiscoveryView{Replica: "r2", LooksFrom: "r1", LeaderID: "r1", Sources: []admin.SourceView{failing}},
+			"discovery file:/etc/fleet.json: FAILING since 12:01:02 (3 looks): open /etc/fleet.json: no such file; last good look 12:00:58; 4 workers kept (the leader r1's looks)"},
+		{"a source failing since the term began", admin.DiscoveryView{Replica: "r1", Running: true, LooksFrom: "r1", Sources: []admin.SourceView{{
+			DiscoverySource: peer.DiscoverySource{Source: src, FailingSince: at("12:01:02"), Failures: 1, LastError: "boom"}, Workers: 2}}},
 			"discovery file:/etc/fleet.json: FAILING since 12:01:02 (1 looks): boom; no good look yet in this term (its workers are left as they are); 2 workers kept"},
-		{"a good source holding suspect drains", admin.DiscoveryView{Replica: "r1", Running: true, Sources: []admin.SourceView{{
-			Source: src, LastGood: at("12:00:58"), SuspectDrains: 3, Workers: 4, Gone: 1}}},
+		{"a good source holding suspect drains", admin.DiscoveryView{Replica: "r1", Running: true, LooksFrom: "r1", Sources: []admin.SourceView{{
+			DiscoverySource: peer.DiscoverySource{Source: src, LastGood: at("12:00:58"), SuspectDrains: 3}, Workers: 4, Gone: 1}}},
 			"discovery file:/etc/fleet.json: ok, last good look 12:00:58; 4 workers (and 1 gone, draining); 3 drains held as suspect"},
-		{"a follower names the leader", admin.DiscoveryView{Replica: "r2", LeaderID: "r1", LeaderPeerAddr: "127.0.0.1:7001", Sources: []admin.SourceView{{Source: src, Workers: 4}}},
-			"discovery file:/etc/fleet.json: runs on the leader r1 (peer 127.0.0.1:7001), not on r2: ask the leader's admin API (ctl --addr) how its looks go; 4 workers in the registry"},
-		{"no leader", admin.DiscoveryView{Replica: "r2", Sources: []admin.SourceView{{Source: src, Workers: 4}}},
+		{"a follower that could not ask the leader names it", admin.DiscoveryView{Replica: "r2", LeaderID: "r1", LeaderPeerAddr: "127.0.0.1:7001",
+			LeaderError: "connection refused", Sources: []admin.SourceView{{DiscoverySource: peer.DiscoverySource{Source: src}, Workers: 4}}},
+			"discovery file:/etc/fleet.json: runs on the leader r1 (peer 127.0.0.1:7001), not on r2, which could not show its looks: connection refused; 4 workers in the registry"},
+		{"no leader", admin.DiscoveryView{Replica: "r2", Sources: []admin.SourceView{{DiscoverySource: peer.DiscoverySource{Source: src}, Workers: 4}}},
 			"discovery file:/etc/fleet.json: not looked at on r2, which does not lead; no leader is known now; 4 workers in the registry"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

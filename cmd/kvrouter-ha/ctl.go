@@ -206,11 +206,15 @@ func (c *ctlClient) workersList(ctx context.Context, _ []string) error {
 	return nil
 }
 
-// discoveryLines says, one line a source, how the discovery sources are doing: on the leader,
-// which runs them, whether the last look failed, since when and why, and the workers kept; on
-// a follower, which replica to ask.
+// discoveryLines says, one line a source, how the discovery sources are doing, from the looks
+// of the replica that runs them (the leader; a follower asks it): whether the last look failed,
+// since when and why, and the workers kept. Without the leader's looks it says why.
 func discoveryLines(d admin.DiscoveryView) []string {
 	clock := func(t time.Time) string { return t.UTC().Format("15:04:05") }
+	from := ""
+	if d.LooksFrom != "" && d.LooksFrom != d.Replica {
+		from = " (the leader " + d.LooksFrom + "'s looks)"
+	}
 	var out []string
 	for _, s := range d.Sources {
 		kept := fmt.Sprintf("%d workers", s.Workers)
@@ -219,11 +223,11 @@ func discoveryLines(d admin.DiscoveryView) []string {
 		}
 		var line string
 		switch {
-		case !d.Running && d.LeaderID == "":
+		case d.LooksFrom == "" && d.LeaderID == "":
 			line = fmt.Sprintf("not looked at on %s, which does not lead; no leader is known now; %s in the registry", d.Replica, kept)
-		case !d.Running:
-			line = fmt.Sprintf("runs on the leader %s (peer %s), not on %s: ask the leader's admin API (ctl --addr) how its looks go; %s in the registry",
-				d.LeaderID, d.LeaderPeerAddr, d.Replica, kept)
+		case d.LooksFrom == "":
+			line = fmt.Sprintf("runs on the leader %s (peer %s), not on %s, which could not show its looks: %s; %s in the registry",
+				d.LeaderID, d.LeaderPeerAddr, d.Replica, d.LeaderError, kept)
 		case s.Failures > 0:
 			last := "no good look yet in this term (its workers are left as they are)"
 			if !s.LastGood.IsZero() {
@@ -238,7 +242,7 @@ func discoveryLines(d admin.DiscoveryView) []string {
 		if s.SuspectDrains > 0 {
 			line += fmt.Sprintf("; %d drains held as suspect", s.SuspectDrains)
 		}
-		out = append(out, "discovery "+s.Source+": "+line)
+		out = append(out, "discovery "+s.Source+": "+line+from)
 	}
 	return out
 }
