@@ -5,6 +5,7 @@
 //	POST   /admin/workers                   add a worker (a routing.WorkerSpec as JSON), cluster-wide
 //	POST   /admin/workers/{id}/drain        drain a worker (its sessions move on their next request)
 //	DELETE /admin/workers/{id}              remove a worker
+//	GET    /admin/discovery                 discovery sources: failing or not, since when, workers kept
 //	GET    /admin/sessions/{id}             a session's binding
 //	DELETE /admin/sessions/{id}[?revision=] invalidate a session's binding
 //	GET    /admin/cluster                   this replica, the leader, members, raft indexes
@@ -90,6 +91,9 @@ type Config struct {
 	Registry Registry
 	// Aliases reads the model aliases (nil: the alias endpoints answer 404).
 	Aliases Aliases
+	// Discovery reports the discovery duty's sources (nil: no discovery; GET
+	// /admin/discovery then lists none).
+	Discovery Discovery
 	// Metrics serves /metrics beside the API (nil: none).
 	Metrics http.Handler
 	// StaticSource names where a worker that is not in the cluster registry came from:
@@ -165,6 +169,7 @@ func Handler(cfg Config) http.Handler {
 	mux.HandleFunc("POST /admin/workers", a.addWorker)
 	mux.HandleFunc("POST /admin/workers/{id}/drain", a.drainWorker)
 	mux.HandleFunc("DELETE /admin/workers/{id}", a.removeWorker)
+	mux.HandleFunc("GET /admin/discovery", a.discovery)
 	mux.HandleFunc("GET /admin/sessions/{id}", a.getSession)
 	mux.HandleFunc("DELETE /admin/sessions/{id}", a.invalidateSession)
 	mux.HandleFunc("GET /admin/cluster", a.clusterStatus)

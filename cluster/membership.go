@@ -53,7 +53,33 @@ func (n *Node) Status() peer.Status {
 	if n.IsLeader() {
 		st.LastContactMs = 0
 	}
+	if fn := n.discovery.Load(); fn != nil {
+		st.Discovery = (*fn)()
+	}
 	return st
+}
+
+// SetDiscoveryStatus makes fn tell, in this node's Status (the peer Status call), how the
+// discovery duty's looks go while it runs here: a follower's admin API shows the leader's.
+func (n *Node) SetDiscoveryStatus(fn func() []peer.DiscoverySource) { n.discovery.Store(&fn) }
+
+// LeaderStatus is the leader's Status: this node's own while it leads, else asked of the
+// leader over the peer port.
+func (n *Node) LeaderStatus(ctx context.Context) (peer.Status, error) {
+	id, addr, ok := n.Leader()
+	switch {
+	case !ok:
+		return peer.Status{}, errors.New("no leader is known")
+	case id == n.cfg.ID:
+		return n.Status(), nil
+	case addr == "" || n.cfg.Remote == nil:
+		return peer.Status{}, fmt.Errorf("the leader %s has no known peer address", id)
+	}
+	st, err := n.cfg.Remote.StatusOf(ctx, addr)
+	if err != nil {
+		return peer.Status{}, fmt.Errorf("status of the leader %s at %s: %w", id, addr, err)
+	}
+	return st, nil
 }
 
 // bootstrapOrJoin brings a node without state into a cluster: alone when it expects no

@@ -214,6 +214,9 @@ type Node struct {
 	// leaderChanges counts the leaders this node learned of (raft_metrics.go): each time
 	// the leader it knows becomes a known one other than the one before (none included).
 	leaderChanges atomic.Uint64
+
+	// discovery reports the discovery duty's looks for Status (nil: none).
+	discovery atomic.Pointer[func() []peer.DiscoverySource]
 }
 
 // clusterIDFile names the file in the data directory that ties it to one cluster.

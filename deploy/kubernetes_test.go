@@ -1,7 +1,6 @@
 package deploy_test
 
 import (
-	"encoding/json"
 	"fmt"
 	"path/filepath"
 	"regexp"
@@ -340,20 +339,96 @@ func TestKubernetesMatchesTheBinary(t *testing.T) {
 			t.Errorf("%s: --%s %s is no key of a ConfigMap or Secret mounted there", s.source, f.name, f.value)
 		}
 	}
-	if content, ok := k.mountedFile(t, b.value(t, s, "workers-file")); ok {
-		var workers []map[string]any
-		if err := json.Unmarshal([]byte(content), &workers); err != nil || len(workers) == 0 {
-			t.Errorf("the workers ConfigMap is not a JSON array of workers: %v", err)
+	checkDiscovery(t, b, k)
+}
+
+// discovery is the options of the StatefulSet's --discovery kubernetes:... value.
+func (k kube) discovery(t *testing.T, b *kvrBinary) map[string]string {
+	t.Helper()
+	v := b.value(t, k.spec, "discovery")
+	rest, ok := strings.CutPrefix(v, "kubernetes:")
+	if !ok {
+		t.Fatalf("%s: --discovery %q, want the kubernetes source: the replicas follow the vLLM pods", k.spec.source, v)
+	}
+	opts := map[string]string{}
+	for _, part := range strings.Split(rest, ",") {
+		key, val, _ := strings.Cut(part, "=")
+		opts[key] = val
+	}
+	return opts
+}
+
+// checkDiscovery holds the StatefulSet's discovery to the other files: its pods run as the
+// ServiceAccount of rbac.yaml, whose Role (bound to it) lets it get, list and watch what the
+// kubernetes source watches (pods, and the InferencePool it names, which inferencepool.yaml
+// ships), in the pods' own namespace; and no workers file is left to keep alike.
+func checkDiscovery(t *testing.T, b *kvrBinary, k kube) {
+	t.Helper()
+	opts := k.discovery(t, b)
+	if opts["namespace"] != "$(POD_NAMESPACE)" || k.envFrom["POD_NAMESPACE"] != "metadata.namespace" {
+		t.Errorf("%s: discovery namespace %q, want $(POD_NAMESPACE) from metadata.namespace: the Role grants this namespace only", k.spec.source, opts["namespace"])
+	}
+	if opts["kubeconfig"] != "" {
+		t.Errorf("%s: discovery kubeconfig %q, want the pod's ServiceAccount", k.spec.source, opts["kubeconfig"])
+	}
+	if _, ok := k.objs["InferencePool/"+opts["pool"]]; !ok {
+		t.Errorf("%s: discovery pool %q is not the InferencePool in kubernetes/", k.spec.source, opts["pool"])
+	}
+	if b.setFlags(t, k.spec)["workers-file"] {
+		t.Errorf("%s: --workers-file beside discovery: a fixed list the pods do not follow", k.spec.source)
+	}
+	// The pod annotations the live test gives its pods are the ones the docs tell operators.
+	for key, v := range vllmAnnotations {
+		for _, f := range []string{"README.md", "kubernetes/inferencepool.yaml"} {
+			if !strings.Contains(readFile(t, f), key+`: "`+v+`"`) {
+				t.Errorf("%s does not document the vLLM pods' annotation %s: %q", f, key, v)
+			}
 		}
+	}
+	sa := ystr(k.sts, "spec", "template", "spec", "serviceAccountName")
+	if k.objs["ServiceAccount/"+sa] == nil {
+		t.Fatalf("StatefulSet: serviceAccountName %q is not a ServiceAccount in kubernetes/", sa)
+	}
+	// What the informers call: list and watch (and get) pods, and the InferencePools.
+	need := map[string]bool{}
+	for _, r := range []string{"/pods", "inference.networking.k8s.io/inferencepools"} {
+		for _, verb := range []string{"get", "list", "watch"} {
+			need[verb+" "+r] = true
+		}
+	}
+	for key, rb := range k.objs {
+		if !strings.HasPrefix(key, "RoleBinding/") {
+			continue
+		}
+		bound := false
+		for _, sub := range ylist(rb, "subjects") {
+			bound = bound || (ystr(sub, "kind") == "ServiceAccount" && ystr(sub, "name") == sa && ystr(sub, "namespace") == "")
+		}
+		role := k.objs[ystr(rb, "roleRef", "kind")+"/"+ystr(rb, "roleRef", "name")]
+		if !bound || role == nil {
+			continue
+		}
+		for _, rule := range ylist(role, "rules") {
+			for _, g := range strList(ylist(rule, "apiGroups")) {
+				for _, r := range strList(ylist(rule, "resources")) {
+					for _, verb := range strList(ylist(rule, "verbs")) {
+						delete(need, verb+" "+g+"/"+r)
+					}
+				}
+			}
+		}
+	}
+	if len(need) > 0 {
+		t.Errorf("rbac.yaml: no Role bound to the ServiceAccount %s (in the pods' namespace) grants %v", sa, keys(need))
 	}
 }
 
 // kubeProbes are the StatefulSet's probes and the paths they must use.
 var kubeProbes = map[string]string{"readinessProbe": "/readyz", "livenessProbe": "/healthz", "startupProbe": "/healthz"}
 
-// checkInferencePool checks the InferencePool against the picker's Service and the workers
-// file: its picker is the Service at its port, failing closed, and its target ports are the
-// ports the workers' URLs name.
+// checkInferencePool checks the InferencePool against the picker's Service: its picker is
+// the Service at its port, failing closed or open, and it has target ports and a selector
+// (the StatefulSet discovers its workers from them: see checkDiscovery).
 func checkInferencePool(t *testing.T, k kube, pickers map[string]int) {
 	t.Helper()
 	var pool map[string]any
@@ -390,17 +465,5 @@ func checkInferencePool(t *testing.T, k kube, pickers map[string]int) {
 	}
 	if len(ymap(pool, "spec", "selector", "matchLabels")) == 0 {
 		t.Error("InferencePool: no selector")
-	}
-	cm := k.objs["ConfigMap/kvrouter-ha-workers"]
-	var specs []struct {
-		URL string `json:"url"`
-	}
-	if err := json.Unmarshal([]byte(ystr(cm, "data", "workers.json")), &specs); err != nil || len(specs) == 0 {
-		t.Fatalf("ConfigMap kvrouter-ha-workers: workers.json: %v", err)
-	}
-	for _, w := range specs {
-		if port := w.URL[strings.LastIndex(w.URL, ":")+1:]; !targets[port] {
-			t.Errorf("worker %s: port %s is not among the InferencePool's target ports %v", w.URL, port, keys(targets))
-		}
 	}
 }

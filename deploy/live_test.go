@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -13,23 +14,36 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"sigs.k8s.io/yaml"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/k8stest"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/testpki"
 )
+
+// vllmAnnotations are the annotations deploy/README.md and inferencepool.yaml tell operators to
+// give the vLLM pods; the live test gives them to its pods.
+var vllmAnnotations = map[string]string{"kvrouter-ha.io/kv-events-port": "5557", "kvrouter-ha.io/kv-replay-port": "5558"}
 
 // TestManifestsRunAndServeTheDashboardsMetrics starts, on loopback, a simulated worker from
 // docker-compose's w0 and one replica from each of the StatefulSet, compose's r0 and the systemd
 // unit with env.example: their own arguments and environment, with only what cannot work here
 // replaced (listen and advertise addresses, peers, data directory, secret and certificate files,
-// a short drain). Each must come up ready; the StatefulSet's probe paths must answer 200; its
-// workers ConfigMap and compose's workers.json must be what the replicas then list; and after a
-// little traffic every metric the Grafana dashboard queries must be on the admin /metrics.
+// a short drain; the StatefulSet's discovery gets a kubeconfig in place of the pod's mounted
+// ServiceAccount token). The StatefulSet's replica finds its workers as its pod would: a real
+// kube-apiserver authorizing by RBAC, with rbac.yaml and inferencepool.yaml applied, asked
+// with a token of the pod's ServiceAccount; the pool's pods, labelled and annotated as the
+// docs say, are the simulated worker (Ready) and a pod that is not ready. Each replica must
+// come up ready; the StatefulSet's probe paths must answer 200; the Ready pod (and not the
+// other) and compose's workers.json must be what the replicas then list; and after a little
+// traffic every metric the Grafana dashboard queries must be on the admin /metrics.
 func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 	b := binary(t)
 	k := readKube(t)
@@ -37,24 +51,32 @@ func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 	sysReplica, _, _, _ := systemdSpecs(t)
 	dir := t.TempDir()
 
-	// The simulated worker publishes its KV events to the StatefulSet replica's bound socket.
-	simAddr, kvBind := loopbacktest.Addr(t), loopbacktest.Addr(t)
+	api := k8stest.StartClusterWith(t, podNamespace, k8stest.Options{RBAC: true})
+	for _, f := range []string{"kubernetes/rbac.yaml", "kubernetes/inferencepool.yaml"} {
+		for _, obj := range manifests(t, f) {
+			api.Create(t, obj)
+		}
+	}
+	kubeconfig := api.ServiceAccountKubeconfig(t, dir, ystr(k.sts, "spec", "template", "spec", "serviceAccountName"))
+	pool := k.objs["InferencePool/"+k.discovery(t, b)["pool"]]
+	poolPort := yint(t, "InferencePool", ylist(pool, "spec", "targetPorts")[0], "number")
+
+	// The simulated worker serves at the pool's port on a loopback address of its own, the
+	// Ready pod's IP, and binds its KV-event sockets at the annotated ports, as vLLM does.
+	eventsPort, replayPort := vllmAnnotations["kvrouter-ha.io/kv-events-port"], vllmAnnotations["kvrouter-ha.io/kv-replay-port"]
+	simHost := freeHost(t, strconv.Itoa(poolPort), eventsPort, replayPort)
+	simAddr := net.JoinHostPort(simHost, strconv.Itoa(poolPort))
 	sim := c.workers[0]
 	simArgs := append(append([]string{}, sim.args...),
 		"--listen="+simAddr,
-		"--kv-events-endpoint=tcp://"+kvBind,
+		"--kv-events-endpoint=tcp://"+net.JoinHostPort(simHost, eventsPort), "--kv-events-bind",
+		"--kv-events-replay=tcp://"+net.JoinHostPort(simHost, replayPort),
 		"--kv-events-topic=kv@"+simAddr+"@sim-model")
 	startProc(t, b, "sim-worker", "sim-worker", simArgs, nil)
 	simWorker := "--worker=sim=http://" + simAddr
+	ready := createPoolPod(t, api, pool, "vllm-0", simHost, true)
+	notReady := createPoolPod(t, api, pool, "vllm-1", freeHost(t), false)
 
-	workersCM, ok := k.mountedFile(t, b.value(t, k.spec, "workers-file"))
-	if !ok {
-		t.Fatal("the StatefulSet's --workers-file is not in a mounted ConfigMap")
-	}
-	cmFile := filepath.Join(dir, "workers-configmap.json")
-	if err := os.WriteFile(cmFile, []byte(onLoopback(t, workersCM)), 0o600); err != nil {
-		t.Fatal(err)
-	}
 	composeWorkers := filepath.Join(dir, "workers-compose.json")
 	if err := os.WriteFile(composeWorkers, []byte(onLoopback(t, readFile(t, "workers.json"))), 0o600); err != nil {
 		t.Fatal(err)
@@ -65,19 +87,18 @@ func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 		spec        execSpec
 		workersFile string
 		wantWorkers []string
+		notWorkers  []string
 		extra       []string
 		ports       listeners
 		proc        *proc
 	}
 	kubeSpec := k.pod("127.0.0.1")
+	kubeSpec.args = withKubeconfig(kubeSpec.args, kubeconfig)
 	runs := []*run{
-		// The simulated worker's publisher connects from 127.0.0.1, not from its URL's
-		// loopback address: a worker behind NAT, as --kv-events-publisher-hosts serves.
-		{name: "statefulset", spec: kubeSpec, workersFile: cmFile, wantWorkers: workerIDs(t, workersCM),
-			extra: []string{simWorker, "--kv-events-bind=tcp://" + kvBind, "--kv-events-publisher-hosts=127.0.0.1"}},
-		{name: "compose-r0", spec: c.replicas[0], workersFile: composeWorkers, wantWorkers: workerIDs(t, readFile(t, "workers.json")),
+		{name: "statefulset", spec: kubeSpec, wantWorkers: []string{ready}, notWorkers: []string{notReady, "sim"}},
+		{name: "compose-r0", spec: c.replicas[0], workersFile: composeWorkers, wantWorkers: append(workerIDs(t, readFile(t, "workers.json")), "sim"),
 			extra: []string{simWorker}},
-		{name: "systemd", spec: sysReplica, workersFile: "", extra: []string{simWorker}},
+		{name: "systemd", spec: sysReplica, workersFile: "", wantWorkers: []string{"sim"}, extra: []string{simWorker}},
 	}
 	// The peer certificate names every address a replica advertises, as it must in production.
 	var hosts []string
@@ -103,20 +124,43 @@ func TestManifestsRunAndServeTheDashboardsMetrics(t *testing.T) {
 				t.Errorf("%s: %s %s answered %d on a ready replica", r.name, probe, path, code)
 			}
 		}
-		// The admin API wants the token from the mounted file; its worker list is the file's.
+		// The admin API wants the token from the mounted file; its worker list is the file's,
+		// or the Ready pods'.
 		if code := get(t, client, "http://"+r.ports.admin+"/admin/workers", ""); code != http.StatusUnauthorized {
 			t.Errorf("%s: /admin/workers without the token answered %d, want 401", r.name, code)
 		}
 		body := getBody(t, client, "http://"+r.ports.admin+"/admin/workers", files.token)
-		for _, id := range append(r.wantWorkers, "sim") {
+		for _, id := range r.wantWorkers {
 			if !strings.Contains(body, `"`+id+`"`) {
-				t.Errorf("%s: /admin/workers does not list %s from its workers file:\n%s", r.name, id, body)
+				t.Errorf("%s: /admin/workers does not list %s:\n%s", r.name, id, body)
+			}
+		}
+		for _, id := range r.notWorkers {
+			if strings.Contains(body, `"`+id+`"`) {
+				t.Errorf("%s: /admin/workers lists %s:\n%s", r.name, id, body)
 			}
 		}
 	}
+	// The discovered worker is the pod's spec: its URL at the pool's port, its KV-event
+	// sockets at the annotated ports.
+	var discovered []struct {
+		Spec struct {
+			ID       string `json:"id"`
+			URL      string `json:"url"`
+			KVEvents string `json:"kv_events"`
+			KVReplay string `json:"kv_replay"`
+		} `json:"spec"`
+		Source string `json:"source"`
+	}
+	if err := json.Unmarshal([]byte(getBody(t, client, "http://"+runs[0].ports.admin+"/admin/workers", files.token)), &discovered); err != nil || len(discovered) != 1 {
+		t.Fatalf("statefulset: /admin/workers: %v %+v, want the one Ready pod", err, discovered)
+	}
+	if w := discovered[0]; w.Spec.URL != "http://"+simAddr || w.Spec.KVEvents != "tcp://"+net.JoinHostPort(simHost, eventsPort) ||
+		w.Spec.KVReplay != "tcp://"+net.JoinHostPort(simHost, replayPort) || !strings.HasPrefix(w.Source, "discovery:kubernetes:") {
+		t.Errorf("statefulset: the discovered worker %+v, want the pod's address at the pool's and the annotated ports", w)
+	}
 
-	// Traffic through the StatefulSet's replica, pinned to the simulated worker (the
-	// ConfigMap's vLLM workers do not exist here).
+	// Traffic through the StatefulSet's replica, to the pod it discovered.
 	kr := runs[0]
 	prompt := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 60)
 	for i := range 3 {
@@ -263,6 +307,79 @@ func overrides(t *testing.T, b *kvrBinary, s execSpec, l listeners, dir, name, w
 	return out
 }
 
+// podNamespace is the namespace the StatefulSet's pod runs in here.
+const podNamespace = "kvrouter"
+
+// withKubeconfig gives each kubernetes discovery source of args the kubeconfig file at path:
+// what a pod has from its mounted ServiceAccount token, a process here has from a file.
+func withKubeconfig(args []string, path string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		if v, ok := strings.CutPrefix(a, "--discovery=kubernetes:"); ok {
+			a = "--discovery=kubernetes:" + v + ",kubeconfig=" + path
+		}
+		out[i] = a
+	}
+	return out
+}
+
+// manifests reads a manifest file's objects as the API server takes them (YAML typed as
+// kubectl reads it: numbers are numbers).
+func manifests(t *testing.T, path string) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, doc := range strings.Split(readFile(t, path), "\n---\n") {
+		j, err := yaml.YAMLToJSON([]byte(doc))
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		var obj map[string]any
+		if err := json.Unmarshal(j, &obj); err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		if obj != nil {
+			out = append(out, obj)
+		}
+	}
+	return out
+}
+
+// freeHost is a loopback host on which every one of ports can be bound now.
+func freeHost(t *testing.T, ports ...string) string {
+	t.Helper()
+	for range 8 {
+		host, _, err := net.SplitHostPort(loopbacktest.Addr(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		free := true
+		for _, p := range ports {
+			l, err := net.Listen("tcp", net.JoinHostPort(host, p))
+			if err != nil {
+				free = false
+				break
+			}
+			l.Close()
+		}
+		if free {
+			return host
+		}
+	}
+	t.Fatalf("no loopback host with ports %v free", ports)
+	return ""
+}
+
+// createPoolPod creates a pod that pool selects, annotated with vllmAnnotations, at ip, Ready
+// or not, and returns the worker id the kubernetes source gives it.
+func createPoolPod(t *testing.T, api *k8stest.Cluster, pool map[string]any, name, ip string, ready bool) string {
+	t.Helper()
+	labels := map[string]string{}
+	for k, v := range ymap(pool, "spec", "selector", "matchLabels") {
+		labels[k], _ = v.(string)
+	}
+	return api.CreatePodWith(t, name, ip, ready, labels, vllmAnnotations)
+}
+
 // pod is the StatefulSet's first pod's command line: the downward API's values (its name,
 // namespace and podIP) in the environment, and $(VAR) expanded in its arguments.
 func (k kube) pod(podIP string) execSpec {
@@ -272,7 +389,7 @@ func (k kube) pod(podIP string) execSpec {
 		s.env[name] = v
 	}
 	for name, fp := range k.envFrom {
-		s.env[name] = map[string]string{"metadata.name": "kvrouter-ha-0", "metadata.namespace": "kvrouter", "status.podIP": podIP}[fp]
+		s.env[name] = map[string]string{"metadata.name": "kvrouter-ha-0", "metadata.namespace": podNamespace, "status.podIP": podIP}[fp]
 	}
 	s.args = expandKubeVars(s.args, s.env)
 	return s
@@ -412,7 +529,6 @@ func request(t *testing.T, c *http.Client, method, url, token, session, body str
 	}
 	if method == http.MethodPost {
 		req.Header.Set("Content-Type", "application/json")
-		req.Header.Set("X-Target-Worker", "sim")
 	}
 	resp, err := c.Do(req)
 	if err != nil {

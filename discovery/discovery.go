@@ -97,16 +97,17 @@ type Config struct {
 }
 
 // Owner is the marker a source's workers carry in the registry.
-func Owner(s Source) string { return "discovery:" + s.Name() }
+func Owner(s Source) string { return workers.DiscoveryOwner(s.Name()) }
 
 // Start registers the discovery leader duty with cfg.Cluster; it runs while this replica
-// leads, from each term's start to its end.
-func Start(cfg Config) error {
+// leads, from each term's start to its end. The Duty it returns reports the sources' status
+// (nil without sources: no discovery).
+func Start(cfg Config) (*Duty, error) {
 	if cfg.Cluster == nil {
-		return errors.New("discovery: a cluster is required")
+		return nil, errors.New("discovery: a cluster is required")
 	}
 	if len(cfg.Sources) == 0 {
-		return nil
+		return nil, nil
 	}
 	if cfg.Interval <= 0 {
 		cfg.Interval = 10 * time.Second
@@ -126,19 +127,23 @@ func Start(cfg Config) error {
 	names := map[string]bool{}
 	for _, s := range cfg.Sources {
 		if names[s.Name()] {
-			return fmt.Errorf("discovery: source %s given twice", s.Name())
+			return nil, fmt.Errorf("discovery: source %s given twice", s.Name())
 		}
 		names[s.Name()] = true
 	}
 	m, err := newMetrics(cfg.Registerer)
 	if err != nil {
-		return err
+		return nil, err
 	}
+	d := newDuty(cfg.Sources)
 	cfg.Cluster.AddDuty("discover workers", func(ctx context.Context) {
+		d.begin()
+		defer d.end()
 		t := newTerm(cfg, m)
+		t.duty = d
 		t.run(ctx)
 	})
-	return nil
+	return d, nil
 }
 
 // metrics are the discovery counters (on the leader, which does the looking).
@@ -188,6 +193,8 @@ type term struct {
 	notReadySince map[string]time.Time
 	// suspectSince is when a source's looks started to be suspect (absent: not suspect).
 	suspectSince map[string]time.Time
+	// duty gets each look's outcome (nil: nobody asks).
+	duty *Duty
 }
 
 func newTerm(cfg Config, m *metrics) *term {
@@ -269,6 +276,7 @@ func (t *term) lookAt(ctx context.Context, s Source, now time.Time) {
 		if ctx.Err() != nil {
 			return
 		}
+		t.duty.looked(s.Name(), now, err)
 		t.m.errors.WithLabelValues(s.Kind()).Inc()
 		_, known := t.last[s.Name()]
 		t.logs.Log(t.cfg.Logger, "lookup "+s.Name(), slog.LevelWarn, "discovery source failed; its workers stay as they are",
@@ -278,6 +286,7 @@ func (t *term) lookAt(ctx context.Context, s Source, now time.Time) {
 		}
 	} else {
 		t.last[s.Name()] = seen
+		t.duty.looked(s.Name(), now, nil)
 	}
 	t.reconcile(ctx, s, t.last[s.Name()], err == nil, now)
 }
@@ -388,6 +397,7 @@ func (t *term) reconcile(ctx context.Context, s Source, seen sight, fresh bool, 
 			since = now
 		}
 		t.m.held.WithLabelValues(s.Kind()).Set(float64(out))
+		t.duty.held(s.Name(), out)
 		if now.Sub(since) < t.cfg.SuspectFor {
 			t.logs.Log(t.cfg.Logger, "suspect "+s.Name(), slog.LevelWarn, "discovery source dropped more than half of its workers at once; holding the drains",
 				"source", s.Name(), "gone", len(drain), "not_ready", len(mark), "active", active, "hold", t.cfg.SuspectFor)
@@ -396,6 +406,7 @@ func (t *term) reconcile(ctx context.Context, s Source, seen sight, fresh bool, 
 	} else {
 		delete(t.suspectSince, s.Name())
 		t.m.held.WithLabelValues(s.Kind()).Set(0)
+		t.duty.held(s.Name(), 0)
 	}
 	for _, id := range mark {
 		raw, err := remark(id, owned[id].Spec, workers.Owned{Source: owner, NotReady: true})
@@ -428,6 +439,7 @@ func (t *term) reconcile(ctx context.Context, s Source, seen sight, fresh bool, 
 	if len(drain)+len(mark) > 0 {
 		delete(t.suspectSince, s.Name())
 		t.m.held.WithLabelValues(s.Kind()).Set(0)
+		t.duty.held(s.Name(), 0)
 	}
 }
 

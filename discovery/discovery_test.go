@@ -466,3 +466,36 @@ func TestANotReadyWorkerKeepsItsBindingsForTheGraceThenDrainsAsAGoneOne(t *testi
 		})
 	}
 }
+
+func TestDutyStatusTellsFailingLooksAndHeldDrainsWhileTheTermRuns(t *testing.T) {
+	c := newMemCluster()
+	tm, _ := testTerm(t, c)
+	src := &fakeSource{ids: []string{"a", "b", "c"}}
+	d := newDuty([]Source{src})
+	tm.duty = d
+	if running, _ := d.Status(); running {
+		t.Fatal("running before the term began")
+	}
+	d.begin()
+	start := time.Unix(1000, 0)
+	tm.lookAt(context.Background(), src, start)
+	src.err = errors.New("source down")
+	tm.lookAt(context.Background(), src, start.Add(time.Second))
+	tm.lookAt(context.Background(), src, start.Add(2*time.Second))
+	_, got := d.Status()
+	want := []SourceStatus{{Source: "fake", LastGood: start, FailingSince: start.Add(time.Second), Failures: 2, LastError: "source down"}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("after two failed looks: %+v, want %+v", got, want)
+	}
+	src.err, src.ids = nil, []string{"a"}
+	tm.lookAt(context.Background(), src, start.Add(3*time.Second))
+	_, got = d.Status()
+	want = []SourceStatus{{Source: "fake", LastGood: start.Add(3 * time.Second), SuspectDrains: 2}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("after a good look dropping two of three: %+v, want %+v", got, want)
+	}
+	d.end()
+	if running, got := d.Status(); running || got != nil {
+		t.Fatalf("after the term: %v %+v, want nothing", running, got)
+	}
+}

@@ -157,7 +157,7 @@ func TestKubernetesWatchRunsOnlyWhileThisReplicaLeads(t *testing.T) {
 			}
 			t.Cleanup(src.(*Kubernetes).Stop)
 			cl := &dutyCluster{memCluster: newMemCluster()}
-			if err := Start(Config{Sources: []Source{src}, Cluster: cl, Interval: 100 * time.Millisecond,
+			if _, err := Start(Config{Sources: []Source{src}, Cluster: cl, Interval: 100 * time.Millisecond,
 				DrainFor: time.Hour, SuspectFor: time.Hour}); err != nil {
 				t.Fatal(err)
 			}

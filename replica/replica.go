@@ -57,6 +57,7 @@ type Replica struct {
 	peerSrv   *peer.Server
 	share     *sharing // nil with NoGossip
 	lifecycle *workers.Lifecycle
+	discovery *discovery.Duty // nil without --discovery
 	router    *routing.Router
 	server    *openai.Server
 	picker    *extproc.Picker // nil without ExtProcListen
@@ -325,9 +326,13 @@ func (r *Replica) openRouting(context.Context) error {
 	r.http = &http.Server{Handler: r.closeWhileDraining(bodyDeadline(r.server.Handler(), cp.BodyTimeout)),
 		ReadHeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
 		ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
+	var disc admin.Discovery
+	if r.discovery != nil {
+		disc = discoveryStatus{d: r.discovery, node: r.node}
+	}
 	r.admin = &http.Server{ReadHeaderTimeout: 10 * time.Second, Handler: admin.Handler(admin.Config{
 		Token: cfg.AdminToken, Cluster: r.node, Bindings: r.node.FSM(), Workers: lc, Registry: r.registry, Aliases: r.node.FSM(),
-		Metrics: openai.AdminHandler(r.promReg),
+		Metrics: openai.AdminHandler(r.promReg), Discovery: disc,
 		StaticSource: func(id string) string {
 			if cfg.WorkersFromFile[id] {
 				return admin.SourceFile
@@ -514,7 +519,7 @@ func (r *Replica) Policy() string { return r.router.Policy() }
 func (r *Replica) Scheme() string { return r.cfg.TLS.Scheme() }
 
 // openDiscovery registers the discovery leader duty over the configured sources (none: off).
-func (r *Replica) openDiscovery() error {
+func (r *Replica) openDiscovery() (err error) {
 	d := r.cfg.Discovery
 	if len(d.Sources) == 0 {
 		return nil
@@ -527,7 +532,7 @@ func (r *Replica) openDiscovery() error {
 		}
 		sources = append(sources, s)
 	}
-	return discovery.Start(discovery.Config{
+	r.discovery, err = discovery.Start(discovery.Config{
 		Sources: sources, Cluster: r.node, Interval: d.Interval, DrainFor: d.DrainFor, SuspectFor: d.SuspectFor,
 		NotReadyGrace: d.NotReadyGrace,
 		// A worker from --worker or the workers file is in the routing registry and not the
@@ -538,4 +543,44 @@ func (r *Replica) openDiscovery() error {
 		},
 		Registerer: r.promReg, Logger: r.log.With("duty", "discovery"),
 	})
+	if err != nil {
+		return err
+	}
+	// The peer Status carries the looks while the duty runs here: a follower's admin API
+	// shows the leader's.
+	duty := r.discovery
+	r.node.SetDiscoveryStatus(func() []peer.DiscoverySource {
+		if running, sts := duty.Status(); running {
+			return looksOf(sts)
+		}
+		return nil
+	})
+	return nil
+}
+
+// discoveryStatus is the discovery duty as the admin API reads it.
+type discoveryStatus struct {
+	d    *discovery.Duty
+	node *cluster.Node
+}
+
+func (s discoveryStatus) Sources() []string { return s.d.Sources() }
+
+func (s discoveryStatus) Looks() (bool, []peer.DiscoverySource) {
+	running, sts := s.d.Status()
+	return running, looksOf(sts)
+}
+
+func (s discoveryStatus) LeaderStatus(ctx context.Context) (peer.Status, error) {
+	return s.node.LeaderStatus(ctx)
+}
+
+// looksOf is the discovery duty's sources as the peer Status carries them.
+func looksOf(sts []discovery.SourceStatus) []peer.DiscoverySource {
+	out := make([]peer.DiscoverySource, 0, len(sts))
+	for _, st := range sts {
+		out = append(out, peer.DiscoverySource{Source: st.Source, LastGood: st.LastGood, FailingSince: st.FailingSince,
+			Failures: st.Failures, LastError: st.LastError, SuspectDrains: st.SuspectDrains})
+	}
+	return out
 }

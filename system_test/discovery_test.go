@@ -8,7 +8,9 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -219,6 +221,96 @@ func TestFileDiscoveryAddsAndRemovesWorkersOnEveryReplicaAndMovesOnlyTheGoneWork
 		t.Fatalf("the leader's kvrouter_discovery_errors_total{source=\"file\"}: %v, %v; want failed looks counted", failed, err)
 	}
 	t.Logf("an invalid file kept %d workers on every replica for 8 s; the leader counted %v failed looks", len(kept), failed)
+}
+
+// ctlWorkersList runs the binary's `ctl workers list` against r's admin API.
+func ctlWorkersList(t *testing.T, r *replica) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, "ctl", "--addr", r.Admin, "workers", "list")
+	cmd.Env = cleanEnv()
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+func TestCtlWorkersListOnEveryReplicaSaysAFailingFileSourceKeepsItsWorkersUntilFixed(t *testing.T) {
+	fl := startFleet(t, 2)
+	path := filepath.Join(t.TempDir(), "fleet.json")
+	writeSpecs(t, path, fl, "w0", "w1")
+	source := "file:" + path
+	c := startClusterOf(t, binary, 3, nil, discoveryFlags(source)...)
+	waitFleet(t, c.replicas, []string{"w0", "w1"}, 30*time.Second)
+	// says polls ctl workers list on every replica until each says want of the source, with
+	// w0 and w1 listed and routable, and returns what each said.
+	says := func(want *regexp.Regexp) map[string]string {
+		t.Helper()
+		got := map[string]string{}
+		eventually(t, 30*time.Second, func() error {
+			for _, r := range c.replicas {
+				out, err := ctlWorkersList(t, r)
+				if err != nil {
+					return fmt.Errorf("%s: %v\n%s", r.ID, err, out)
+				}
+				for _, id := range []string{"w0", "w1"} {
+					if !regexp.MustCompile(`(?m)^` + id + `\s+\S+\s+discovery:\S+\s+active\s`).MatchString(out) {
+						return fmt.Errorf("%s does not list %s as an active discovered worker:\n%s", r.ID, id, out)
+					}
+				}
+				if !want.MatchString(out) {
+					return fmt.Errorf("%s does not say %s:\n%s", r.ID, want, out)
+				}
+				got[r.ID] = out
+			}
+			return nil
+		})
+		return got
+	}
+	// line matches the source's line saying state: the leader's own looks, or a follower's
+	// copy of them, fetched from the leader over the peer port (which counts them here).
+	line := func(state string) *regexp.Regexp {
+		return regexp.MustCompile(`(?m)^discovery ` + regexp.QuoteMeta(source) + `: ` + state + `( \(the leader \S+'s looks\))?$`)
+	}
+	followers := regexp.MustCompile(`\(the leader \S+'s looks\)$`)
+	// check holds every replica's output to state, and at least two (the followers) to the
+	// leader's looks.
+	check := func(outs map[string]string, state string) {
+		t.Helper()
+		copies := 0
+		for id, out := range outs {
+			m := line(state).FindStringSubmatch(out)
+			if m == nil {
+				t.Errorf("%s does not say %s:\n%s", id, state, out)
+				continue
+			}
+			if followers.MatchString(m[0]) {
+				copies++
+			}
+		}
+		if copies < 2 {
+			t.Errorf("%d replicas showed the leader's looks, want the two followers:\n%v", copies, outs)
+		}
+	}
+	check(says(regexp.MustCompile(`ok, last good look`)), `ok, last good look \d\d:\d\d:\d\d; 2 workers`)
+
+	// A half-written file: every replica says the source fails, with the leader's error and
+	// the workers kept, while the drain and suspect periods pass; the workers stay routable.
+	if err := os.WriteFile(path, []byte(`[{"id":"w0","url":`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	failing := `FAILING since \d\d:\d\d:\d\d \(\d+ looks\): discovery file .*: invalid worker spec: unexpected EOF; last good look \d\d:\d\d:\d\d; 2 workers kept`
+	says(regexp.MustCompile(`FAILING since`))
+	holdsFleet(t, c.replicas, []string{"w0", "w1"}, 6*time.Second)
+	outs := says(regexp.MustCompile(`FAILING since .* \((2[0-9]|[3-9][0-9]|\d{3,}) looks\)`))
+	check(outs, failing)
+	for id, out := range outs {
+		t.Logf("%s: ctl workers list on a failing source:\n%s", id, out)
+	}
+
+	// Fixed: every replica says so.
+	writeSpecs(t, path, fl, "w0", "w1")
+	outs = says(regexp.MustCompile(`ok, last good look`))
+	check(outs, `ok, last good look \d\d:\d\d:\d\d; 2 workers`)
 }
 
 // discoveryLines counts, over the logs of rs (a killed leader's included), the registry

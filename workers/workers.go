@@ -111,6 +111,10 @@ type Owned struct {
 	NotReady bool `json:"not_ready,omitempty"`
 }
 
+// DiscoveryOwner is the owner name (Owned.Source) of the workers of the discovery source
+// named source: "discovery:" and the source (discovery:file:/etc/fleet.json).
+func DiscoveryOwner(source string) string { return "discovery:" + source }
+
 // sourced is a spec as the cluster registry stores it for a worker that a discovery source
 // owns: the spec's own fields and, beside them, the owner's. A replica that does not know
 // the fields ignores them (DecodeSpec reads unknown fields as nothing).

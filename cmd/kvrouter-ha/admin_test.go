@@ -9,6 +9,9 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -20,6 +23,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 )
 
 // startSimWorkers serves n fast simulated workers on loopback until the test ends.
@@ -48,13 +52,20 @@ func startSimWorkers(t *testing.T, n int) []routing.WorkerSpec {
 // startLoneReplica starts a one-replica cluster over workers, with the admin token "tok".
 func startLoneReplica(t *testing.T, workers []routing.WorkerSpec) *replica.Replica {
 	t.Helper()
+	return startLoneReplicaWith(t, workers, replica.DiscoveryConfig{})
+}
+
+// startLoneReplicaWith is startLoneReplica with discovery sources.
+func startLoneReplicaWith(t *testing.T, workers []routing.WorkerSpec, disc replica.DiscoveryConfig) *replica.Replica {
+	t.Helper()
 	rep, err := replica.Start(t.Context(), replica.Config{
 		ID: "ctl-replica", Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", Workers: workers, AdminToken: "tok",
 		Router: routing.Config{Policy: "kv"}, ApproxTTL: time.Minute, ApproxMaxBlocks: 1 << 20, SessionTTL: 10 * time.Minute,
 		MaxSessions: 1000, Health: openai.HealthConfig{Interval: time.Hour},
 		Cluster: replica.ClusterConfig{DataDir: t.TempDir(), RaftListen: "127.0.0.1:0", PeerListen: "127.0.0.1:0", BootstrapExpect: 1,
 			Heartbeat: 100 * time.Millisecond, Election: 100 * time.Millisecond, LeaderLease: 50 * time.Millisecond, BindWait: 5 * time.Second},
-		Logger: slog.New(slog.DiscardHandler),
+		Discovery: disc,
+		Logger:    slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -223,5 +234,112 @@ func TestCtlSetsListsAndDeletesModelAliases(t *testing.T) {
 	}
 	if code, _, body := ask("llama"); code != http.StatusNotFound || !strings.Contains(body, "model_not_found") {
 		t.Fatalf("llama after delete: %d %s", code, body)
+	}
+}
+
+func TestCtlWorkersListSaysAFailingDiscoverySourceKeepsItsWorkersAndClearsWhenFixed(t *testing.T) {
+	specs := startSimWorkers(t, 2)
+	path := filepath.Join(t.TempDir(), "fleet.json")
+	good, err := json.Marshal(specs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(b []byte) {
+		t.Helper()
+		if err := os.WriteFile(path+".tmp", b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(path+".tmp", path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(good)
+	source := "file:" + path
+	// A drain and a suspect hold far shorter than the failing spell below: a source that
+	// drained on failure would show it.
+	rep := startLoneReplicaWith(t, nil, replica.DiscoveryConfig{Sources: []string{source},
+		Interval: 100 * time.Millisecond, DrainFor: 200 * time.Millisecond, SuspectFor: 200 * time.Millisecond})
+	// list polls ctl workers list until its discovery line has want and both workers are
+	// listed, active, as the source's.
+	list := func(want string) string {
+		t.Helper()
+		var out string
+		poll.Until(t, 20*time.Second, func() error {
+			var err error
+			if out, err = runCtl(t, rep, "workers", "list"); err != nil {
+				return fmt.Errorf("%v: %s", err, out)
+			}
+			if !strings.Contains(out, "discovery "+source+": "+want) {
+				return fmt.Errorf("no %q in:\n%s", want, out)
+			}
+			for _, s := range specs {
+				if !regexp.MustCompile(`(?m)^` + s.ID + `\s+\S+\s+discovery:` + regexp.QuoteMeta(source) + `\s+active\s`).MatchString(out) {
+					return fmt.Errorf("%s is not an active discovered worker:\n%s", s.ID, out)
+				}
+			}
+			return nil
+		})
+		return out
+	}
+	out := list("ok, last good look ")
+	t.Logf("a good source:\n%s", out)
+
+	// A half-written file: the looks fail, and say so; the workers stay (the drain and
+	// suspect periods pass several times over while it fails).
+	write([]byte(`[{"id":"w0","url":`))
+	poll.Until(t, 20*time.Second, func() error {
+		out = list("FAILING since ")
+		if !regexp.MustCompile(`FAILING since \d\d:\d\d:\d\d \((1[0-9]|[2-9][0-9]|\d{3,}) looks\): discovery file .*: invalid worker spec: unexpected EOF; last good look \d\d:\d\d:\d\d; 2 workers kept`).MatchString(out) {
+			return fmt.Errorf("not ten failed looks with the error, the last good look and the workers kept:\n%s", out)
+		}
+		return nil
+	})
+	t.Logf("a failing source:\n%s", out)
+
+	// Fixed: the next look clears it.
+	write(good)
+	out = list("ok, last good look ")
+	if strings.Contains(out, "FAILING") {
+		t.Errorf("still failing after the file was fixed:\n%s", out)
+	}
+}
+
+func TestDiscoveryLinesSayWhatTheReplicaAskedKnows(t *testing.T) {
+	at := func(s string) time.Time {
+		v, err := time.Parse(time.TimeOnly, s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	src := "file:/etc/fleet.json"
+	failing := admin.SourceView{DiscoverySource: peer.DiscoverySource{Source: src, LastGood: at("12:00:58"), FailingSince: at("12:01:02"),
+		Failures: 3, LastError: "open /etc/fleet.json: no such file"}, Workers: 4}
+	for _, tc := range []struct {
+		name string
+		view admin.DiscoveryView
+		want string
+	}{
+		{"a failing source on the leader", admin.DiscoveryView{Replica: "r1", Running: true, LooksFrom: "r1", LeaderID: "r1", Sources: []admin.SourceView{failing}},
+			"discovery file:/etc/fleet.json: FAILING since 12:01:02 (3 looks): open /etc/fleet.json: no such file; last good look 12:00:58; 4 workers kept"},
+		{"a follower shows the leader's looks", admin.DiscoveryView{Replica: "r2", LooksFrom: "r1", LeaderID: "r1", Sources: []admin.SourceView{failing}},
+			"discovery file:/etc/fleet.json: FAILING since 12:01:02 (3 looks): open /etc/fleet.json: no such file; last good look 12:00:58; 4 workers kept (the leader r1's looks)"},
+		{"a source failing since the term began", admin.DiscoveryView{Replica: "r1", Running: true, LooksFrom: "r1", Sources: []admin.SourceView{{
+			DiscoverySource: peer.DiscoverySource{Source: src, FailingSince: at("12:01:02"), Failures: 1, LastError: "boom"}, Workers: 2}}},
+			"discovery file:/etc/fleet.json: FAILING since 12:01:02 (1 looks): boom; no good look yet in this term (its workers are left as they are); 2 workers kept"},
+		{"a good source holding suspect drains", admin.DiscoveryView{Replica: "r1", Running: true, LooksFrom: "r1", Sources: []admin.SourceView{{
+			DiscoverySource: peer.DiscoverySource{Source: src, LastGood: at("12:00:58"), SuspectDrains: 3}, Workers: 4, Gone: 1}}},
+			"discovery file:/etc/fleet.json: ok, last good look 12:00:58; 4 workers (and 1 gone, draining); 3 drains held as suspect"},
+		{"a follower that could not ask the leader names it", admin.DiscoveryView{Replica: "r2", LeaderID: "r1", LeaderPeerAddr: "127.0.0.1:7001",
+			LeaderError: "connection refused", Sources: []admin.SourceView{{DiscoverySource: peer.DiscoverySource{Source: src}, Workers: 4}}},
+			"discovery file:/etc/fleet.json: runs on the leader r1 (peer 127.0.0.1:7001), not on r2, which could not show its looks: connection refused; 4 workers in the registry"},
+		{"no leader", admin.DiscoveryView{Replica: "r2", Sources: []admin.SourceView{{DiscoverySource: peer.DiscoverySource{Source: src}, Workers: 4}}},
+			"discovery file:/etc/fleet.json: not looked at on r2, which does not lead; no leader is known now; 4 workers in the registry"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := strings.Join(discoveryLines(tc.view), "\n"); got != tc.want {
+				t.Errorf("got  %s\nwant %s", got, tc.want)
+			}
+		})
 	}
 }

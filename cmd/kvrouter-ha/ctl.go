@@ -181,12 +181,70 @@ func (c *ctlClient) workersList(ctx context.Context, _ []string) error {
 		return err
 	}
 	var ws []admin.WorkerView
-	return c.show(b, &ws, func(w *tabwriter.Writer) {
+	if err := c.show(b, &ws, func(w *tabwriter.Writer) {
 		fmt.Fprintln(w, "ID\tURL\tSOURCE\tSTATE\tHEALTHY\tBINDINGS\tREASON")
 		for _, x := range ws {
 			fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%v\t%d\t%s\n", x.Spec.ID, x.Spec.URL, x.Source, x.State, x.Healthy, x.Bindings, x.Reason)
 		}
-	})
+	}); err != nil || c.json {
+		// --json prints the workers array alone, as before: GET /admin/discovery is the
+		// sources' JSON.
+		return err
+	}
+	b, err = c.do(ctx, http.MethodGet, "/admin/discovery", nil)
+	if err != nil {
+		// A replica of an older release has no /admin/discovery: the table stands alone.
+		return nil
+	}
+	var d admin.DiscoveryView
+	if err := json.Unmarshal(b, &d); err != nil {
+		return fmt.Errorf("admin API answer: %w", err)
+	}
+	for _, line := range discoveryLines(d) {
+		fmt.Fprintln(c.out, line)
+	}
+	return nil
+}
+
+// discoveryLines says, one line a source, how the discovery sources are doing, from the looks
+// of the replica that runs them (the leader; a follower asks it): whether the last look failed,
+// since when and why, and the workers kept. Without the leader's looks it says why.
+func discoveryLines(d admin.DiscoveryView) []string {
+	clock := func(t time.Time) string { return t.UTC().Format("15:04:05") }
+	from := ""
+	if d.LooksFrom != "" && d.LooksFrom != d.Replica {
+		from = " (the leader " + d.LooksFrom + "'s looks)"
+	}
+	var out []string
+	for _, s := range d.Sources {
+		kept := fmt.Sprintf("%d workers", s.Workers)
+		if s.Gone > 0 {
+			kept += fmt.Sprintf(" (and %d gone, draining)", s.Gone)
+		}
+		var line string
+		switch {
+		case d.LooksFrom == "" && d.LeaderID == "":
+			line = fmt.Sprintf("not looked at on %s, which does not lead; no leader is known now; %s in the registry", d.Replica, kept)
+		case d.LooksFrom == "":
+			line = fmt.Sprintf("runs on the leader %s (peer %s), not on %s, which could not show its looks: %s; %s in the registry",
+				d.LeaderID, d.LeaderPeerAddr, d.Replica, d.LeaderError, kept)
+		case s.Failures > 0:
+			last := "no good look yet in this term (its workers are left as they are)"
+			if !s.LastGood.IsZero() {
+				last = "last good look " + clock(s.LastGood)
+			}
+			line = fmt.Sprintf("FAILING since %s (%d looks): %s; %s; %s kept", clock(s.FailingSince), s.Failures, s.LastError, last, kept)
+		case s.LastGood.IsZero():
+			line = "no look yet; " + kept
+		default:
+			line = fmt.Sprintf("ok, last good look %s; %s", clock(s.LastGood), kept)
+		}
+		if s.SuspectDrains > 0 {
+			line += fmt.Sprintf("; %d drains held as suspect", s.SuspectDrains)
+		}
+		out = append(out, "discovery "+s.Source+": "+line+from)
+	}
+	return out
 }
 
 func (c *ctlClient) sessionGet(ctx context.Context, a []string) error {

@@ -2,15 +2,20 @@ package k8stest
 
 import (
 	"context"
+	"path/filepath"
 	"testing"
 	"time"
 
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
@@ -32,7 +37,13 @@ type Cluster struct {
 // StartCluster starts a Server and makes namespace and the InferencePool CRD in it.
 func StartCluster(t testing.TB, namespace string) *Cluster {
 	t.Helper()
-	srv := Start(t)
+	return StartClusterWith(t, namespace, Options{})
+}
+
+// StartClusterWith is StartCluster with opts.
+func StartClusterWith(t testing.TB, namespace string, opts Options) *Cluster {
+	t.Helper()
+	srv := StartWith(t, opts)
 	cfg, err := clientcmd.BuildConfigFromFlags("", srv.Kubeconfig)
 	if err != nil {
 		t.Fatal(err)
@@ -97,8 +108,14 @@ func (c *Cluster) DeletePool(t testing.TB, name string) {
 // discovery source gives it, name_uid.
 func (c *Cluster) CreatePod(t testing.TB, name, ip string, ready bool) string {
 	t.Helper()
+	return c.CreatePodWith(t, name, ip, ready, map[string]string{"app": "vllm"}, nil)
+}
+
+// CreatePodWith is CreatePod with the pod's labels and annotations.
+func (c *Cluster) CreatePodWith(t testing.TB, name, ip string, ready bool, labels, annotations map[string]string) string {
+	t.Helper()
 	p := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: c.Namespace, Labels: map[string]string{"app": "vllm"}},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: c.Namespace, Labels: labels, Annotations: annotations},
 		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "vllm", Image: "vllm"}}},
 	}
 	p, err := c.Pods.CoreV1().Pods(c.Namespace).Create(context.Background(), p, metav1.CreateOptions{})
@@ -136,4 +153,44 @@ func (c *Cluster) DeletePod(t testing.TB, name string) {
 	if err := c.Pods.CoreV1().Pods(c.Namespace).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// Create creates obj (a manifest as YAML decodes it: apiVersion, kind, metadata, ...) in the
+// cluster's namespace, or cluster-wide for a kind that has no namespace, as kubectl apply -n
+// does.
+func (c *Cluster) Create(t testing.TB, obj map[string]any) {
+	t.Helper()
+	u := &unstructured.Unstructured{Object: obj}
+	gvk := u.GroupVersionKind()
+	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(c.Pods.Discovery()))
+	m, err := mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	if err != nil {
+		t.Fatalf("%s %s: %v", gvk, u.GetName(), err)
+	}
+	var ri dynamic.ResourceInterface = c.Dynamic.Resource(m.Resource)
+	if m.Scope.Name() == meta.RESTScopeNameNamespace {
+		u.SetNamespace(c.Namespace)
+		ri = c.Dynamic.Resource(m.Resource).Namespace(c.Namespace)
+	}
+	if _, err := ri.Create(context.Background(), u, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create %s %s: %v", gvk.Kind, u.GetName(), err)
+	}
+}
+
+// ServiceAccountKubeconfig writes a kubeconfig file in dir that authenticates as the
+// ServiceAccount name of the namespace, with a token from the TokenRequest API (what a pod
+// of that ServiceAccount is given), and returns its path.
+func (c *Cluster) ServiceAccountKubeconfig(t testing.TB, dir, name string) string {
+	t.Helper()
+	exp := int64(time.Hour / time.Second)
+	tr, err := c.Pods.CoreV1().ServiceAccounts(c.Namespace).CreateToken(context.Background(), name,
+		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &exp}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("token of ServiceAccount %s: %v", name, err)
+	}
+	path := filepath.Join(dir, "kubeconfig-"+name)
+	if err := c.WriteKubeconfig(path, tr.Status.Token); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }

@@ -54,8 +54,22 @@ type Server struct {
 	etcd, api *proc.Process
 }
 
+// Options change how the API server runs.
+type Options struct {
+	// RBAC authorizes requests by RBAC (as a real cluster does) instead of allowing all: a
+	// user is then allowed what its Roles and bindings grant (the admin token, in
+	// system:masters, everything).
+	RBAC bool
+}
+
 // Start starts etcd and the API server for t; both stop in t's cleanup.
 func Start(t testing.TB) *Server {
+	t.Helper()
+	return StartWith(t, Options{})
+}
+
+// StartWith is Start with opts.
+func StartWith(t testing.TB, opts Options) *Server {
 	t.Helper()
 	dir := os.Getenv(AssetsEnv)
 	unavailable := func(format string, args ...any) {
@@ -75,13 +89,13 @@ func Start(t testing.TB) *Server {
 	}
 	tmp := t.TempDir()
 	s := &Server{}
-	if err := s.start(t, dir, tmp); err != nil {
+	if err := s.start(t, dir, tmp, opts); err != nil {
 		t.Fatal(err)
 	}
 	return s
 }
 
-func (s *Server) start(t testing.TB, bin, tmp string) error {
+func (s *Server) start(t testing.TB, bin, tmp string, opts Options) error {
 	client, err := loopback.Addr()
 	if err != nil {
 		return err
@@ -130,13 +144,17 @@ func (s *Server) start(t testing.TB, bin, tmp string) error {
 		return err
 	}
 	s.URL = "https://" + addr
+	authz := "AlwaysAllow"
+	if opts.RBAC {
+		authz = "RBAC"
+	}
 	s.api = proc.New(proc.Spec{
 		Name: "kube-apiserver",
 		Argv: []string{filepath.Join(bin, "kube-apiserver"),
 			"--etcd-servers", "http://" + client,
 			"--bind-address", host, "--advertise-address", host, "--secure-port", port,
 			"--cert-dir", filepath.Join(tmp, "certs"),
-			"--token-auth-file", tokens, "--authorization-mode", "AlwaysAllow",
+			"--token-auth-file", tokens, "--authorization-mode", authz,
 			"--service-account-issuer", "https://kubernetes.default.svc",
 			"--service-account-key-file", keyFile, "--service-account-signing-key-file", keyFile,
 			"--service-cluster-ip-range", "10.0.0.0/24",
@@ -146,6 +164,18 @@ func (s *Server) start(t testing.TB, bin, tmp string) error {
 		LogPath: filepath.Join(tmp, "kube-apiserver.log"),
 	})
 	s.Kubeconfig = filepath.Join(tmp, "kubeconfig")
+	if err := s.WriteKubeconfig(s.Kubeconfig, s.Token); err != nil {
+		return err
+	}
+	t.Cleanup(func() { stop(s.api) })
+	if err := s.StartAPI(); err != nil {
+		return fmt.Errorf("%w (log: %s)", err, filepath.Join(tmp, "kube-apiserver.log"))
+	}
+	return nil
+}
+
+// WriteKubeconfig writes a kubeconfig file at path for the API server with a bearer token.
+func (s *Server) WriteKubeconfig(path, token string) error {
 	kc := fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters:
@@ -154,22 +184,15 @@ clusters:
     server: %s
     insecure-skip-tls-verify: true
 users:
-- name: admin
+- name: user
   user:
     token: %s
 contexts:
 - name: k8stest
-  context: {cluster: k8stest, user: admin}
+  context: {cluster: k8stest, user: user}
 current-context: k8stest
-`, s.URL, s.Token)
-	if err := os.WriteFile(s.Kubeconfig, []byte(kc), 0o600); err != nil {
-		return err
-	}
-	t.Cleanup(func() { stop(s.api) })
-	if err := s.StartAPI(); err != nil {
-		return fmt.Errorf("%w (log: %s)", err, filepath.Join(tmp, "kube-apiserver.log"))
-	}
-	return nil
+`, s.URL, token)
+	return os.WriteFile(path, []byte(kc), 0o600)
 }
 
 // StopAPI stops the API server (etcd keeps running).

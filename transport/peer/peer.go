@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 )
 
 // DefaultMaxMessageBytes bounds a peer message in either direction when the options
@@ -95,6 +96,21 @@ type Status struct {
 	LastContactMs  int64  `json:"last_contact_ms"` // 0 on the leader
 	ClusterID      string `json:"cluster_id"`
 	Version        string `json:"version"`
+	// Discovery is each discovery source's looks while this replica runs the discovery duty
+	// (it leads and has sources); empty otherwise.
+	Discovery []DiscoverySource `json:"discovery,omitempty"`
+}
+
+// DiscoverySource is how one discovery source's looks go on the replica that runs them.
+type DiscoverySource struct {
+	Source string `json:"source"`
+	// LastGood is when the last good look was (zero: none in this term).
+	LastGood time.Time `json:"last_good,omitzero"`
+	// FailingSince is when the failing looks in a row began (zero: they do not fail).
+	FailingSince  time.Time `json:"failing_since,omitzero"`
+	Failures      int       `json:"failures,omitempty"`
+	LastError     string    `json:"last_error,omitempty"`
+	SuspectDrains int       `json:"suspect_drains,omitempty"`
 }
 
 // JoinRequest asks the leader to add a replica.

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"runtime/debug"
 	"time"
@@ -270,19 +271,49 @@ func (s *service) Leave(ctx context.Context, req *peerpb.LeaveRequest) (*peerpb.
 }
 
 func statusToPB(s Status) *peerpb.StatusResponse {
-	return &peerpb.StatusResponse{
+	p := &peerpb.StatusResponse{
 		Id: s.ID, RaftAddr: s.RaftAddr, PeerAddr: s.PeerAddr, State: s.State,
 		LeaderId: s.LeaderID, LeaderPeerAddr: s.LeaderPeerAddr, Term: s.Term,
 		CommitIndex: s.CommitIndex, AppliedIndex: s.AppliedIndex, LastContactMs: s.LastContactMs,
 		ClusterId: s.ClusterID, Version: s.Version,
 	}
+	for _, d := range s.Discovery {
+		p.Discovery = append(p.Discovery, &peerpb.DiscoverySource{
+			Source: d.Source, LastGoodUnixMs: unixMs(d.LastGood), FailingSinceUnixMs: unixMs(d.FailingSince),
+			Failures: uint32(max(d.Failures, 0)), LastError: d.LastError, SuspectDrains: uint32(max(d.SuspectDrains, 0)),
+		})
+	}
+	return p
 }
 
 func statusFromPB(p *peerpb.StatusResponse) Status {
-	return Status{
+	s := Status{
 		ID: p.GetId(), RaftAddr: p.GetRaftAddr(), PeerAddr: p.GetPeerAddr(), State: p.GetState(),
 		LeaderID: p.GetLeaderId(), LeaderPeerAddr: p.GetLeaderPeerAddr(), Term: p.GetTerm(),
 		CommitIndex: p.GetCommitIndex(), AppliedIndex: p.GetAppliedIndex(), LastContactMs: p.GetLastContactMs(),
 		ClusterID: p.GetClusterId(), Version: p.GetVersion(),
 	}
+	for _, d := range p.GetDiscovery() {
+		s.Discovery = append(s.Discovery, DiscoverySource{
+			Source: d.GetSource(), LastGood: fromUnixMs(d.GetLastGoodUnixMs()), FailingSince: fromUnixMs(d.GetFailingSinceUnixMs()),
+			Failures: int(min(d.GetFailures(), math.MaxInt32)), LastError: d.GetLastError(), SuspectDrains: int(min(d.GetSuspectDrains(), math.MaxInt32)),
+		})
+	}
+	return s
+}
+
+// unixMs is t in Unix milliseconds, 0 for the zero time.
+func unixMs(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixMilli()
+}
+
+// fromUnixMs is the time of Unix milliseconds ms, the zero time for 0 (or less).
+func fromUnixMs(ms int64) time.Time {
+	if ms <= 0 {
+		return time.Time{}
+	}
+	return time.UnixMilli(ms).UTC()
 }

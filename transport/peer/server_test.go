@@ -18,6 +18,11 @@ func TestEveryCallRoundTripsThroughTheHandler(t *testing.T) {
 		ID: "r1", RaftAddr: "127.0.0.1:7001", PeerAddr: "127.0.0.1:7002", State: "Leader",
 		LeaderID: "r1", LeaderPeerAddr: "127.0.0.1:7002", Term: 7, CommitIndex: 42, AppliedIndex: 41,
 		LastContactMs: 3, ClusterID: "c-1", Version: "0.4.0",
+		Discovery: []DiscoverySource{
+			{Source: "file:/etc/fleet.json", LastGood: time.UnixMilli(1_700_000_000_123).UTC(), FailingSince: time.UnixMilli(1_700_000_001_456).UTC(),
+				Failures: 3, LastError: "invalid worker spec: unexpected EOF", SuspectDrains: 2},
+			{Source: "dns:vllm:8000"},
+		},
 	}
 	h := &fakeHandler{status: want}
 	c := dial(t, serve(t, h, ServerOptions{}), ClientOptions{})
@@ -35,7 +40,7 @@ func TestEveryCallRoundTripsThroughTheHandler(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, err := c.Status(ctx)
-	if err != nil || got != want {
+	if err != nil || !reflect.DeepEqual(got, want) {
 		t.Fatalf("Status = %+v, %v; want %+v", got, err, want)
 	}
 	join := JoinRequest{ID: "r4", RaftAddr: "10.0.0.4:7001", PeerAddr: "10.0.0.4:7002", ClusterID: "c-1", Voter: true}

@@ -458,6 +458,9 @@ type StatusResponse struct {
 	LastContactMs int64  `protobuf:"varint,10,opt,name=last_contact_ms,json=lastContactMs,proto3" json:"last_contact_ms,omitempty"`
 	ClusterId     string `protobuf:"bytes,11,opt,name=cluster_id,json=clusterId,proto3" json:"cluster_id,omitempty"`
 	Version       string `protobuf:"bytes,12,opt,name=version,proto3" json:"version,omitempty"`
+	// The discovery sources' looks, while this replica runs the discovery duty (it leads and
+	// has sources); empty otherwise. A follower's admin API shows the leader's from here.
+	Discovery     []*DiscoverySource `protobuf:"bytes,13,rep,name=discovery,proto3" json:"discovery,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -576,6 +579,100 @@ func (x *StatusResponse) GetVersion() string {
 	return ""
 }
 
+func (x *StatusResponse) GetDiscovery() []*DiscoverySource {
+	if x != nil {
+		return x.Discovery
+	}
+	return nil
+}
+
+// DiscoverySource is how one discovery source's looks go on the replica that runs them.
+type DiscoverySource struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Source string                 `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
+	// Unix milliseconds of the last good look; 0: none in this term.
+	LastGoodUnixMs int64 `protobuf:"varint,2,opt,name=last_good_unix_ms,json=lastGoodUnixMs,proto3" json:"last_good_unix_ms,omitempty"`
+	// Unix milliseconds of the first of the failing looks in a row; 0: they do not fail.
+	FailingSinceUnixMs int64  `protobuf:"varint,3,opt,name=failing_since_unix_ms,json=failingSinceUnixMs,proto3" json:"failing_since_unix_ms,omitempty"`
+	Failures           uint32 `protobuf:"varint,4,opt,name=failures,proto3" json:"failures,omitempty"`
+	LastError          string `protobuf:"bytes,5,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
+	SuspectDrains      uint32 `protobuf:"varint,6,opt,name=suspect_drains,json=suspectDrains,proto3" json:"suspect_drains,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *DiscoverySource) Reset() {
+	*x = DiscoverySource{}
+	mi := &file_peer_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DiscoverySource) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DiscoverySource) ProtoMessage() {}
+
+func (x *DiscoverySource) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DiscoverySource.ProtoReflect.Descriptor instead.
+func (*DiscoverySource) Descriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *DiscoverySource) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *DiscoverySource) GetLastGoodUnixMs() int64 {
+	if x != nil {
+		return x.LastGoodUnixMs
+	}
+	return 0
+}
+
+func (x *DiscoverySource) GetFailingSinceUnixMs() int64 {
+	if x != nil {
+		return x.FailingSinceUnixMs
+	}
+	return 0
+}
+
+func (x *DiscoverySource) GetFailures() uint32 {
+	if x != nil {
+		return x.Failures
+	}
+	return 0
+}
+
+func (x *DiscoverySource) GetLastError() string {
+	if x != nil {
+		return x.LastError
+	}
+	return ""
+}
+
+func (x *DiscoverySource) GetSuspectDrains() uint32 {
+	if x != nil {
+		return x.SuspectDrains
+	}
+	return 0
+}
+
 type JoinRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -589,7 +686,7 @@ type JoinRequest struct {
 
 func (x *JoinRequest) Reset() {
 	*x = JoinRequest{}
-	mi := &file_peer_proto_msgTypes[10]
+	mi := &file_peer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -601,7 +698,7 @@ func (x *JoinRequest) String() string {
 func (*JoinRequest) ProtoMessage() {}
 
 func (x *JoinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[10]
+	mi := &file_peer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -614,7 +711,7 @@ func (x *JoinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinRequest.ProtoReflect.Descriptor instead.
 func (*JoinRequest) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{10}
+	return file_peer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *JoinRequest) GetId() string {
@@ -660,7 +757,7 @@ type JoinResponse struct {
 
 func (x *JoinResponse) Reset() {
 	*x = JoinResponse{}
-	mi := &file_peer_proto_msgTypes[11]
+	mi := &file_peer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -672,7 +769,7 @@ func (x *JoinResponse) String() string {
 func (*JoinResponse) ProtoMessage() {}
 
 func (x *JoinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[11]
+	mi := &file_peer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -685,7 +782,7 @@ func (x *JoinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinResponse.ProtoReflect.Descriptor instead.
 func (*JoinResponse) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{11}
+	return file_peer_proto_rawDescGZIP(), []int{12}
 }
 
 type LeaveRequest struct {
@@ -697,7 +794,7 @@ type LeaveRequest struct {
 
 func (x *LeaveRequest) Reset() {
 	*x = LeaveRequest{}
-	mi := &file_peer_proto_msgTypes[12]
+	mi := &file_peer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -709,7 +806,7 @@ func (x *LeaveRequest) String() string {
 func (*LeaveRequest) ProtoMessage() {}
 
 func (x *LeaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[12]
+	mi := &file_peer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -722,7 +819,7 @@ func (x *LeaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaveRequest.ProtoReflect.Descriptor instead.
 func (*LeaveRequest) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{12}
+	return file_peer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *LeaveRequest) GetId() string {
@@ -740,7 +837,7 @@ type LeaveResponse struct {
 
 func (x *LeaveResponse) Reset() {
 	*x = LeaveResponse{}
-	mi := &file_peer_proto_msgTypes[13]
+	mi := &file_peer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -752,7 +849,7 @@ func (x *LeaveResponse) String() string {
 func (*LeaveResponse) ProtoMessage() {}
 
 func (x *LeaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[13]
+	mi := &file_peer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -765,7 +862,7 @@ func (x *LeaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaveResponse.ProtoReflect.Descriptor instead.
 func (*LeaveResponse) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{13}
+	return file_peer_proto_rawDescGZIP(), []int{14}
 }
 
 type IndexSnapshotRequest struct {
@@ -778,7 +875,7 @@ type IndexSnapshotRequest struct {
 
 func (x *IndexSnapshotRequest) Reset() {
 	*x = IndexSnapshotRequest{}
-	mi := &file_peer_proto_msgTypes[14]
+	mi := &file_peer_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -790,7 +887,7 @@ func (x *IndexSnapshotRequest) String() string {
 func (*IndexSnapshotRequest) ProtoMessage() {}
 
 func (x *IndexSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[14]
+	mi := &file_peer_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -803,7 +900,7 @@ func (x *IndexSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*IndexSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{14}
+	return file_peer_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *IndexSnapshotRequest) GetReplicaId() string {
@@ -826,7 +923,7 @@ type IndexSnapshotChunk struct {
 
 func (x *IndexSnapshotChunk) Reset() {
 	*x = IndexSnapshotChunk{}
-	mi := &file_peer_proto_msgTypes[15]
+	mi := &file_peer_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -838,7 +935,7 @@ func (x *IndexSnapshotChunk) String() string {
 func (*IndexSnapshotChunk) ProtoMessage() {}
 
 func (x *IndexSnapshotChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[15]
+	mi := &file_peer_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -851,7 +948,7 @@ func (x *IndexSnapshotChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexSnapshotChunk.ProtoReflect.Descriptor instead.
 func (*IndexSnapshotChunk) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{15}
+	return file_peer_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *IndexSnapshotChunk) GetSeq() uint64 {
@@ -891,7 +988,7 @@ type IndexSnapshotTrailer struct {
 
 func (x *IndexSnapshotTrailer) Reset() {
 	*x = IndexSnapshotTrailer{}
-	mi := &file_peer_proto_msgTypes[16]
+	mi := &file_peer_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -903,7 +1000,7 @@ func (x *IndexSnapshotTrailer) String() string {
 func (*IndexSnapshotTrailer) ProtoMessage() {}
 
 func (x *IndexSnapshotTrailer) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[16]
+	mi := &file_peer_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -916,7 +1013,7 @@ func (x *IndexSnapshotTrailer) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexSnapshotTrailer.ProtoReflect.Descriptor instead.
 func (*IndexSnapshotTrailer) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{16}
+	return file_peer_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *IndexSnapshotTrailer) GetChunks() uint64 {
@@ -964,7 +1061,7 @@ const file_peer_proto_rawDesc = "" +
 	"\fTouchRequest\x12'\n" +
 	"\atouches\x18\x01 \x03(\v2\r.peerpb.TouchR\atouches\"\x0f\n" +
 	"\rTouchResponse\"\x0f\n" +
-	"\rStatusRequest\"\xf4\x02\n" +
+	"\rStatusRequest\"\xab\x03\n" +
 	"\x0eStatusResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1b\n" +
 	"\traft_addr\x18\x02 \x01(\tR\braftAddr\x12\x1b\n" +
@@ -979,7 +1076,16 @@ const file_peer_proto_rawDesc = "" +
 	" \x01(\x03R\rlastContactMs\x12\x1d\n" +
 	"\n" +
 	"cluster_id\x18\v \x01(\tR\tclusterId\x12\x18\n" +
-	"\aversion\x18\f \x01(\tR\aversion\"\x8c\x01\n" +
+	"\aversion\x18\f \x01(\tR\aversion\x125\n" +
+	"\tdiscovery\x18\r \x03(\v2\x17.peerpb.DiscoverySourceR\tdiscovery\"\xe9\x01\n" +
+	"\x0fDiscoverySource\x12\x16\n" +
+	"\x06source\x18\x01 \x01(\tR\x06source\x12)\n" +
+	"\x11last_good_unix_ms\x18\x02 \x01(\x03R\x0elastGoodUnixMs\x121\n" +
+	"\x15failing_since_unix_ms\x18\x03 \x01(\x03R\x12failingSinceUnixMs\x12\x1a\n" +
+	"\bfailures\x18\x04 \x01(\rR\bfailures\x12\x1d\n" +
+	"\n" +
+	"last_error\x18\x05 \x01(\tR\tlastError\x12%\n" +
+	"\x0esuspect_drains\x18\x06 \x01(\rR\rsuspectDrains\"\x8c\x01\n" +
 	"\vJoinRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1b\n" +
 	"\traft_addr\x18\x02 \x01(\tR\braftAddr\x12\x1b\n" +
@@ -1023,7 +1129,7 @@ func file_peer_proto_rawDescGZIP() []byte {
 	return file_peer_proto_rawDescData
 }
 
-var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
 var file_peer_proto_goTypes = []any{
 	(*NotLeader)(nil),            // 0: peerpb.NotLeader
 	(*ApplyRequest)(nil),         // 1: peerpb.ApplyRequest
@@ -1035,36 +1141,38 @@ var file_peer_proto_goTypes = []any{
 	(*TouchResponse)(nil),        // 7: peerpb.TouchResponse
 	(*StatusRequest)(nil),        // 8: peerpb.StatusRequest
 	(*StatusResponse)(nil),       // 9: peerpb.StatusResponse
-	(*JoinRequest)(nil),          // 10: peerpb.JoinRequest
-	(*JoinResponse)(nil),         // 11: peerpb.JoinResponse
-	(*LeaveRequest)(nil),         // 12: peerpb.LeaveRequest
-	(*LeaveResponse)(nil),        // 13: peerpb.LeaveResponse
-	(*IndexSnapshotRequest)(nil), // 14: peerpb.IndexSnapshotRequest
-	(*IndexSnapshotChunk)(nil),   // 15: peerpb.IndexSnapshotChunk
-	(*IndexSnapshotTrailer)(nil), // 16: peerpb.IndexSnapshotTrailer
+	(*DiscoverySource)(nil),      // 10: peerpb.DiscoverySource
+	(*JoinRequest)(nil),          // 11: peerpb.JoinRequest
+	(*JoinResponse)(nil),         // 12: peerpb.JoinResponse
+	(*LeaveRequest)(nil),         // 13: peerpb.LeaveRequest
+	(*LeaveResponse)(nil),        // 14: peerpb.LeaveResponse
+	(*IndexSnapshotRequest)(nil), // 15: peerpb.IndexSnapshotRequest
+	(*IndexSnapshotChunk)(nil),   // 16: peerpb.IndexSnapshotChunk
+	(*IndexSnapshotTrailer)(nil), // 17: peerpb.IndexSnapshotTrailer
 }
 var file_peer_proto_depIdxs = []int32{
 	5,  // 0: peerpb.TouchRequest.touches:type_name -> peerpb.Touch
-	16, // 1: peerpb.IndexSnapshotChunk.trailer:type_name -> peerpb.IndexSnapshotTrailer
-	1,  // 2: peerpb.Peer.Apply:input_type -> peerpb.ApplyRequest
-	3,  // 3: peerpb.Peer.ReadIndex:input_type -> peerpb.ReadIndexRequest
-	6,  // 4: peerpb.Peer.Touch:input_type -> peerpb.TouchRequest
-	8,  // 5: peerpb.Peer.Status:input_type -> peerpb.StatusRequest
-	10, // 6: peerpb.Peer.Join:input_type -> peerpb.JoinRequest
-	12, // 7: peerpb.Peer.Leave:input_type -> peerpb.LeaveRequest
-	14, // 8: peerpb.Peer.IndexSnapshot:input_type -> peerpb.IndexSnapshotRequest
-	2,  // 9: peerpb.Peer.Apply:output_type -> peerpb.ApplyResponse
-	4,  // 10: peerpb.Peer.ReadIndex:output_type -> peerpb.ReadIndexResponse
-	7,  // 11: peerpb.Peer.Touch:output_type -> peerpb.TouchResponse
-	9,  // 12: peerpb.Peer.Status:output_type -> peerpb.StatusResponse
-	11, // 13: peerpb.Peer.Join:output_type -> peerpb.JoinResponse
-	13, // 14: peerpb.Peer.Leave:output_type -> peerpb.LeaveResponse
-	15, // 15: peerpb.Peer.IndexSnapshot:output_type -> peerpb.IndexSnapshotChunk
-	9,  // [9:16] is the sub-list for method output_type
-	2,  // [2:9] is the sub-list for method input_type
-	2,  // [2:2] is the sub-list for extension type_name
-	2,  // [2:2] is the sub-list for extension extendee
-	0,  // [0:2] is the sub-list for field type_name
+	10, // 1: peerpb.StatusResponse.discovery:type_name -> peerpb.DiscoverySource
+	17, // 2: peerpb.IndexSnapshotChunk.trailer:type_name -> peerpb.IndexSnapshotTrailer
+	1,  // 3: peerpb.Peer.Apply:input_type -> peerpb.ApplyRequest
+	3,  // 4: peerpb.Peer.ReadIndex:input_type -> peerpb.ReadIndexRequest
+	6,  // 5: peerpb.Peer.Touch:input_type -> peerpb.TouchRequest
+	8,  // 6: peerpb.Peer.Status:input_type -> peerpb.StatusRequest
+	11, // 7: peerpb.Peer.Join:input_type -> peerpb.JoinRequest
+	13, // 8: peerpb.Peer.Leave:input_type -> peerpb.LeaveRequest
+	15, // 9: peerpb.Peer.IndexSnapshot:input_type -> peerpb.IndexSnapshotRequest
+	2,  // 10: peerpb.Peer.Apply:output_type -> peerpb.ApplyResponse
+	4,  // 11: peerpb.Peer.ReadIndex:output_type -> peerpb.ReadIndexResponse
+	7,  // 12: peerpb.Peer.Touch:output_type -> peerpb.TouchResponse
+	9,  // 13: peerpb.Peer.Status:output_type -> peerpb.StatusResponse
+	12, // 14: peerpb.Peer.Join:output_type -> peerpb.JoinResponse
+	14, // 15: peerpb.Peer.Leave:output_type -> peerpb.LeaveResponse
+	16, // 16: peerpb.Peer.IndexSnapshot:output_type -> peerpb.IndexSnapshotChunk
+	10, // [10:17] is the sub-list for method output_type
+	3,  // [3:10] is the sub-list for method input_type
+	3,  // [3:3] is the sub-list for extension type_name
+	3,  // [3:3] is the sub-list for extension extendee
+	0,  // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_peer_proto_init() }
@@ -1078,7 +1186,7 @@ func file_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_peer_proto_rawDesc), len(file_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   17,
+			NumMessages:   18,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
