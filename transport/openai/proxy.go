@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -614,6 +615,12 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 				hdr()
 				started = true
 			}
+			if hdr != nil && endsStream(buf[:n]) {
+				// The worker's answer is whole: its load ends before the client reads the
+				// end, so the client's next turn finds the worker free (Attempt.Complete).
+				c.ended, c.generated = true, tally.Generated()
+				c.att.Complete(c.generated)
+			}
 			if _, werr := c.w.Write(buf[:n]); werr != nil {
 				s.log.Debug("client write failed", "error", werr)
 				c.w.clientGone()
@@ -657,6 +664,15 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, hdr func
 		s.log.Warn("worker stream broke off mid-response", "worker", d.Target.Worker.String(), "error", why)
 		return aborted, fail
 	}
+}
+
+// streamEnd is how an OpenAI stream (chat, completions) ends.
+const streamEnd = "data: [DONE]"
+
+// endsStream reports whether chunk ends with the OpenAI stream's last event. Other APIs'
+// streams end at the worker's EOF, a read later.
+func endsStream(chunk []byte) bool {
+	return bytes.HasSuffix(bytes.TrimRight(chunk, "\r\n"), []byte(streamEnd))
 }
 
 // getCopyBuffer returns a relay buffer of copyBuffer bytes; put it back in s.copyBuffers.
