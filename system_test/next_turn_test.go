@@ -196,6 +196,7 @@ func TestNextTurnFindsItsCacheThroughAnotherReplicaTheMomentTheLastEnds(t *testi
 	defer cancel()
 	var later, hits, sameWorker, overlapRight, rotated int
 	var misses []string
+	began := time.Now()
 	for conv := range conversations {
 		stream := conv%2 == 1
 		var doc strings.Builder
@@ -234,8 +235,21 @@ func TestNextTurnFindsItsCacheThroughAnotherReplicaTheMomentTheLastEnds(t *testi
 				turnMessage{Role: "user", Content: fmt.Sprintf("conversation %d question %d: and what follows from that for the next step?", conv, turn+1)})
 		}
 	}
+	took := time.Since(began)
 	for _, m := range misses {
 		t.Log("miss:", m)
+	}
+	// The load sharing's cost at this rate, all of it (the run's before the conversations
+	// is idle: no load to report).
+	for _, r := range c.replicas {
+		m, err := luaScrape(t.Context(), r.Admin)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bytes := luaSum(m, "kvrouter_share_bytes_total", `kind="load"`, `direction="out"`)
+		msgs := luaSum(m, "kvrouter_share_messages_total", `kind="load"`, `direction="out"`)
+		t.Logf("%s sent %.0f load reports (%.1f/s), %.0f payload bytes (%.0f B/s) to its two peers, at %.1f requests/s through the cluster",
+			r.ID, msgs, msgs/took.Seconds(), bytes, bytes/took.Seconds(), float64(conversations*turns)/took.Seconds())
 	}
 	t.Logf("%d of %d later turns on the worker holding their prefix with predicted overlap = cached tokens (%d on that worker, %d with the prediction right); %d sent through another replica than their predecessor",
 		hits, later, sameWorker, overlapRight, rotated)
