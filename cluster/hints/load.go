@@ -139,12 +139,10 @@ func NewLoadShare(cfg LoadShareConfig) (*LoadShare, error) {
 func (s *LoadShare) Run(ctx context.Context) error {
 	t := time.NewTicker(s.cfg.Interval)
 	defer t.Stop()
-	// hold is the coalescing timer: while it runs, changes wait for it.
-	hold := time.NewTimer(0)
-	if !hold.Stop() {
-		<-hold.C
-	}
-	defer hold.Stop()
+	// hold is the coalescing timer: while it runs, changes wait for it. Stopped, its
+	// channel delivers nothing (Go 1.23 timers).
+	hold := time.NewTimer(time.Hour)
+	hold.Stop()
 	holding := false
 	var lastChange time.Time
 	for {
