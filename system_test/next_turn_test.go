@@ -248,6 +248,9 @@ func TestNextTurnFindsItsCacheThroughAnotherReplicaTheMomentTheLastEnds(t *testi
 		}
 		bytes := luaSum(m, "kvrouter_share_bytes_total", `kind="load"`, `direction="out"`)
 		msgs := luaSum(m, "kvrouter_share_messages_total", `kind="load"`, `direction="out"`)
+		if strings.Contains(r.log(), "WARNING: DATA RACE") {
+			t.Errorf("%s (a race-detector build) reported a data race", r.ID)
+		}
 		t.Logf("%s sent %.0f load reports (%.1f/s), %.0f payload bytes (%.0f B/s) to its two peers, at %.1f requests/s through the cluster",
 			r.ID, msgs, msgs/took.Seconds(), bytes, bytes/took.Seconds(), float64(conversations*turns)/took.Seconds())
 	}
