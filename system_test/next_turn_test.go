@@ -195,6 +195,7 @@ func TestNextTurnFindsItsCacheThroughAnotherReplicaTheMomentTheLastEnds(t *testi
 	ctx, cancel := context.WithTimeout(t.Context(), 4*time.Minute)
 	defer cancel()
 	var later, hits, sameWorker, overlapRight, rotated int
+	streamedHits := 0 // of the later turns of streamed conversations, half of them
 	var misses []string
 	began := time.Now()
 	for conv := range conversations {
@@ -225,6 +226,9 @@ func TestNextTurnFindsItsCacheThroughAnotherReplicaTheMomentTheLastEnds(t *testi
 				}
 				if same && right {
 					hits++
+					if stream {
+						streamedHits++
+					}
 				} else {
 					misses = append(misses, fmt.Sprintf("conversation %d (stream %v) turn %d via %s: %s predicted %d tokens, cached %d; its prefix is on %s",
 						conv, stream, turn, a.replica, a.servedBy, a.overlap*sim.DefaultBlockSize, a.cached, prev.servedBy))
@@ -254,8 +258,8 @@ func TestNextTurnFindsItsCacheThroughAnotherReplicaTheMomentTheLastEnds(t *testi
 		t.Logf("%s sent %.0f load reports (%.1f/s), %.0f payload bytes (%.0f B/s) to its two peers, at %.1f requests/s through the cluster",
 			r.ID, msgs, msgs/took.Seconds(), bytes, bytes/took.Seconds(), float64(conversations*turns)/took.Seconds())
 	}
-	t.Logf("%d of %d later turns on the worker holding their prefix with predicted overlap = cached tokens (%d on that worker, %d with the prediction right); %d sent through another replica than their predecessor",
-		hits, later, sameWorker, overlapRight, rotated)
+	t.Logf("%d of %d later turns on the worker holding their prefix with predicted overlap = cached tokens (%d of %d streamed, %d of %d not; %d on that worker, %d with the prediction right); %d sent through another replica than their predecessor",
+		hits, later, streamedHits, later/2, hits-streamedHits, later-later/2, sameWorker, overlapRight, rotated)
 	if float64(hits) < want*float64(later) {
 		t.Fatalf("%d of %d later turns found their cache as predicted, want at least %.0f%%", hits, later, want*100)
 	}
