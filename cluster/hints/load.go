@@ -25,7 +25,7 @@ import (
 //     second to each peer, whatever its request rate. A request that ended a moment ago is
 //     therefore gone from the peers' view before its client's next request reaches them;
 //     with periodic reports alone the peers counted it for up to an interval more, which
-//     outweighed a prompt's whole cached prefix in the kv cost;
+//     cancelled a prompt's whole cached prefix in the kv cost;
 //   - a full report every PublishInterval of the busy workers, plus, for idleReports
 //     intervals, those that just went idle (so that peers see the drop even if a packet is
 //     lost): an idle fleet sends nothing. It renews the peers' shares, which expire after a
