@@ -183,6 +183,8 @@ type GossipConfig struct {
 	MinQuorum         int
 	CleanupInterval   time.Duration
 	LoadInterval      time.Duration
+	// LoadCoalesce is the least time between two reports of load changes (0: 5 ms).
+	LoadCoalesce      time.Duration
 	DecisionFlush     time.Duration
 	HealthInterval    time.Duration
 	SnapshotDiscovery time.Duration

@@ -132,7 +132,8 @@ func (r *Replica) openSharing(context.Context) error {
 	}
 	s.remote = routing.NewRemoteLoad(r.tracker, 3*interval)
 	s.load, err = hints.NewLoadShare(hints.LoadShareConfig{
-		Messenger: voters, Local: r.tracker, Remote: s.remote, Interval: interval, Known: known, Metrics: s.metrics, Logger: r.log.With("part", "load"),
+		Messenger: voters, Local: r.tracker, Changes: r.tracker.Changes(), Coalesce: gc.LoadCoalesce,
+		Remote: s.remote, Interval: interval, Known: known, Metrics: s.metrics, Logger: r.log.With("part", "load"),
 	})
 	if err != nil {
 		return err

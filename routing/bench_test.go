@@ -118,3 +118,39 @@ func BenchmarkNoiseFloor(b *testing.B) {
 	}
 	reportQuantiles(b, lat)
 }
+
+// BenchmarkTicket is one request's load accounting (start, first token, end), with nothing
+// taking the Changes signal (its token waits: a send costs no lock) and with a load sharer
+// taking each token at once (the worst case: most sends find the channel empty).
+func BenchmarkTicket(b *testing.B) {
+	for _, tc := range []struct {
+		name  string
+		drain bool
+	}{{"unread", false}, {"drained", true}} {
+		b.Run(tc.name, func(b *testing.B) {
+			tr := NewTracker()
+			if tc.drain {
+				done := make(chan struct{})
+				defer close(done)
+				go func() {
+					for {
+						select {
+						case <-tr.Changes():
+						case <-done:
+							return
+						}
+					}
+				}()
+			}
+			w := indexer.Worker{ID: "w0"}
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					k := tr.Start(w, 1000, 64)
+					k.FirstToken()
+					k.Finish()
+				}
+			})
+		})
+	}
+}

@@ -23,6 +23,9 @@ type Tracker struct {
 	waiters atomic.Int64
 	wakeMu  sync.Mutex
 	wake    chan struct{}
+
+	// changes holds one token while a change of the counters is unread (Changes).
+	changes chan struct{}
 }
 
 type counters struct {
@@ -31,7 +34,7 @@ type counters struct {
 
 // NewTracker returns an empty tracker.
 func NewTracker() *Tracker {
-	t := &Tracker{}
+	t := &Tracker{changes: make(chan struct{}, 1)}
 	m := make(map[indexer.Worker]*counters)
 	t.workers.Store(&m)
 	return t
@@ -110,6 +113,21 @@ func (t *Tracker) startInto(k *Ticket, w indexer.Worker, prefillTokens, decodeBl
 	c.prefill.Add(prefillTokens)
 	c.decode.Add(decodeBlocks)
 	k.tracker, k.c, k.prefill, k.decode = t, c, prefillTokens, decodeBlocks
+	t.notify()
+}
+
+// Changes returns a channel that holds a token whenever the counters changed (a request
+// started, had its first token or finished) since the token was last taken: what a sharer
+// of this load waits on to publish a change as it happens. Tokens do not queue up: one
+// stands for every change since the last was taken.
+func (t *Tracker) Changes() <-chan struct{} { return t.changes }
+
+// notify notes a change for Changes. A full channel (a token already waiting) costs no lock.
+func (t *Tracker) notify() {
+	select {
+	case t.changes <- struct{}{}:
+	default:
+	}
 }
 
 // changed returns a channel closed at the next release of load.
@@ -149,6 +167,7 @@ func (k *Ticket) FirstToken() {
 		return
 	}
 	k.c.prefill.Add(-k.prefill)
+	k.tracker.notify()
 	k.tracker.released()
 }
 
@@ -168,6 +187,7 @@ func (k *Ticket) Finish() {
 			}
 			k.c.decode.Add(-k.decode)
 			k.c.requests.Add(-1)
+			k.tracker.notify()
 			k.tracker.released()
 			return
 		}

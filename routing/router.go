@@ -887,7 +887,18 @@ func (a *Attempt) record() {
 // could. Through the recorder the record reaches the other replicas too (the stand-ins, or
 // one block when they hold the rest). A request that failed, or whose client left, is not
 // recorded again.
+//
+// Complete also ends the request's load: the worker runs it no more. The caller calls it
+// before the last bytes of the answer reach the client, so that a client's next request,
+// sent the moment this answer ends, finds the worker free on this replica, and (through the
+// load sharing that Tracker.Changes wakes) on the others.
 func (a *Attempt) Complete(outputTokens int) {
+	a.recordEnd(outputTokens)
+	a.ticket.Finish()
+}
+
+// recordEnd is Complete's record of the prompt and its answer's stand-ins.
+func (a *Attempt) recordEnd(outputTokens int) {
 	cfg := &a.router.cfg
 	if a.finished || a.completed || cfg.RecordAtCommit || cfg.NoRefreshAtEnd {
 		return

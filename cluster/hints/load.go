@@ -15,17 +15,34 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
-// Load sharing. Every PublishInterval a replica sends each alive peer one UDP packet (or a
-// few, for a large fleet) with its per-worker in-flight load; the peers put it into their
-// routing.RemoteLoad, whose shares expire after a few intervals, so a replica that dies
-// stops counting within about half a second, long before the gossip layer declares it dead
-// (at which point its shares are dropped at once). Only busy workers are reported, plus,
-// for idleReports intervals, those that just went idle (so that peers see the drop even if
-// one packet is lost): an idle fleet sends nothing. Each report carries the sender's
-// (epoch, sequence); a report older than one already applied (UDP reorders) is dropped.
+// Load sharing. A replica sends each alive peer its per-worker in-flight load in UDP packets
+// (one, or a few for a large fleet), in two kinds of report:
+//
+//   - a change report as the load changes (a request starts, has its first token, ends: the
+//     tracker's Changes signal), of the workers whose load differs from what was last sent.
+//     The first change after a quiet spell goes at once; later ones are coalesced, at most
+//     one report per Coalesce (5 ms), so a busy replica sends at most 200 change reports a
+//     second to each peer, whatever its request rate. A request that ended a moment ago is
+//     therefore gone from the peers' view before its client's next request reaches them;
+//     with periodic reports alone the peers counted it for up to an interval more, which
+//     cancelled a prompt's whole cached prefix in the kv cost;
+//   - a full report every PublishInterval of the busy workers, plus, for idleReports
+//     intervals, those that just went idle (so that peers see the drop even if a packet is
+//     lost): an idle fleet sends nothing. It renews the peers' shares, which expire after a
+//     few intervals, so a replica that dies stops counting within about half a second, long
+//     before the gossip layer declares it dead (at which point its shares are dropped at
+//     once).
+//
+// Both go through the gossip budget: a report over it is dropped and counted, and the next
+// full report repairs what it missed. Each report carries the sender's (epoch, sequence); a
+// report older than one already applied (UDP reorders) is dropped, and a worker it alone
+// carried keeps its previous share until the next full report.
 
 // DefaultLoadInterval is how often a replica publishes its load.
 const DefaultLoadInterval = 150 * time.Millisecond
+
+// DefaultLoadCoalesce is the least time between two change reports.
+const DefaultLoadCoalesce = 5 * time.Millisecond
 
 // idleReports is how many publishes still report a worker after it went idle.
 const idleReports = 3
@@ -38,6 +55,11 @@ type LoadShareConfig struct {
 	Local interface {
 		Snapshot() map[indexer.Worker]routing.Load
 	}
+	// Changes, when set, signals a change of Local's load (routing.Tracker.Changes): the
+	// workers whose load changed are sent at once, then at most once per Coalesce.
+	Changes <-chan struct{}
+	// Coalesce is the least time between two change reports (default 5 ms).
+	Coalesce time.Duration
 	// Remote receives the peers' reports (required); give the router this view.
 	Remote *routing.RemoteLoad
 	// Interval between publishes (default 150 ms). Remote's TTL should be about three.
@@ -61,9 +83,10 @@ type LoadShare struct {
 	epoch uint64
 	now   func() time.Time
 
-	pmu   sync.Mutex // one publish at a time; guards seq and idle
+	pmu   sync.Mutex // one publish at a time; guards seq, idle and sent
 	seq   uint64
 	idle  map[indexer.Worker]int // reports of a worker since it went idle
+	sent  map[indexer.Worker]routing.Load
 	parts [][]byte
 
 	rmu  sync.Mutex
@@ -79,6 +102,9 @@ func NewLoadShare(cfg LoadShareConfig) (*LoadShare, error) {
 	if cfg.Interval <= 0 {
 		cfg.Interval = DefaultLoadInterval
 	}
+	if cfg.Coalesce <= 0 {
+		cfg.Coalesce = DefaultLoadCoalesce
+	}
 	if cfg.now == nil {
 		cfg.now = time.Now
 	}
@@ -90,6 +116,7 @@ func NewLoadShare(cfg LoadShareConfig) (*LoadShare, error) {
 		epoch: uint64(cfg.now().UnixNano()),
 		now:   cfg.now,
 		idle:  map[indexer.Worker]int{},
+		sent:  map[indexer.Worker]routing.Load{},
 		last:  map[string]recvState{},
 	}
 	if s.log == nil {
@@ -107,10 +134,17 @@ func NewLoadShare(cfg LoadShareConfig) (*LoadShare, error) {
 	return s, nil
 }
 
-// Run publishes every Interval and expires stale remote shares, until ctx ends.
+// Run publishes every Interval and expires stale remote shares, and publishes changes as
+// Changes signals them, until ctx ends.
 func (s *LoadShare) Run(ctx context.Context) error {
 	t := time.NewTicker(s.cfg.Interval)
 	defer t.Stop()
+	// hold is the coalescing timer: while it runs, changes wait for it. Stopped, its
+	// channel delivers nothing (Go 1.23 timers).
+	hold := time.NewTimer(time.Hour)
+	hold.Stop()
+	holding := false
+	var lastChange time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -119,11 +153,27 @@ func (s *LoadShare) Run(ctx context.Context) error {
 			s.Publish()
 			s.cfg.Remote.Expire(s.now())
 			s.m.remoteReplicas.Store(int64(len(s.cfg.Remote.Replicas())))
+		case <-s.cfg.Changes:
+			if holding {
+				continue // the timer's report takes this change too
+			}
+			if wait := s.cfg.Coalesce - time.Since(lastChange); wait > 0 {
+				hold.Reset(wait)
+				holding = true
+				continue
+			}
+			s.PublishChanges()
+			lastChange = time.Now()
+		case <-hold.C:
+			holding = false
+			s.PublishChanges()
+			lastChange = time.Now()
 		}
 	}
 }
 
-// Publish sends this replica's current load to every alive peer.
+// Publish sends this replica's current load to every alive peer: every busy worker, and
+// those that went idle within idleReports publishes.
 func (s *LoadShare) Publish() {
 	s.pmu.Lock()
 	defer s.pmu.Unlock()
@@ -148,12 +198,42 @@ func (s *LoadShare) Publish() {
 			delete(s.idle, w) // the tracker forgot it
 		}
 	}
+	s.sendLocked(report, loads)
+}
+
+// PublishChanges sends every alive peer the load of the workers whose load differs from
+// what this replica last sent them.
+func (s *LoadShare) PublishChanges() {
+	s.pmu.Lock()
+	defer s.pmu.Unlock()
+	loads := s.cfg.Local.Snapshot()
+	var report []workerLoad
+	for w, l := range loads {
+		if len(w.ID) > maxShareIDLen || s.sent[w] == l {
+			continue
+		}
+		report = append(report, workerLoad{w, l})
+	}
+	s.sendLocked(report, loads)
+}
+
+// sendLocked sends report to every alive peer and notes what was sent; loads is the
+// snapshot report was taken from (to forget the workers the tracker forgot).
+func (s *LoadShare) sendLocked(report []workerLoad, loads map[indexer.Worker]routing.Load) {
+	for w := range s.sent {
+		if _, ok := loads[w]; !ok {
+			delete(s.sent, w)
+		}
+	}
 	if len(report) == 0 {
 		return
 	}
 	peers := alivePeers(s.cfg.Messenger)
 	if len(peers) == 0 {
 		return
+	}
+	for _, wl := range report {
+		s.sent[wl.w] = wl.l
 	}
 	// Stable order, so that a report split across packets splits the same way each time.
 	slices.SortFunc(report, func(a, b workerLoad) int {

@@ -632,6 +632,12 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, sse bool
 					s.keepResponse(ctx, c, d.Target.Worker, o)
 				}
 			}
+			if hdr != nil && endsStream(buf[:n]) {
+				// The worker's answer is whole: its load ends before the client reads the
+				// end, so the client's next turn finds the worker free (Attempt.Complete).
+				c.ended, c.generated = true, tally.Generated()
+				c.att.Complete(c.generated)
+			}
 			if _, werr := c.w.Write(buf[:n]); werr != nil {
 				s.log.Debug("client write failed", "error", werr)
 				c.w.clientGone()
@@ -708,6 +714,15 @@ func (t *eventEnd) add(b []byte) {
 func (t *eventEnd) at() bool {
 	l := t.last[:]
 	return bytes.HasSuffix(l, []byte("\n\n")) || bytes.HasSuffix(l, []byte("\r\r")) || bytes.HasSuffix(l, []byte("\n\r\n"))
+}
+
+// streamEnd is how an OpenAI stream (chat, completions) ends.
+const streamEnd = "data: [DONE]"
+
+// endsStream reports whether chunk ends with the OpenAI stream's last event. Other APIs'
+// streams end at the worker's EOF, a read later.
+func endsStream(chunk []byte) bool {
+	return bytes.HasSuffix(bytes.TrimRight(chunk, "\r\n"), []byte(streamEnd))
 }
 
 // getCopyBuffer returns a relay buffer of copyBuffer bytes; put it back in s.copyBuffers.
