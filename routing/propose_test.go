@@ -141,3 +141,67 @@ func TestARetryTakesTheOutcomeOfTheBindingProposedAtDispatch(t *testing.T) {
 		})
 	}
 }
+
+// TestABindingProposedAtDispatchIsSeenOnlyOnceTheWorkerAccepted: the session's other
+// requests wait while the binding proposed at dispatch is in flight and until the worker
+// accepts the request (Commit), as they did when the binding was made after the worker's
+// answer; a worker that refused the request (Refused) or failed (Retry) has the binding
+// dropped or replaced before any of them saw it.
+func TestABindingProposedAtDispatchIsSeenOnlyOnceTheWorkerAccepted(t *testing.T) {
+	ctx := context.Background()
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	cases := []struct {
+		name string
+		// then ends the worker's part; want is the worker the next request finds the
+		// session bound to ("" none, "retried" the retry's worker) and wantRevision its
+		// revision.
+		then         func(t *testing.T, a *Attempt)
+		want         string
+		wantRevision uint64
+	}{
+		{name: "accepted: the binding is the session's", want: "first", wantRevision: 1,
+			then: func(t *testing.T, a *Attempt) {
+				if _, err := a.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}},
+		{name: "refused: the binding goes unseen", want: "",
+			then: func(t *testing.T, a *Attempt) { a.Refused(ctx) }},
+		{name: "failed: the binding moves unseen", want: "retried", wantRevision: 2,
+			then: func(t *testing.T, a *Attempt) {
+				if err := a.Retry(ctx, errors.New("worker died")); err != nil {
+					t.Fatal(err)
+				}
+				a.Propose(ctx)
+				if _, err := a.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			rg := newRig(t, 3, Config{MaxRetries: 2})
+			a := route(t, rg.router, Request{Session: "s", PromptTokens: 16, Hashes: hashes(900, 1)})
+			first := a.Decision().Target.Worker
+			a.Propose(ctx)
+			<-a.pending.done // the binding is made (a Raft commit would be, during the prefill)
+			if l, err := rg.affinity.Acquire(cancelled, "s", nil); err == nil {
+				b, bound := l.Binding()
+				t.Fatalf("another request saw the session (%+v, bound %v) before the worker accepted", b, bound)
+			}
+			tc.then(t, a)
+			want := map[string]indexer.Worker{"first": first, "retried": a.Decision().Target.Worker}[tc.want]
+			a.Finish()
+			l, err := rg.affinity.Acquire(cancelled, "s", nil)
+			if err != nil {
+				t.Fatalf("the next request once the worker answered: %v", err)
+			}
+			defer l.Release()
+			b, bound := l.Binding()
+			if bound != (tc.want != "") || bound && (b.Worker != want || b.Revision != tc.wantRevision) {
+				t.Fatalf("the next request found %+v (bound %v), want %q (%s) at revision %d", b, bound, tc.want, want, tc.wantRevision)
+			}
+		})
+	}
+}

@@ -763,6 +763,9 @@ func (a *Attempt) Propose(ctx context.Context) {
 	if a.finished || a.pending != nil || a.lease == nil || a.decision.Bound {
 		return
 	}
+	if g, ok := a.lease.(gateHolder); ok {
+		g.HoldGate()
+	}
 	p := &proposal{done: make(chan struct{})}
 	lease, w, model := a.lease, a.decision.Target.Worker, a.bindingModel()
 	go func() {
@@ -770,6 +773,36 @@ func (a *Attempt) Propose(ctx context.Context) {
 		p.binding, p.err = lease.Commit(ctx, w, model)
 	}()
 	a.pending = p
+}
+
+// gateHolder is a Lease whose initializer gate can stay closed past a Commit that binds
+// (both stores' leases are): after HoldGate, the session's other requests on this replica
+// see the binding only once OpenGate, or the lease's end, opens the gate. A binding
+// proposed at dispatch is so seen only once its worker has accepted the request, as when
+// Commit ran after the worker's answer; one for a worker that refused it is dropped unseen
+// (Refused), and one for a worker that failed is replaced (Retry) unseen.
+type gateHolder interface {
+	HoldGate()
+	OpenGate()
+}
+
+// openGate opens the gate a proposal's Commit kept.
+func (a *Attempt) openGate() {
+	if g, ok := a.lease.(gateHolder); ok {
+		g.OpenGate()
+	}
+}
+
+// Refused is for a worker that refused the request itself (a 4xx: the client's fault): a
+// binding proposed for it at dispatch is dropped again (revision-guarded), so that a
+// refused first request leaves no session, as when the binding was made only after the
+// worker's answer. Nothing else of the attempt changes; Finish still ends it.
+func (a *Attempt) Refused(ctx context.Context) {
+	if _, err, ok := a.settle(); !ok || err != nil || a.lease == nil {
+		return
+	}
+	a.lease.Invalidate(ctx)
+	a.lease = nil
 }
 
 // settle waits for a pending proposal and takes its outcome; ok is false when none was
@@ -801,6 +834,10 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 		return a.decision.Binding, errors.New("commit of a finished attempt")
 	}
 	b, err, proposed := a.settle()
+	if proposed {
+		// The worker accepted the request: the session's other requests may see the binding.
+		a.openGate()
+	}
 	if a.router.cfg.RecordAtCommit && !a.recorded {
 		a.record()
 		a.recorded = true

@@ -281,14 +281,9 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 
 	if resp.StatusCode < 200 || resp.StatusCode >= 300 {
 		// The worker refused the request itself: the client's fault, so it is theirs to see.
-		// A new session's binding, proposed at dispatch, may have been made meanwhile; it
-		// stays (dropping it could pull it from under a concurrent request of the session
-		// that adopted it), and counts against the client's sessions as any does.
-		if c.session != "" {
-			if b, err := c.att.Commit(ctx); err == nil {
-				s.madeSession(c.client, d.Bound, b)
-			}
-		}
+		// A new session's binding, proposed at dispatch and seen by no other request yet,
+		// is dropped: a refused first request leaves no session.
+		c.att.Refused(ctx)
 		s.writeHeaders(c, resp, d, routing.Binding{}, -1)
 		return s.relay(c, &rd, d, nil)
 	}
