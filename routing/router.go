@@ -683,7 +683,7 @@ func (a *Attempt) Retry(ctx context.Context, cause error) error {
 	// elsewhere by a concurrent request, the retry goes there; refused because the worker
 	// began draining, the lease is still the initializer. Any other failure ends the
 	// request as a failed Commit would.
-	if _, err, ok := a.settle(); ok && err != nil && !errors.Is(err, ErrBoundElsewhere) && !errors.Is(err, ErrWorkerDraining) {
+	if _, ok, err := a.settle(); ok && err != nil && !errors.Is(err, ErrBoundElsewhere) && !errors.Is(err, ErrWorkerDraining) {
 		a.fail(ctx)
 		return fmt.Errorf("bind session: %w", err)
 	}
@@ -798,7 +798,7 @@ func (a *Attempt) openGate() {
 // refused first request leaves no session, as when the binding was made only after the
 // worker's answer. Nothing else of the attempt changes; Finish still ends it.
 func (a *Attempt) Refused(ctx context.Context) {
-	if _, err, ok := a.settle(); !ok || err != nil || a.lease == nil {
+	if _, ok, err := a.settle(); !ok || err != nil || a.lease == nil {
 		return
 	}
 	a.lease.Invalidate(ctx)
@@ -807,14 +807,14 @@ func (a *Attempt) Refused(ctx context.Context) {
 
 // settle waits for a pending proposal and takes its outcome; ok is false when none was
 // pending.
-func (a *Attempt) settle() (b Binding, err error, ok bool) {
+func (a *Attempt) settle() (b Binding, ok bool, err error) {
 	p := a.pending
 	if p == nil {
-		return Binding{}, nil, false
+		return Binding{}, false, nil
 	}
 	<-p.done
 	a.pending = nil
-	return p.binding, p.err, true
+	return p.binding, true, p.err
 }
 
 // bindingModel is the model a new binding records: the alias's target, "" without an alias.
@@ -833,7 +833,7 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	if a.finished {
 		return a.decision.Binding, errors.New("commit of a finished attempt")
 	}
-	b, err, proposed := a.settle()
+	b, proposed, err := a.settle()
 	if proposed {
 		// The worker accepted the request: the session's other requests may see the binding.
 		a.openGate()
