@@ -72,9 +72,10 @@ func TestFirstByteWaitsForTheBindingProposedAtDispatch(t *testing.T) {
 	cases := []struct {
 		name   string
 		stream bool
-		// failFirst: the first worker answers 500 (after its binding was proposed).
-		failFirst bool
-		fails     []error
+		// failFirst: the first worker answers 500 (after its binding was proposed);
+		// refuseFirst: 400, the client's fault.
+		failFirst, refuseFirst bool
+		fails                  []error
 		// wantFrom: which worker's answer the client gets (0 the first called, 1 the
 		// second, -1 none: a 503 of the router's own).
 		wantFrom int
@@ -85,6 +86,7 @@ func TestFirstByteWaitsForTheBindingProposedAtDispatch(t *testing.T) {
 		{name: "a failed commit lets no whole answer out", fails: []error{errors.New("no leader")}, wantFrom: -1},
 		{name: "a worker that began draining hands over to the next choice", stream: true, fails: []error{draining}, wantFrom: 1},
 		{name: "a worker that fails after its binding was made is replaced by compare-and-set", stream: true, failFirst: true, wantFrom: 1},
+		{name: "a worker that refuses the request leaves no binding", stream: true, refuseFirst: true, wantFrom: -2},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -111,6 +113,10 @@ func TestFirstByteWaitsForTheBindingProposedAtDispatch(t *testing.T) {
 						}
 						if tc.failFirst {
 							http.Error(w, "engine died", http.StatusInternalServerError)
+							return
+						}
+						if tc.refuseFirst {
+							http.Error(w, "max_tokens too large", http.StatusBadRequest)
 							return
 						}
 					}
@@ -181,6 +187,14 @@ func TestFirstByteWaitsForTheBindingProposedAtDispatch(t *testing.T) {
 			called := append([]string(nil), order...)
 			mu.Unlock()
 			b, bound, _ := aff.Peek(context.Background(), "s-1")
+			if tc.wantFrom == -2 {
+				// The worker's own refusal, and the binding proposed for it dropped again.
+				if a.resp.StatusCode != http.StatusBadRequest || a.resp.Header.Get(HeaderRevision) != "" || bound || aff.Len() != 0 {
+					t.Fatalf("a refused first request: %d (revision %q), session bound %+v (%v), %d sessions; want the 400 and no session",
+						a.resp.StatusCode, a.resp.Header.Get(HeaderRevision), b, bound, aff.Len())
+				}
+				return
+			}
 			if tc.wantFrom < 0 {
 				if a.resp.StatusCode != http.StatusServiceUnavailable || strings.Contains(string(text), called[0]) {
 					t.Fatalf("a failed commit answered %d %q; want the router's 503 and nothing of %s", a.resp.StatusCode, text, called[0])
