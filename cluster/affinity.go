@@ -40,6 +40,10 @@ type localSession struct {
 	// bound is the binding this replica committed or read, kept until the local FSM has
 	// applied it (a follower learns its own bind one round trip later).
 	bound routing.Binding
+	// dropped is the revision of a binding this replica invalidated, hidden until the local
+	// FSM has applied the invalidation (a follower learns it one round trip later): a
+	// binding dropped unseen (its worker refused the request) stays unseen here.
+	dropped uint64
 }
 
 // NewAffinity returns the store over n; it runs until n closes.
@@ -114,6 +118,9 @@ var _ routing.Syncer = (*Affinity)(nil)
 func (a *Affinity) currentLocked(session string) (routing.Binding, bool) {
 	b, ok := a.n.fsm.Get(session)
 	ls := a.local[session]
+	if ok && ls != nil && ls.dropped != 0 && b.Revision == ls.dropped {
+		ok = false
+	}
 	if ls != nil && ls.bound.Revision != 0 {
 		if !ok && a.n.fsm.AppliedIndex() < ls.bound.Revision {
 			return ls.bound, true
@@ -188,9 +195,19 @@ func (a *Affinity) Acquire(ctx context.Context, session string, explicit *indexe
 }
 
 func (a *Affinity) dropIfIdleLocked(session string, ls *localSession) {
-	if ls.active == 0 && !ls.init.Busy() && a.local[session] == ls {
+	if ls.active == 0 && !ls.init.Busy() && a.local[session] == ls && !a.dropPendingLocked(session, ls) {
 		delete(a.local, session)
 	}
+}
+
+// dropPendingLocked reports whether the local FSM still holds a binding this replica
+// invalidated (ls.dropped), which ls must hide a while longer.
+func (a *Affinity) dropPendingLocked(session string, ls *localSession) bool {
+	if ls.dropped == 0 {
+		return false
+	}
+	b, ok := a.n.fsm.Get(session)
+	return ok && b.Revision == ls.dropped
 }
 
 // Len is the number of sessions held: bound in the FSM or being initialised here.
@@ -231,8 +248,13 @@ func (a *Affinity) Peek(ctx context.Context, session string) (routing.Binding, b
 func (a *Affinity) Invalidate(ctx context.Context, session string, revision uint64) error {
 	_, err := a.n.Apply(ctx, &fsm.Invalidate{Session: session, Revision: revision})
 	a.mu.Lock()
-	if ls := a.local[session]; ls != nil && ls.bound.Revision == revision {
-		ls.bound = routing.Binding{}
+	if ls := a.local[session]; ls != nil {
+		if ls.bound.Revision == revision {
+			ls.bound = routing.Binding{}
+		}
+		if err == nil {
+			ls.dropped = revision
+		}
 	}
 	a.mu.Unlock()
 	return err
@@ -347,7 +369,7 @@ func (a *Affinity) keepAlive() {
 		a.mu.Lock()
 		applied := a.n.fsm.AppliedIndex()
 		for s, ls := range a.local {
-			if ls.active == 0 && !ls.init.Busy() && applied >= ls.bound.Revision {
+			if ls.active == 0 && !ls.init.Busy() && applied >= ls.bound.Revision && !a.dropPendingLocked(s, ls) {
 				delete(a.local, s) // its bind has reached the FSM: the map is no longer needed
 				continue
 			}
@@ -377,6 +399,30 @@ type lease struct {
 	// gate: this lease holds the session's initializer gate (until Commit or the end), so
 	// it opens the gate only while it is its own.
 	gate bool
+	// holdGate (HoldGate): a Commit that binds keeps the gate until OpenGate or the end.
+	holdGate bool
+}
+
+// HoldGate makes a later Commit that binds keep the session's gate closed, so that this
+// replica's other requests for the session see the binding only once OpenGate (or the
+// lease's end) opens it: routing proposes a binding as the request is dispatched and
+// opens the gate once the worker has accepted the request (a worker that refuses it has
+// its binding dropped first, unseen here).
+func (l *lease) HoldGate() {
+	l.a.mu.Lock()
+	defer l.a.mu.Unlock()
+	l.holdGate = true
+}
+
+// OpenGate opens a gate a Commit kept (HoldGate); otherwise it does nothing.
+func (l *lease) OpenGate() {
+	l.a.mu.Lock()
+	defer l.a.mu.Unlock()
+	l.holdGate = false
+	if l.gate && l.bound {
+		l.ls.init.Open()
+		l.gate = false
+	}
 }
 
 // Reopen implements routing.Lease: this replica's other requests for the session wait for
@@ -388,11 +434,16 @@ func (l *lease) Reopen() bool {
 	a := l.a
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if l.ls.init.Busy() {
-		return false // another request is replacing it already
+	if !l.gate {
+		if l.ls.init.Busy() {
+			return false // another request is replacing it already
+		}
+		l.ls.init.Take()
+		l.gate = true
 	}
-	l.ls.init.Take()
-	l.gate = true
+	// (With the gate still its own, kept past its Commit, the lease replaces its own binding
+	// before any other request of this replica saw it.)
+	l.holdGate = false
 	l.replaces = l.binding.Revision
 	l.bound, l.binding = false, routing.Binding{Session: l.session}
 	return true
@@ -420,9 +471,12 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker, model string) (rou
 		// keeps the gate, so the request's next choice commits through it.
 		return routing.Binding{}, fmt.Errorf("bind session %q to %s: %w", l.session, w, routing.ErrWorkerDraining)
 	}
+	keep := false // the gate stays closed: HoldGate, and the session bound as asked
 	defer func() {
-		l.ls.init.Open()
-		l.gate = false
+		if !keep {
+			l.ls.init.Open()
+			l.gate = false
+		}
 	}()
 	if err != nil {
 		return routing.Binding{}, err
@@ -439,6 +493,7 @@ func (l *lease) Commit(ctx context.Context, w indexer.Worker, model string) (rou
 		if res.Status != fsm.Created && (b.Worker != w || b.Model != model) {
 			return b, fmt.Errorf("session %q: %w", l.session, routing.ErrBoundElsewhere)
 		}
+		keep = l.holdGate
 		return b, nil
 	case fsm.Full:
 		return routing.Binding{}, fmt.Errorf("bind session %q: %w", l.session, routing.ErrTooManySessions)
@@ -486,7 +541,7 @@ func (l *lease) end() {
 		l.gate = false
 	}
 	l.ls.active--
-	if l.ls.active <= 0 && a.local[l.session] == l.ls && a.n.fsm.AppliedIndex() >= l.ls.bound.Revision {
+	if l.ls.active <= 0 && a.local[l.session] == l.ls && a.n.fsm.AppliedIndex() >= l.ls.bound.Revision && !a.dropPendingLocked(l.session, l.ls) {
 		delete(a.local, l.session)
 	}
 }

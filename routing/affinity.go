@@ -142,6 +142,34 @@ type memoryLease struct {
 	bound   bool
 	binding Binding
 	done    bool
+	// holdGate (HoldGate): a Commit keeps the gate; held: one did, and the binding is
+	// the lease's alone (the session is not bound for others) until OpenGate or the end.
+	holdGate, held bool
+}
+
+// HoldGate implements gateHolder: a later Commit binds for this lease alone, and the
+// session's other requests wait until OpenGate (or the end) publishes the binding.
+func (l *memoryLease) HoldGate() {
+	l.store.mu.Lock()
+	defer l.store.mu.Unlock()
+	l.holdGate = true
+}
+
+// OpenGate implements gateHolder: a binding a Commit kept becomes the session's.
+func (l *memoryLease) OpenGate() {
+	l.store.mu.Lock()
+	defer l.store.mu.Unlock()
+	l.holdGate = false
+	l.publishLocked()
+}
+
+// publishLocked makes a kept binding the session's and wakes the waiters.
+func (l *memoryLease) publishLocked() {
+	if l.held {
+		l.held = false
+		l.s.bound = true
+		l.s.init.Open()
+	}
 }
 
 func (l *memoryLease) Binding() (Binding, bool) { return l.binding, l.bound }
@@ -157,9 +185,11 @@ func (l *memoryLease) Commit(_ context.Context, w indexer.Worker, model string) 
 	l.s.binding.Worker = w
 	l.s.binding.Model = model
 	l.s.binding.Revision = m.revision
-	l.s.bound = true
-	l.s.init.Open()
 	l.bound, l.binding = true, l.s.binding
+	l.held = true
+	if !l.holdGate {
+		l.publishLocked()
+	}
 	return l.binding, nil
 }
 
@@ -183,6 +213,17 @@ func (l *memoryLease) end(drop bool) {
 	l.s.active--
 	key := l.s.binding.Session
 	mine := m.sessions[key] == l.s
+	if l.held && drop {
+		// A kept binding no other request saw: the session goes, as for an initializer
+		// that gives up.
+		l.held = false
+		l.s.init.Open()
+		if mine {
+			delete(m.sessions, key)
+		}
+		return
+	}
+	l.publishLocked()
 	switch {
 	case !l.bound:
 		l.s.init.Open()
@@ -205,6 +246,14 @@ func (l *memoryLease) Reopen() bool {
 	m := l.store
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if l.held {
+		// A kept binding no other request saw: the lease holds the gate still, and
+		// replaces its own binding.
+		l.held, l.holdGate = false, false
+		l.bound = false
+		l.binding = Binding{Session: l.s.binding.Session}
+		return true
+	}
 	if l.done || !l.bound || m.sessions[l.s.binding.Session] != l.s || !l.s.bound || l.s.binding.Revision != l.binding.Revision {
 		return false
 	}

@@ -679,6 +679,16 @@ type Attempt struct {
 	finished    bool
 	recorded    bool // under RecordAtCommit: the decision was recorded
 	completed   bool // Complete ran
+	// pending is a new session's binding proposed at dispatch (Propose) whose outcome no
+	// method has taken yet; while it is set, only its goroutine touches the lease.
+	pending *proposal
+}
+
+// proposal is a new session's binding in flight beside the worker's prefill.
+type proposal struct {
+	done    chan struct{} // closed when the lease's Commit returned
+	binding Binding
+	err     error
 }
 
 // Decision returns the attempt's current decision.
@@ -746,6 +756,15 @@ func (a *Attempt) Retry(ctx context.Context, cause error) error {
 		return fmt.Errorf("retry of a finished attempt: %w", cause)
 	}
 	a.ticket.Finish()
+	// A binding proposed at dispatch has its outcome first. Bound to the failed worker, it
+	// is replaced below by a compare-and-set, as any binding of a failed worker; bound
+	// elsewhere by a concurrent request, the retry goes there; refused because the worker
+	// began draining, the lease is still the initializer. Any other failure ends the
+	// request as a failed Commit would.
+	if _, ok, err := a.settle(); ok && err != nil && !errors.Is(err, ErrBoundElsewhere) && !errors.Is(err, ErrWorkerDraining) {
+		a.fail(ctx)
+		return fmt.Errorf("bind session: %w", err)
+	}
 	a.tried = append(a.tried, a.decision.Target.Worker)
 	if a.req.Target != nil || a.retries >= a.router.cfg.MaxRetries || a.req.Resume && a.decision.Bound {
 		a.fail(ctx)
@@ -755,9 +774,10 @@ func (a *Attempt) Retry(ctx context.Context, cause error) error {
 	// The bound worker failed: its binding is replaced, and the session chosen afresh. A
 	// racing request may meanwhile have bound the session to a worker this request already
 	// saw fail; that binding is replaced too (once), rather than spending the retry on it.
+	// A binding to a worker not tried yet (a concurrent request's) stays: the retry goes there.
 	for round := 0; a.lease != nil && round < 2; round++ {
 		b, bound := a.lease.Binding()
-		if !bound || (round > 0 && !slices.Contains(a.tried, b.Worker)) {
+		if !bound || !slices.Contains(a.tried, b.Worker) {
 			break
 		}
 		if err := a.reopen(ctx); err != nil {
@@ -809,12 +829,92 @@ func (a *Attempt) fail(ctx context.Context) {
 	a.lease = nil
 }
 
+// Propose starts binding a new session to the decision's worker as the request is
+// dispatched, so that the Raft commit runs beside the worker's prefill instead of after its
+// answer; Commit then waits only for what is left of it. It does nothing for a request
+// without a session, for a bound session, or when a proposal is in flight already. ctx
+// (the request's) bounds the proposal. Until a later method of the attempt has taken the
+// proposal's outcome (Commit, Retry and Finish wait for it), nothing else touches the
+// lease. The first byte must still wait for Commit: no byte may leave from a worker the
+// session is not bound to.
+func (a *Attempt) Propose(ctx context.Context) {
+	if a.finished || a.pending != nil || a.lease == nil || a.decision.Bound {
+		return
+	}
+	if g, ok := a.lease.(gateHolder); ok {
+		g.HoldGate()
+	}
+	p := &proposal{done: make(chan struct{})}
+	lease, w, model := a.lease, a.decision.Target.Worker, a.bindingModel()
+	go func() {
+		defer close(p.done)
+		p.binding, p.err = lease.Commit(ctx, w, model)
+	}()
+	a.pending = p
+}
+
+// gateHolder is a Lease whose initializer gate can stay closed past a Commit that binds
+// (both stores' leases are): after HoldGate, the session's other requests on this replica
+// see the binding only once OpenGate, or the lease's end, opens the gate. A binding
+// proposed at dispatch is so seen only once its worker has accepted the request, as when
+// Commit ran after the worker's answer; one for a worker that refused it is dropped unseen
+// (Refused), and one for a worker that failed is replaced (Retry) unseen.
+type gateHolder interface {
+	HoldGate()
+	OpenGate()
+}
+
+// openGate opens the gate a proposal's Commit kept.
+func (a *Attempt) openGate() {
+	if g, ok := a.lease.(gateHolder); ok {
+		g.OpenGate()
+	}
+}
+
+// Refused is for a worker that refused the request itself (a 4xx: the client's fault): a
+// binding proposed for it at dispatch is dropped again (revision-guarded), so that a
+// refused first request leaves no session, as when the binding was made only after the
+// worker's answer. Nothing else of the attempt changes; Finish still ends it.
+func (a *Attempt) Refused(ctx context.Context) {
+	if _, ok, err := a.settle(); !ok || err != nil || a.lease == nil {
+		return
+	}
+	a.lease.Invalidate(ctx)
+	a.lease = nil
+}
+
+// settle waits for a pending proposal and takes its outcome; ok is false when none was
+// pending.
+func (a *Attempt) settle() (b Binding, ok bool, err error) {
+	p := a.pending
+	if p == nil {
+		return Binding{}, false, nil
+	}
+	<-p.done
+	a.pending = nil
+	return p.binding, true, p.err
+}
+
+// bindingModel is the model a new binding records: the alias's target, "" without an alias.
+func (a *Attempt) bindingModel() string {
+	if a.req.Alias != nil {
+		return a.req.Model
+	}
+	return ""
+}
+
 // Commit records that the worker accepted the request; for a new session it binds the
-// session to the worker and returns the binding with its revision. Without a session it
-// returns a zero Binding. (The decision entered the index at dispatch, startDispatch.)
+// session to the worker (or takes the outcome of the binding Propose started) and returns
+// the binding with its revision. Without a session it returns a zero Binding. (The
+// decision entered the index at dispatch, startDispatch.)
 func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	if a.finished {
 		return a.decision.Binding, errors.New("commit of a finished attempt")
+	}
+	b, proposed, err := a.settle()
+	if proposed {
+		// The worker accepted the request: the session's other requests may see the binding.
+		a.openGate()
 	}
 	if a.router.cfg.RecordAtCommit && !a.recorded {
 		a.record()
@@ -823,11 +923,9 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	if a.lease == nil || a.decision.Bound {
 		return a.decision.Binding, nil
 	}
-	model := ""
-	if a.req.Alias != nil {
-		model = a.req.Model
+	if !proposed {
+		b, err = a.lease.Commit(ctx, a.decision.Target.Worker, a.bindingModel())
 	}
-	b, err := a.lease.Commit(ctx, a.decision.Target.Worker, model)
 	if errors.Is(err, ErrBoundElsewhere) {
 		if a.req.Alias != nil && b.Model != "" {
 			// The concurrent request's target is the session's.
@@ -947,8 +1045,11 @@ func outputBlocks(prompt []uint64, promptTokens, n int) []uint64 {
 // FirstToken moves the request's load from prefill to decode.
 func (a *Attempt) FirstToken() { a.ticket.FirstToken() }
 
-// Finish ends the attempt: releases load and the session lease. It is idempotent.
+// Finish ends the attempt: releases load and the session lease, after waiting for a binding
+// still being proposed (a binding it made stays, and idles out with the TTL). It is
+// idempotent.
 func (a *Attempt) Finish() {
+	a.settle()
 	if a.ticket != nil {
 		a.ticket.Finish()
 	}

@@ -38,12 +38,19 @@ type Summary struct {
 
 	// TTFTSamples counts OK requests whose first token was seen. Without
 	// streaming TTFT is the whole latency.
-	TTFTSamples  int     `json:"ttft_samples"`
-	TTFTP50Ms    float64 `json:"ttft_p50_ms"`
-	TTFTP90Ms    float64 `json:"ttft_p90_ms"`
-	TTFTP99Ms    float64 `json:"ttft_p99_ms"`
-	LatencyP50Ms float64 `json:"latency_p50_ms"`
-	LatencyP99Ms float64 `json:"latency_p99_ms"`
+	TTFTSamples int     `json:"ttft_samples"`
+	TTFTP50Ms   float64 `json:"ttft_p50_ms"`
+	TTFTP90Ms   float64 `json:"ttft_p90_ms"`
+	TTFTP99Ms   float64 `json:"ttft_p99_ms"`
+	// FirstTTFTSamples counts the TTFT samples of sessions' first requests in the run (new
+	// sessions for the router: each waits for its binding), and FirstTTFTP50Ms... are their
+	// percentiles.
+	FirstTTFTSamples int     `json:"first_turn_ttft_samples"`
+	FirstTTFTP50Ms   float64 `json:"first_turn_ttft_p50_ms"`
+	FirstTTFTP90Ms   float64 `json:"first_turn_ttft_p90_ms"`
+	FirstTTFTP99Ms   float64 `json:"first_turn_ttft_p99_ms"`
+	LatencyP50Ms     float64 `json:"latency_p50_ms"`
+	LatencyP99Ms     float64 `json:"latency_p99_ms"`
 	// ITLSamples counts streamed OK requests with two output tokens or more; ITLP50Ms and
 	// ITLP90Ms are percentiles over them of each one's mean inter-token latency, (latency -
 	// TTFT) / (output tokens - 1), as vLLM's benchmark reports its TPOT.
@@ -127,7 +134,7 @@ func summarize(results []result, routerBlockSize int) *Summary {
 		Workers:         make(map[string]WorkerStats),
 		RouterBlockSize: routerBlockSize,
 	}
-	var ttft, latency, itl []time.Duration
+	var ttft, firstTTFT, latency, itl []time.Duration
 	var absErr, signedErr float64
 	// sessionWorker is each session's first worker, "" once it has moved.
 	sessionWorker := map[string]string{}
@@ -144,6 +151,9 @@ func summarize(results []result, routerBlockSize int) *Summary {
 			case !seen:
 				sessionWorker[r.session] = r.worker
 				s.Sessions++
+				if r.hasTTFT {
+					firstTTFT = append(firstTTFT, r.ttft)
+				}
 			case first != "" && first != r.worker:
 				sessionWorker[r.session] = ""
 				s.SessionsMoved++
@@ -178,6 +188,11 @@ func summarize(results []result, routerBlockSize int) *Summary {
 	s.TTFTP50Ms = percentileMs(ttft, 0.50)
 	s.TTFTP90Ms = percentileMs(ttft, 0.90)
 	s.TTFTP99Ms = percentileMs(ttft, 0.99)
+	s.FirstTTFTSamples = len(firstTTFT)
+	slices.Sort(firstTTFT)
+	s.FirstTTFTP50Ms = percentileMs(firstTTFT, 0.50)
+	s.FirstTTFTP90Ms = percentileMs(firstTTFT, 0.90)
+	s.FirstTTFTP99Ms = percentileMs(firstTTFT, 0.99)
 	s.LatencyP50Ms = percentileMs(latency, 0.50)
 	s.LatencyP99Ms = percentileMs(latency, 0.99)
 	s.ITLSamples = len(itl)
@@ -316,6 +331,11 @@ func Table(w io.Writer, sums []*Summary) {
 	row("TTFT p50 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.TTFTP50Ms) })
 	row("TTFT p90 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.TTFTP90Ms) })
 	row("TTFT p99 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.TTFTP99Ms) })
+	if slices.ContainsFunc(sums, func(s *Summary) bool { return s.FirstTTFTSamples > 0 }) {
+		row("first-turn TTFT p50", func(s *Summary) string { return fmt.Sprintf("%.1f", s.FirstTTFTP50Ms) })
+		row("first-turn TTFT p90", func(s *Summary) string { return fmt.Sprintf("%.1f", s.FirstTTFTP90Ms) })
+		row("first-turn TTFT p99", func(s *Summary) string { return fmt.Sprintf("%.1f", s.FirstTTFTP99Ms) })
+	}
 	row("latency p99 ms", func(s *Summary) string { return fmt.Sprintf("%.1f", s.LatencyP99Ms) })
 	if slices.ContainsFunc(sums, func(s *Summary) bool { return s.ITLSamples > 0 }) {
 		row("inter-token p50 ms", func(s *Summary) string { return fmt.Sprintf("%.2f", s.ITLP50Ms) })

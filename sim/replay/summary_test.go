@@ -151,3 +151,22 @@ func TestSummarizeInterTokenLatencyAndThroughput(t *testing.T) {
 		t.Fatalf("output tokens %d, want 73", s.OutputTokens)
 	}
 }
+
+// TestFirstTurnTTFTCountsEachSessionsFirstRequest: the first-turn figures are those of each
+// session's first request in the run (a new session for the router), not its later turns
+// nor requests without a session.
+func TestFirstTurnTTFTCountsEachSessionsFirstRequest(t *testing.T) {
+	ms := time.Millisecond
+	results := []result{
+		{ok: true, session: "s1", worker: "a", ttft: 50 * ms, hasTTFT: true},
+		{ok: true, session: "s1", worker: "a", ttft: 1 * ms, hasTTFT: true},
+		{ok: true, session: "s2", worker: "b", ttft: 70 * ms, hasTTFT: true},
+		{ok: true, session: "s2", worker: "b", ttft: 2 * ms, hasTTFT: true},
+		{ok: true, worker: "b", ttft: 900 * ms, hasTTFT: true},
+	}
+	s := summarize(results, 16)
+	if s.FirstTTFTSamples != 2 || s.FirstTTFTP50Ms != 50 || s.FirstTTFTP90Ms != 70 || s.FirstTTFTP99Ms != 70 {
+		t.Errorf("first-turn TTFT n %d p50 %v p90 %v p99 %v, want 2 50 70 70",
+			s.FirstTTFTSamples, s.FirstTTFTP50Ms, s.FirstTTFTP90Ms, s.FirstTTFTP99Ms)
+	}
+}

@@ -89,6 +89,8 @@ type rigOptions struct {
 	// realIndex routes over the production prefix index (approximate mode) instead of the
 	// map index, as a replica does; benchmarks use it.
 	realIndex bool
+	// affinity, when set, wraps the rig's in-memory affinity store.
+	affinity func(*routing.MemoryAffinity) routing.AffinityStore
 }
 
 // newRig serves a front over the given worker specs.
@@ -101,6 +103,9 @@ func newRig(t testing.TB, specs []routing.WorkerSpec, opts rigOptions) *rig {
 	tracker := routing.NewTracker()
 	affinity := routing.NewMemoryAffinity(time.Hour, 0)
 	deps := routing.Deps{Workers: workers, Tracker: tracker, Affinity: affinity}
+	if opts.affinity != nil {
+		deps.Affinity = opts.affinity(affinity)
+	}
 	var mi *mapIndex
 	if opts.realIndex {
 		idx := indexer.New(indexer.Options{TTL: 2 * time.Minute})

@@ -64,7 +64,7 @@ func newMetrics() *metrics {
 		}, []string{"worker", "by"}),
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_ttft_seconds",
-			Help:    "Time from request arrival to the first body byte from the worker, as the router sees it.",
+			Help:    "Time from request arrival to the first body byte from the worker going out, as the router sees it (a new session's also waits for its binding's commit).",
 			Buckets: []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300},
 		}),
 		selection: prometheus.NewHistogram(prometheus.HistogramOpts{

@@ -100,8 +100,10 @@ type call struct {
 	// client is the request's client key (limits.go), "" without a session.
 	client  string
 	arrived time.Time
-	// firstAt is when the current dispatch's first body bytes arrived (zero: not yet).
+	// firstAt is when the current dispatch's first body bytes arrived (zero: not yet), and
+	// boundAt when its binding was, the first byte's other condition.
 	firstAt time.Time
+	boundAt time.Time
 	// ended: the current dispatch's answer reached its end (the worker finished it), with
 	// generated output tokens (its usage's completion_tokens, else its stream's events).
 	ended     bool
@@ -129,7 +131,11 @@ func (c *call) firstBytes() {
 // observeTTFT records the time to first byte of the answer the client is about to get.
 func (c *call) observeTTFT(s *Server) {
 	if !c.firstAt.IsZero() {
-		s.metrics.ttft.Observe(c.firstAt.Sub(c.arrived).Seconds())
+		at := c.firstAt
+		if c.boundAt.After(at) {
+			at = c.boundAt
+		}
+		s.metrics.ttft.Observe(at.Sub(c.arrived).Seconds())
 	}
 }
 
@@ -226,7 +232,7 @@ func retryError(err error, last failure) *Error {
 func (s *Server) dispatch(c *call) (outcome, failure) {
 	ctx := c.r.Context()
 	d := c.att.Decision()
-	c.firstAt, c.ended, c.generated, c.watch = time.Time{}, false, 0, nil
+	c.firstAt, c.boundAt, c.ended, c.generated, c.watch = time.Time{}, time.Time{}, false, 0, nil
 	if d.Target.Spec == nil {
 		return retry, failure{cause: "internal", err: errors.New("routing chose a target without a spec")}
 	}
@@ -240,6 +246,10 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return retry, failure{cause: "internal", err: err}
 	}
 	c.body = sent
+	// A new session's binding is proposed now, so that Raft commits it while the worker
+	// prefills (and while a prefill worker does, when disaggregated); the first byte waits
+	// for what is left of it (bind).
+	c.att.Propose(ctx)
 	if res, fail, ok := s.disaggregate(c); !ok {
 		return res, fail
 	}
@@ -270,6 +280,9 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 
 	if resp.StatusCode < 200 || resp.StatusCode >= 300 {
 		// The worker refused the request itself: the client's fault, so it is theirs to see.
+		// A new session's binding, proposed at dispatch and seen by no other request yet,
+		// is dropped: a refused first request leaves no session.
+		c.att.Refused(ctx)
 		s.writeHeaders(c, resp, d, routing.Binding{}, -1)
 		return s.relay(c, &rd, d, false, nil)
 	}
@@ -277,48 +290,20 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if span := trace.SpanFromContext(ctx); span.IsRecording() {
 		span.SetAttributes(attrStatus.Int(resp.StatusCode))
 	}
-	// The attributes are set once the span records: a variadic argument is an allocation.
-	bctx, bspan := s.tr.start(ctx, "bind", trace.SpanKindInternal)
-	if bspan.IsRecording() {
-		bspan.SetAttributes(attrSession.Bool(c.session != ""))
-	}
-	binding, err := c.att.Commit(bctx)
-	if err == nil && c.session != "" {
-		s.madeSession(c.client, d.Bound, binding)
-	}
-	if bspan.IsRecording() {
-		bspan.SetAttributes(attrRevision.Int64(int64(binding.Revision)), attrWorker.String(c.att.Decision().Target.Worker.ID))
-	}
-	if err != nil {
-		failSpan(bspan, "commit", err)
-	}
-	bspan.End()
-	if errors.Is(err, routing.ErrBoundElsewhere) {
-		// Nothing has reached the client: drop this worker's answer (closing the body
-		// cancels it) and go where the session is bound.
-		s.log.Debug("session bound elsewhere by a concurrent request; moving", "session", c.att.Decision().Binding.Session,
-			"worker", c.att.Decision().Target.Worker.String())
-		return moved, failure{}
-	}
-	if errors.Is(err, routing.ErrWorkerDraining) {
-		// Nothing has reached the client: drop this worker's answer and try the next choice,
-		// as for a worker that failed (a draining worker takes no new session).
-		return retry, failure{cause: "draining", err: err}
-	}
-	if err != nil {
-		// Closing the body unread drops the connection, which cancels the worker's request.
-		s.fail(c.w, c.r, commitError(err))
-		return done, failure{}
-	}
 
 	if c.p.Stream || isEventStream(resp.Header) {
 		if s.bindsResponse(c.p) {
 			c.watch = &responseWatch{}
 		}
-		res, fail := s.relay(c, &rd, d, isEventStream(resp.Header), func() {
+		res, fail := s.relay(c, &rd, d, isEventStream(resp.Header), func() (outcome, failure, bool) {
+			binding, res, fail, ok := s.bind(c)
+			if !ok {
+				return res, fail, false
+			}
 			c.observeTTFT(s)
 			s.observeDecodeLeg(c, resp.Header)
 			s.writeHeaders(c, resp, d, binding, -1)
+			return done, failure{}, true
 		})
 		if c.ended {
 			c.att.Complete(c.generated)
@@ -351,6 +336,10 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	case resp.Header.Get("Content-Encoding") == "" && !validJSON(body):
 		return retry, s.badResponse(d, "upstream_garbage", errors.New("a 2xx answer that is not JSON"))
 	}
+	binding, res, fail, ok := s.bind(c)
+	if !ok {
+		return res, fail
+	}
 	u := scanUsage(body)
 	var tally Tally
 	tally.observe(body, &u)
@@ -379,6 +368,48 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		s.log.Debug("client flush failed", "error", err)
 	}
 	return done, failure{}
+}
+
+// bind waits for the current decision's binding (for a new session: the Bind proposed at
+// dispatch) before the first byte of the worker's answer goes to the client, since no byte
+// may leave from a worker the session is not bound to. ok false: the answer must not go
+// out, and the outcome says what the dispatch loop does instead.
+func (s *Server) bind(c *call) (binding routing.Binding, res outcome, fail failure, ok bool) {
+	// The attributes are set once the span records: a variadic argument is an allocation.
+	bctx, bspan := s.tr.start(c.r.Context(), "bind", trace.SpanKindInternal)
+	if bspan.IsRecording() {
+		bspan.SetAttributes(attrSession.Bool(c.session != ""))
+	}
+	wasBound := c.att.Decision().Bound
+	binding, err := c.att.Commit(bctx)
+	c.boundAt = time.Now()
+	if err == nil && c.session != "" {
+		s.madeSession(c.client, wasBound, binding)
+	}
+	if bspan.IsRecording() {
+		bspan.SetAttributes(attrRevision.Int64(int64(binding.Revision)), attrWorker.String(c.att.Decision().Target.Worker.ID))
+	}
+	if err != nil {
+		failSpan(bspan, "commit", err)
+	}
+	bspan.End()
+	switch {
+	case err == nil:
+		return binding, done, failure{}, true
+	case errors.Is(err, routing.ErrBoundElsewhere):
+		// Nothing has reached the client: drop this worker's answer (closing the body
+		// cancels it) and go where the session is bound.
+		s.log.Debug("session bound elsewhere by a concurrent request; moving", "session", c.att.Decision().Binding.Session,
+			"worker", c.att.Decision().Target.Worker.String())
+		return binding, moved, failure{}, false
+	case errors.Is(err, routing.ErrWorkerDraining):
+		// Nothing has reached the client: drop this worker's answer and try the next choice,
+		// as for a worker that failed (a draining worker takes no new session).
+		return binding, retry, failure{cause: "draining", err: err}, false
+	}
+	// Closing the body unread drops the connection, which cancels the worker's request.
+	s.fail(c.w, c.r, commitError(err))
+	return binding, done, failure{}, false
 }
 
 // commitError maps a failed Commit: the worker accepted, but the binding could not be made.
@@ -600,8 +631,9 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 // still be retried; without it the headers are already out. sse says the body is a stream of
 // server-sent events: one that breaks off after it started, between two events, ends with an
 // error event in the API's shape (Error.streamEvent) so that SDKs raise a typed error; any
-// other body that breaks off after it started is aborted.
-func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, sse bool, hdr func()) (outcome, failure) {
+// other body that breaks off after it started is aborted. hdr reporting false sends nothing:
+// relay ends with the outcome it gives.
+func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, sse bool, hdr func() (outcome, failure, bool)) (outcome, failure) {
 	ctx := c.r.Context()
 	rc := http.NewResponseController(c.w)
 	bp := s.getCopyBuffer()
@@ -622,7 +654,9 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, sse bool
 			tally.observe(buf[:n], &u)
 			c.firstBytes()
 			if !started {
-				hdr()
+				if res, fail, ok := hdr(); !ok {
+					return res, fail
+				}
 				started = true
 			}
 			if c.watch != nil {
