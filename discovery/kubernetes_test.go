@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -182,19 +183,61 @@ func TestDecodePool(t *testing.T) {
 }
 
 // fakeKubernetes is a Kubernetes source over client-go's fake clientsets.
-func fakeKubernetes(t *testing.T, spec string, objs ...runtime.Object) (*Kubernetes, *fake.Clientset, *dynfake.FakeDynamicClient) {
+// fakeAPI is client-go's fake clientsets behind a Kubernetes source, counting the watches
+// the source's informers have open: the fakes' watches do not resume from the list's
+// resource version, so an object changed between an informer's list and its watch is never
+// seen, and a test waits for the watches before it changes anything.
+type fakeAPI struct {
+	cs      *fake.Clientset
+	dc      *dynfake.FakeDynamicClient
+	watches atomic.Int32
+}
+
+// watching waits until the source's informers have n watches open.
+func (f *fakeAPI) watching(t *testing.T, n int32) {
+	t.Helper()
+	poll.Until(t, 10*time.Second, func() error {
+		if got := f.watches.Load(); got < n {
+			return fmt.Errorf("%d watches open, want %d", got, n)
+		}
+		return nil
+	})
+}
+
+func fakeKubernetes(t *testing.T, spec string, objs ...runtime.Object) (*Kubernetes, *fakeAPI) {
 	t.Helper()
 	s, err := Parse(spec, "")
 	if err != nil {
 		t.Fatal(err)
 	}
 	k := s.(*Kubernetes)
-	cs := fake.NewClientset()
+	f := &fakeAPI{cs: fake.NewClientset()}
 	scheme := runtime.NewScheme()
-	dc := dynfake.NewSimpleDynamicClientWithCustomListKinds(scheme, map[schema.GroupVersionResource]string{inferencePools(): "InferencePoolList"}, objs...)
-	k.connect = func() (kubernetes.Interface, dynamic.Interface, error) { return cs, dc, nil }
+	f.dc = dynfake.NewSimpleDynamicClientWithCustomListKinds(scheme, map[schema.GroupVersionResource]string{inferencePools(): "InferencePoolList"}, objs...)
+	// As the fakes' own watch reactors, counting each watch once it is registered.
+	f.cs.PrependWatchReactor("*", func(action k8stesting.Action) (bool, watch.Interface, error) {
+		var opts metav1.ListOptions
+		if wa, ok := action.(k8stesting.WatchActionImpl); ok {
+			opts = wa.ListOptions
+		}
+		w, err := f.cs.Tracker().Watch(action.GetResource(), action.GetNamespace(), opts)
+		if err != nil {
+			return false, nil, err
+		}
+		f.watches.Add(1)
+		return true, w, nil
+	})
+	f.dc.PrependWatchReactor("*", func(action k8stesting.Action) (bool, watch.Interface, error) {
+		w, err := f.dc.Tracker().Watch(action.GetResource(), action.GetNamespace())
+		if err != nil {
+			return false, nil, err
+		}
+		f.watches.Add(1)
+		return true, w, nil
+	})
+	k.connect = func() (kubernetes.Interface, dynamic.Interface, error) { return f.cs, f.dc, nil }
 	t.Cleanup(func() { k.Stop() })
-	return k, cs, dc
+	return k, f
 }
 
 // lookupIDs polls the source until it lists want.
@@ -228,10 +271,11 @@ func lookupNotReady(t *testing.T, k *Kubernetes, want ...string) {
 }
 
 func TestKubernetesFollowsPodsOfASelector(t *testing.T) {
-	k, cs, _ := fakeKubernetes(t, "kubernetes:namespace=ns,selector=app=vllm,port=8000")
+	k, f := fakeKubernetes(t, "kubernetes:namespace=ns,selector=app=vllm,port=8000")
 	ctx := context.Background()
-	pods := cs.CoreV1().Pods("ns")
+	pods := f.cs.CoreV1().Pods("ns")
 	lookupIDs(t, k)
+	f.watching(t, 1)
 	must := func(_ any, err error) {
 		t.Helper()
 		if err != nil {
@@ -272,12 +316,14 @@ func TestKubernetesFollowsAnInferencePool(t *testing.T) {
 			"targetPorts": []any{map[string]any{"number": int64(8000)}, map[string]any{"number": int64(8001)}},
 		},
 	}}
-	k, cs, dc := fakeKubernetes(t, "kubernetes:namespace=ns,pool=vllm", pool)
+	k, f := fakeKubernetes(t, "kubernetes:namespace=ns,pool=vllm", pool)
+	cs, dc := f.cs, f.dc
 	ctx := context.Background()
 	if _, err := cs.CoreV1().Pods("ns").Create(ctx, testPod("a", "ua", "10.0.0.1", true, nil), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	lookupIDs(t, k, "a_ua")
+	f.watching(t, 2) // pods and the pool
 	specs, err := k.Lookup(ctx)
 	if err != nil || specs[0].URL != "http://10.0.0.1:8000" || specs[0].DPSize != 2 {
 		t.Fatalf("specs %+v, %v", specs, err)
@@ -296,7 +342,8 @@ func TestKubernetesFollowsAnInferencePool(t *testing.T) {
 }
 
 func TestKubernetesLookupFailsWhileTheAPIServerFails(t *testing.T) {
-	k, cs, _ := fakeKubernetes(t, "kubernetes:namespace=ns,selector=app=vllm,port=8000")
+	k, f := fakeKubernetes(t, "kubernetes:namespace=ns,selector=app=vllm,port=8000")
+	cs := f.cs
 	ctx := context.Background()
 	if _, err := cs.CoreV1().Pods("ns").Create(ctx, testPod("a", "ua", "10.0.0.1", true, nil), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -329,8 +376,8 @@ func TestKubernetesLookupFailsWhileTheAPIServerFails(t *testing.T) {
 }
 
 func TestKubernetesLookupFailsBeforeTheFirstList(t *testing.T) {
-	k, cs, _ := fakeKubernetes(t, "kubernetes:namespace=ns,selector=app=vllm,port=8000")
-	cs.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+	k, f := fakeKubernetes(t, "kubernetes:namespace=ns,selector=app=vllm,port=8000")
+	f.cs.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
 		return true, nil, errors.New("the API server is away")
 	})
 	// No first list: the look fails (the leader keeps the last set) rather than answering "none".
