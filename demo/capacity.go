@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
@@ -102,7 +103,8 @@ type CapacityRun struct {
 
 // Capacity runs the capacity sweep: for each of cfg.Runs runs, each level of
 // cfg.LoadWorkers and each policy (interleaved, so that a disturbance of the machine falls on
-// every policy alike), one replay of the slice through a fresh fleet and a fresh router; then
+// every policy alike), one replay of the slice through a fresh fleet and a fresh router,
+// cfg.Parallel of them at once (0: one); then
 // it prints the tables and, with cfg.OutDir, writes them and the JSON there.
 func Capacity(ctx context.Context, cfg Config, stdout, progress io.Writer) (*CapacityReport, error) {
 	if len(cfg.Policies) == 0 {
@@ -144,26 +146,60 @@ func Capacity(ctx context.Context, cfg Config, stdout, progress io.Writer) (*Cap
 	}
 	say("capacity sweep: %s at %d levels, %d runs, %d requests at %gx, TTFT p90 target %s",
 		strings.Join(cfg.Policies, ", "), len(levels), cfg.Runs, len(reqs), cfg.Speedup, cfg.TTFTTarget)
-	var runs []CapacityRun
+	var todo []CapacityRun
 	for i := range cfg.Runs {
 		for _, l := range levels {
 			for _, pol := range cfg.Policies {
-				if err := ctx.Err(); err != nil {
-					return nil, err
-				}
-				c := cfg
-				c.Workers = l.Workers
-				s, err := runOne(ctx, c, run{fleet: Fleet{Aggregated: l.Workers}, tp: Topology{Replicas: 1}, policy: pol, recordAt: "dispatch"}, reqs, nil)
-				if err != nil {
-					return nil, fmt.Errorf("run %d, %d workers, policy %s: %w", i+1, l.Workers, pol, err)
-				}
-				s.Label = fmt.Sprintf("%s w%d #%d", pol, l.Workers, i+1)
-				say("  run %d, %d workers (%.2f req/s each), %-13s TTFT p90 %7.1f ms, hit rate %5.1f%%, %d failed",
-					i+1, l.Workers, l.Load, pol, s.TTFTP90Ms, 100*s.HitRate, s.Failed)
-				runs = append(runs, CapacityRun{Policy: pol, Workers: l.Workers, Run: i, Summary: s})
+				todo = append(todo, CapacityRun{Policy: pol, Workers: l.Workers, Run: i})
 			}
 		}
 	}
+	// Up to cfg.Parallel replays at once, in the order above; the first error stops the
+	// rest from starting.
+	var (
+		mu    sync.Mutex
+		first error
+		wg    sync.WaitGroup
+	)
+	slots := make(chan struct{}, max(cfg.Parallel, 1))
+	for k := range todo {
+		slots <- struct{}{}
+		mu.Lock()
+		failed := first != nil
+		mu.Unlock()
+		if err := ctx.Err(); err != nil || failed {
+			<-slots
+			break
+		}
+		wg.Add(1)
+		go func(r *CapacityRun) {
+			defer wg.Done()
+			defer func() { <-slots }()
+			c := cfg
+			c.Workers = r.Workers
+			s, err := runOne(ctx, c, run{fleet: Fleet{Aggregated: r.Workers}, tp: Topology{Replicas: 1}, policy: r.Policy, recordAt: "dispatch"}, reqs, nil)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				if first == nil {
+					first = fmt.Errorf("run %d, %d workers, policy %s: %w", r.Run+1, r.Workers, r.Policy, err)
+				}
+				return
+			}
+			s.Label = fmt.Sprintf("%s w%d #%d", r.Policy, r.Workers, r.Run+1)
+			r.Summary = s
+			say("  run %d, %d workers (%.2f req/s each), %-13s TTFT p90 %7.1f ms, hit rate %5.1f%%, %d failed",
+				r.Run+1, r.Workers, float64(len(reqs))/span/float64(r.Workers), r.Policy, s.TTFTP90Ms, 100*s.HitRate, s.Failed)
+		}(&todo[k])
+	}
+	wg.Wait()
+	if first != nil {
+		return nil, first
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	runs := todo
 	rep := NewCapacityReport(cfg.TTFTTarget, cfg.Policies, levels, cfg.Runs, runs)
 	rep.Requests, rep.Start, rep.Speedup = len(reqs), cfg.Start, cfg.Speedup
 	rep.Cores, rep.Date = runtime.NumCPU(), time.Now().UTC()

@@ -166,7 +166,8 @@ func TestCapacityRejectsABadSweep(t *testing.T) {
 }
 
 // TestCapacitySweepRunsEveryPolicyAtEveryLevel runs a tiny sweep for real (simulated workers,
-// a one-replica Raft cluster on loopback): 2 policies, 2 levels, 1 run of a few requests.
+// a one-replica Raft cluster on loopback): 2 policies, 2 levels, 1 run of a few requests, two
+// replays at once.
 // Every point must hold its run with every request answered, and the files must read back
 // as the report. The figures themselves mean nothing at this size and are only logged.
 func TestCapacitySweepRunsEveryPolicyAtEveryLevel(t *testing.T) {
@@ -177,7 +178,7 @@ func TestCapacitySweepRunsEveryPolicyAtEveryLevel(t *testing.T) {
 	cfg := Config{
 		Policies: []string{"kv", "round-robin"}, LoadWorkers: []int{1, 2}, Runs: 1, TTFTTarget: 500 * time.Millisecond,
 		CapacityBlocks: 32768, Start: 2500, Limit: 24, Speedup: 20, Concurrency: 32, MaxOutput: 16,
-		OutDir: dir, Logger: slog.New(slog.DiscardHandler),
+		Parallel: 2, OutDir: dir, Logger: slog.New(slog.DiscardHandler),
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

@@ -86,8 +86,10 @@ type Config struct {
 	// the sweep writes its tables and JSON ("": only printed).
 	LoadWorkers []int
 	Runs        int
-	TTFTTarget  time.Duration
-	OutDir      string
+	// Parallel is how many of the capacity sweep's replays run at once (0: one).
+	Parallel   int
+	TTFTTarget time.Duration
+	OutDir     string
 	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with.
 	HAProxyConfig string
 	Logger        *slog.Logger

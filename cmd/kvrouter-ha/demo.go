@@ -53,6 +53,7 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	recordAt := fs.String("record-at", "dispatch", "compare: where routers record their decisions, to show the difference: dispatch (at dispatch and again when the worker finishes), dispatch-only (not again at the end) and/or commit (only at the worker's first answer, the behaviour before recording at dispatch)")
 	loadWorkers := fs.String("load-workers", "8,6,4,3,2", "capacity: the load levels, as the fleet sizes the same slice is replayed on (fewer workers: more load on each)")
 	fs.IntVar(&cfg.Runs, "runs", 3, "capacity: runs of each policy at each level (the table shows their medians and spread)")
+	fs.IntVar(&cfg.Parallel, "parallel", 1, "capacity: replays run at once; each is paced by the trace, not the processor, so a machine with cores to spare runs the sweep this many times faster (each replay's simulated workers keep their pace only while they get the processor: two cores take one)")
 	fs.DurationVar(&cfg.TTFTTarget, "ttft-target", 500*time.Millisecond, "capacity: the TTFT p90 a load level must stay within, as the replay measures it (at --speedup)")
 	fs.StringVar(&cfg.OutDir, "out", "", "capacity: folder to write the tables (capacity.md) and the runs (capacity.json) into; bench-report --capacity-plots DIR draws the plots from them")
 	logLevel := fs.String("log-level", "error", "router and worker log level: debug, info, warn or error")
