@@ -43,8 +43,11 @@ func PlotCapacity(dir string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	footer := wrap(fmt.Sprintf("made by `kvrouter-ha demo --scenario capacity` on a %d-core machine, %s; %s",
-		rep.Cores, rep.Date.Format("2006-01-02 15:04 MST"), capacityNote(rep)), 150)
+	made := "made by `kvrouter-ha demo --scenario capacity`"
+	if rep.Cores > 0 {
+		made += fmt.Sprintf(" on a %d-core machine, %s", rep.Cores, rep.Date.Format("2006-01-02 15:04 MST"))
+	}
+	footer := wrap(made+"; "+capacityNote(rep), 150)
 	return filepath.Join(dir, f.file), render(dir, f, footer, false)
 }
 
@@ -85,7 +88,9 @@ func capacityFigure(rep *demo.CapacityReport) (figure, error) {
 			}
 			p90s = append(p90s, plotter.XY{X: l.Load, Y: max(p.TTFTP90Ms, floor)})
 			rates = append(rates, plotter.XY{X: l.Load, Y: 100 * p.HitRate})
-			if err := vline(ttft, "", l.Load, max(p.TTFTP90MinMs, floor), max(p.TTFTP90MaxMs, floor), style{color: c, width: vg.Points(1)}); err != nil {
+			// Each policy's bar a little to the side, so that they do not hide one another.
+			bx := l.Load + (float64(i)-float64(len(rep.Policies)-1)/2)*(hi-lo)/200
+			if err := vline(ttft, "", bx, max(p.TTFTP90MinMs, floor), max(p.TTFTP90MaxMs, floor), style{color: c, width: vg.Points(1)}); err != nil {
 				return f, err
 			}
 			ymin, ymax, top = min(ymin, max(p.TTFTP90MinMs, floor)), max(ymax, p.TTFTP90MaxMs), max(top, 100*p.HitRate)
