@@ -61,8 +61,13 @@ func capacityNote(rep *demo.CapacityReport) string {
 // load per worker, one line per policy.
 func capacityFigure(rep *demo.CapacityReport) (figure, error) {
 	f := figure{file: figCapacity, height: 8.5 * vg.Inch}
-	if len(rep.Levels) == 0 {
-		return f, fmt.Errorf("no load levels")
+	if len(rep.Levels) == 0 || !slices.ContainsFunc(rep.Points, func(p demo.CapacityPoint) bool { return len(p.Summaries) > 0 }) {
+		return f, fmt.Errorf("capacity: no load level with a run to plot")
+	}
+	for _, l := range rep.Levels {
+		if !(l.Load > 0) || math.IsInf(l.Load, 0) || l.Workers < 1 {
+			return f, fmt.Errorf("capacity: level %+v: want a positive load and at least one worker", l)
+		}
 	}
 	ttft := newPlot(fmt.Sprintf("TTFT p90 against load: the highest load within %g ms is each policy's capacity", rep.TargetMs),
 		"load (requests per second of trace time, per worker)", "TTFT p90 ms (log scale)")

@@ -47,6 +47,19 @@ func TestCapacityPlotIsDrawnFromTheDemosJSON(t *testing.T) {
 	if _, err := PlotCapacity(t.TempDir()); err == nil {
 		t.Error("a folder without capacity.json drew a plot")
 	}
+	// A report with nothing to plot, or a level no plot can place, is refused.
+	for _, bad := range []*demo.CapacityReport{
+		{Levels: []demo.CapacityLevel{{Workers: 1, Load: 1}}},
+		{Levels: []demo.CapacityLevel{{Workers: 1, Load: 0}}, Policies: rep.Policies, Points: rep.Points},
+	} {
+		d := t.TempDir()
+		if err := bad.Write(d); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := PlotCapacity(d); err == nil {
+			t.Errorf("%+v: drew a plot", bad.Levels)
+		}
+	}
 	if _, err := os.Stat(filepath.Join(dir, demo.CapacityTableFile)); err != nil {
 		t.Error(err)
 	}
