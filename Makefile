@@ -83,7 +83,7 @@ demo-scale: build
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./indexer ./routing ./transport/openai
 
-## bench-report: the benchmarks and replays behind the performance and quality claims (about ten minutes on two cores), written to docs/bench-report/ as report.md, PNG plots and results.json.
+## bench-report: the benchmarks and replays behind the performance and quality claims (about 25 minutes on two cores, 15 of them the capacity sweep), written to docs/bench-report/ as report.md, PNG plots and results.json.
 BENCH_REPORT_OUT ?= docs/bench-report
 BENCH_REPORT_FLAGS ?=
 bench-report: build

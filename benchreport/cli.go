@@ -43,12 +43,25 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	roundCalls := fs.Int("round-calls", def.RoundCalls, "most timed calls of an operation per round")
 	roundTime := fs.Duration("round-time", def.RoundTime, "most time per round")
 	reruns := fs.Int("max-reruns", def.MaxReruns, "replays run once more when others took more than 30% of the CPU during them, at most this many")
+	capWorkers := fs.String("capacity-workers", joinList(def.CapacityWorkers), "capacity sweep: the fleet sizes (load levels) the same slice is replayed on, each policy at each")
+	capRuns := fs.Int("capacity-runs", def.CapacityRuns, "capacity sweep: runs of each policy at each level")
+	capRequests := fs.Int("capacity-requests", def.CapacityRequests, "capacity sweep: requests in its slice (0: --requests)")
+	capTarget := fs.Duration("ttft-target", def.CapacityTarget, "capacity sweep: the TTFT p90 a load level must stay within")
+	capPlots := fs.String("capacity-plots", "", "measure nothing: draw capacity.png into this folder from the capacity.json that kvrouter-ha demo --scenario capacity --out wrote there")
 	renderOnly := fs.Bool("render-only", false, "measure nothing: rewrite the report and plots in --out from its results.json")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if *capPlots != "" {
+		file, err := PlotCapacity(*capPlots)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "wrote %s\n", file)
+		return nil
 	}
 	if *renderOnly {
 		if _, err := Render(*out); err != nil {
@@ -81,6 +94,7 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		ints("index-sizes", *indexSizes, &cfg.IndexSizes),
 		ints("snapshot-sizes", *snapshotSizes, &cfg.SnapshotSizes),
 		ints("bind-replicas", *bindReplicas, &cfg.BindReplicas),
+		ints("capacity-workers", *capWorkers, &cfg.CapacityWorkers),
 	); err != nil {
 		return err
 	}
@@ -98,7 +112,9 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		"speedup": func() { cfg.Speedup = *speedup }, "rounds": func() { cfg.Rounds = *rounds },
 		"round-calls": func() { cfg.RoundCalls = *roundCalls }, "round-time": func() { cfg.RoundTime = *roundTime },
 		"haproxy-config": func() { cfg.HAProxyConfig = *haproxy }, "failover": func() { cfg.Failover = *failover },
-		"max-reruns": func() { cfg.MaxReruns = *reruns },
+		"max-reruns":    func() { cfg.MaxReruns = *reruns },
+		"capacity-runs": func() { cfg.CapacityRuns = *capRuns }, "capacity-requests": func() { cfg.CapacityRequests = *capRequests },
+		"ttft-target": func() { cfg.CapacityTarget = *capTarget },
 	} {
 		if set[name] {
 			apply()

@@ -68,6 +68,15 @@ type Config struct {
 	RerunAbove float64
 	MaxReruns  int
 
+	// CapacityWorkers are the capacity sweep's load levels (fleet sizes for the same slice;
+	// none: the sweep is left out), each policy of Policies run CapacityRuns times at each
+	// on CapacityRequests requests (0: Requests); a level counts when its TTFT p90 stays
+	// within CapacityTarget (demo.Capacity).
+	CapacityWorkers  []int
+	CapacityRuns     int
+	CapacityRequests int
+	CapacityTarget   time.Duration
+
 	// Failover runs the leader kill; FailoverRequests is its slice (0: Requests).
 	Failover         bool
 	FailoverRequests int
@@ -110,7 +119,8 @@ type GoBench struct {
 	Why string
 }
 
-// Default is `make bench-report`: about ten minutes on two cores.
+// Default is `make bench-report`: about 25 minutes on two cores, the capacity sweep (48
+// replays) taking 15 of them.
 func Default() Config {
 	return Config{
 		Out:                "docs/bench-report",
@@ -127,6 +137,10 @@ func Default() Config {
 		Replicas:           []int{1, 3, 5, 7},
 		RerunAbove:         0.3,
 		MaxReruns:          3,
+		CapacityWorkers:    []int{8, 6, 4, 3},
+		CapacityRuns:       3,
+		CapacityRequests:   500,
+		CapacityTarget:     500 * time.Millisecond,
 		Failover:           true,
 		WorkerCounts:       []int{8, 16, 32, 64, 128, 256, 512, 1024},
 		WorkerCurveEntries: 1_000_000,
@@ -166,6 +180,9 @@ func Tiny() Config {
 	c.SweepCapacities = []int{2048, 8192}
 	c.Replicas = []int{1, 3}
 	c.MaxReruns = 0
+	c.CapacityWorkers = []int{4, 2}
+	c.CapacityRuns = 1
+	c.CapacityRequests = 0
 	c.FailoverRequests = 30
 	c.WorkerCounts = []int{8, 16}
 	c.WorkerCurveEntries = 20_000

@@ -69,6 +69,12 @@ func figures(res *Results) ([]figure, map[string][]string, error) {
 			return nil, nil, err
 		}
 	}
+	if r := res.Capacity; r != nil && len(r.Points) > 0 {
+		f, err := capacityFigure(r)
+		if err := add(f, err, capacityNote(r)+fmt.Sprintf(" Each worker's cache %d blocks.", cfg.CapacityBlocks), shared); err != nil {
+			return nil, nil, err
+		}
+	}
 	if len(res.Binds) > 0 || (res.Replays != nil && len(res.Replays.Topologies) > 1) {
 		f, err := clusterFigure(res)
 		if err := add(f, err, fmt.Sprintf("Binds: %d clients, each request a new session (one Raft write through the leader), for %s per size; in-process replicas on loopback over 4 simulated workers that answer at once.",

@@ -11,17 +11,21 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/demo"
 )
 
 // Results are everything a report shows; results.json in the report's folder holds them.
 type Results struct {
-	Command string    `json:"command"`
-	Machine Machine   `json:"machine"`
-	Config  Config    `json:"config"`
-	Seconds float64   `json:"seconds"`
-	Steps   []Step    `json:"steps"`
-	Replays *Replays  `json:"replays,omitempty"`
-	HA      *Failover `json:"failover,omitempty"`
+	Command string   `json:"command"`
+	Machine Machine  `json:"machine"`
+	Config  Config   `json:"config"`
+	Seconds float64  `json:"seconds"`
+	Steps   []Step   `json:"steps"`
+	Replays *Replays `json:"replays,omitempty"`
+	// Capacity is the capacity sweep: each policy's highest load within the TTFT target.
+	Capacity *demo.CapacityReport `json:"capacity,omitempty"`
+	HA       *Failover            `json:"failover,omitempty"`
 	// Workers, Index and Snapshots are the cost curves, Binds the bind throughput.
 	Workers   []WorkerPoint   `json:"select_vs_workers,omitempty"`
 	Index     []IndexPoint    `json:"index_size,omitempty"`
@@ -102,6 +106,13 @@ func Run(ctx context.Context, cfg Config, progress io.Writer) (*Results, error) 
 		res.Replays, err = runReplays(ctx, cfg, work, log, say)
 		return err
 	})
+	if len(cfg.CapacityWorkers) > 0 {
+		step("capacity sweep", func() error {
+			var err error
+			res.Capacity, err = runCapacity(ctx, cfg, log, progress)
+			return err
+		})
+	}
 	if cfg.Failover {
 		step("failover", func() error {
 			n := cfg.FailoverRequests

@@ -45,8 +45,11 @@ type Config struct {
 	// replicas' default, replica.DefaultGossipBudget).
 	GossipBudget int
 	Policies     []string
-	Modes        []string // approximate and/or precise (KV events)
-	Topologies   []Topology
+	// PrefillWeight is the kv policy's weight of prefill blocks against decode blocks in its
+	// cost (0: the router's default), as serve's --prefill-weight.
+	PrefillWeight float64
+	Modes         []string // approximate and/or precise (KV events)
+	Topologies    []Topology
 	// Fleets are the worker fleets to compare (default: Workers aggregated workers); a
 	// fleet with prefill workers is run once per mode of DisaggModes.
 	Fleets []Fleet
@@ -77,6 +80,16 @@ type Config struct {
 	// fixed fleet of the same average size.
 	ScaleUp, ScaleDown int
 	ScaleNoFixed       bool
+	// LoadWorkers are the capacity sweep's load levels: the fleet sizes the same slice is
+	// replayed on (fewer workers, more load on each); Runs is how many times each policy
+	// runs at each level, TTFTTarget the TTFT p90 a level must stay within, and OutDir where
+	// the sweep writes its tables and JSON ("": only printed).
+	LoadWorkers []int
+	Runs        int
+	// Parallel is how many of the capacity sweep's replays run at once (0: one).
+	Parallel   int
+	TTFTTarget time.Duration
+	OutDir     string
 	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with.
 	HAProxyConfig string
 	Logger        *slog.Logger
@@ -465,7 +478,7 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	base := replica.Config{
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
 		Workers: fleet.specs,
-		Router: routing.Config{Policy: policy, RecordAtCommit: r.recordAt == "commit",
+		Router: routing.Config{Policy: policy, PrefillWeight: cfg.PrefillWeight, RecordAtCommit: r.recordAt == "commit",
 			NoRefreshAtEnd: r.recordAt == "dispatch-only",
 			Disagg:         routing.DisaggConfig{Mode: r.disagg, MinUncachedTokens: cfg.MinUncachedTokens}},
 		// The decision index forgets on the workers' scale: a worker remembers no more than

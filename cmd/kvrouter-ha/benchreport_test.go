@@ -49,7 +49,7 @@ func TestBenchReportWritesTheReportAndItsPlots(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, section := range []string{"Routing policies on the trace", "Hit rate against each worker's cache size",
-		"against router replicas", "Failover", "Bind throughput", "against the number of workers",
+		"against router replicas", "a fleet's capacity", "Failover", "Bind throughput", "against the number of workers",
 		"against the index size", "Snapshot pull", "measured fairly", "Left out"} {
 		if !bytes.Contains(report, []byte(section)) {
 			t.Errorf("the report has no section on %q", section)
@@ -60,8 +60,8 @@ func TestBenchReportWritesTheReportAndItsPlots(t *testing.T) {
 	}
 	// Every figure the report shows is there and is a PNG of the plots' size.
 	figs := regexp.MustCompile(`!\[[^]]*\]\(([^)]+\.png)\)`).FindAllSubmatch(report, -1)
-	if len(figs) < 8 {
-		t.Errorf("the report shows %d figures, want the 8 plots", len(figs))
+	if len(figs) < 9 {
+		t.Errorf("the report shows %d figures, want the 9 plots", len(figs))
 	}
 	for _, f := range figs {
 		name := string(f[1])
@@ -94,6 +94,9 @@ func TestBenchReportWritesTheReportAndItsPlots(t *testing.T) {
 	}
 	if res.HA == nil || res.HA.Killed == "" || len(res.HA.Bins) == 0 {
 		t.Errorf("the failover killed no leader or recorded no requests: %+v", res.HA)
+	}
+	if c := res.Capacity; c == nil || len(c.Points) != len(c.Policies)*len(c.Levels) || len(c.Capacities) != len(c.Policies) {
+		t.Errorf("the capacity sweep has not every policy at every level: %+v", c)
 	}
 	if res.Machine.Hostname == "" || res.Machine.Cores == 0 || !strings.HasPrefix(res.Machine.GoVersion, "go") {
 		t.Errorf("the machine is not described: %+v", res.Machine)

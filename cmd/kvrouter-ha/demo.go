@@ -20,11 +20,12 @@ import (
 func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs := flag.NewFlagSet("kvrouter-ha demo", flag.ContinueOnError)
 	var cfg demo.Config
-	scenario := fs.String("scenario", "ha", "ha: three replica processes behind HAProxy, the leader killed half-way (make demo); scale: three replicas find their workers in a fleet file (--discovery file:PATH) that grows by --scale-up at one third and shrinks by --scale-down at two thirds, beside a fixed fleet of the same average size (make demo-scale); compare: side-by-side runs of --policies x --replicas x --modes")
+	scenario := fs.String("scenario", "ha", "ha: three replica processes behind HAProxy, the leader killed half-way (make demo); scale: three replicas find their workers in a fleet file (--discovery file:PATH) that grows by --scale-up at one third and shrinks by --scale-down at two thirds, beside a fixed fleet of the same average size (make demo-scale); compare: side-by-side runs of --policies x --replicas x --modes; capacity: each of --policies on the same slice at every --load-workers fleet size, --runs times, and the highest load each serves with TTFT p90 within --ttft-target (tables and JSON into --out)")
 	fs.StringVar(&cfg.HAProxyConfig, "haproxy-config", filepath.Join("deploy", "haproxy.cfg"), "ha: the HAProxy config (its addresses come from KVR_LISTEN and KVR_REPLICA0..2)")
 	policies := fs.String("policies", "kv,round-robin", "comma-separated policies to compare ("+strings.Join(routing.Policies(), ", ")+")")
 	topologies := fs.String("replicas", "1", "router topologies to compare: N replicas behind a round-robin client, N-nogossip for N replicas that share nothing but bindings (e.g. 1,3,3-nogossip)")
 	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
+	fs.Float64Var(&cfg.PrefillWeight, "prefill-weight", 1, "compare, capacity: the kv policy's weight of prefill blocks in its cost, as serve's flag of that name (to try a tuning on the same runs)")
 	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers (aggregated; see --fleet); scale: the fleet it starts with")
 	fs.IntVar(&cfg.ScaleUp, "scale-up", 4, "scale: simulated workers started and added to the fleet file at one third of the replay")
 	fs.IntVar(&cfg.ScaleDown, "scale-down", 4, "scale: the oldest workers taken out of the fleet file at two thirds of the replay, and stopped once every replica has drained them")
@@ -50,6 +51,11 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.BoolVar(&cfg.Progress, "progress", true, "show a progress bar")
 	fs.BoolVar(&cfg.NoStream, "no-stream", false, "replay non-streaming requests (the first token is seen with the last) instead of streaming ones")
 	recordAt := fs.String("record-at", "dispatch", "compare: where routers record their decisions, to show the difference: dispatch (at dispatch and again when the worker finishes), dispatch-only (not again at the end) and/or commit (only at the worker's first answer, the behaviour before recording at dispatch)")
+	loadWorkers := fs.String("load-workers", "8,6,4,3,2", "capacity: the load levels, as the fleet sizes the same slice is replayed on (fewer workers: more load on each)")
+	fs.IntVar(&cfg.Runs, "runs", 3, "capacity: runs of each policy at each level (the table shows their medians and spread)")
+	fs.IntVar(&cfg.Parallel, "parallel", 1, "capacity: replays run at once; each is paced by the trace, not the processor, so a machine with cores to spare runs the sweep this many times faster (each replay's simulated workers keep their pace only while they get the processor: two cores take one)")
+	fs.DurationVar(&cfg.TTFTTarget, "ttft-target", 500*time.Millisecond, "capacity: the TTFT p90 a load level must stay within, as the replay measures it (at --speedup)")
+	fs.StringVar(&cfg.OutDir, "out", "", "capacity: folder to write the tables (capacity.md) and the runs (capacity.json) into; bench-report --capacity-plots DIR draws the plots from them")
 	logLevel := fs.String("log-level", "error", "router and worker log level: debug, info, warn or error")
 	return &ffcli.Command{
 		Name:       "demo",
@@ -107,8 +113,14 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 				return err
 			case "compare":
 				return demo.Compare(ctx, cfg, stdout, progress)
+			case "capacity":
+				if cfg.LoadWorkers, err = demo.ParseLoadWorkers(*loadWorkers); err != nil {
+					return err
+				}
+				_, err := demo.Capacity(ctx, cfg, stdout, stderr)
+				return err
 			}
-			return fmt.Errorf("--scenario %q: want ha, scale or compare", *scenario)
+			return fmt.Errorf("--scenario %q: want ha, scale, compare or capacity", *scenario)
 		},
 	}
 }
