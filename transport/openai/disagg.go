@@ -81,7 +81,7 @@ func transferParams(answer []byte) (json.RawMessage, error) {
 	if err := json.Unmarshal(answer, &a); err != nil {
 		return nil, fmt.Errorf("prefill answer is not a JSON object: %w", err)
 	}
-	if len(a.Params) == 0 || string(a.Params) == "null" {
+	if isNull(a.Params) {
 		return nil, errors.New("prefill answer has no kv_transfer_params (is the worker's KV connector configured?)")
 	}
 	var p struct {

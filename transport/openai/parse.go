@@ -227,7 +227,7 @@ func scanTop(body []byte, f *topFields) int {
 
 // present returns a field's raw value, treating an explicit null like an absent field.
 func present(raw []byte) ([]byte, bool) {
-	if len(raw) == 0 || string(raw) == "null" {
+	if isNull(raw) {
 		return nil, false
 	}
 	return raw, true
@@ -300,7 +300,7 @@ func objects(raw []byte, dst [][]byte) ([][]byte, int) {
 func appendContent(out, raw []byte, isAssistant bool, msg int) ([]byte, error) {
 	const shape = " must be a string or an array of text parts"
 	param := func() string { return "messages[" + strconv.Itoa(msg) + "].content" }
-	if len(raw) == 0 || string(raw) == "null" {
+	if isNull(raw) {
 		if isAssistant {
 			return out, nil
 		}

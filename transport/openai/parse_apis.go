@@ -54,7 +54,7 @@ func modelAndStream(model *string, stream *bool, req *Request) error {
 // textParts renders content that is a string or an array of parts, keeping the parts of the
 // text types; others (images, tool calls) are the worker's business.
 func textParts(raw json.RawMessage, param string, textTypes ...string) (string, error) {
-	if len(raw) == 0 || string(raw) == "null" {
+	if isNull(raw) {
 		return "", nil
 	}
 	var s string
@@ -189,7 +189,7 @@ func parseMessages(body []byte, req *Request, generates bool) error {
 	}
 	if generates {
 		var n int64
-		if len(r.MaxTokens) == 0 || string(r.MaxTokens) == "null" {
+		if isNull(r.MaxTokens) {
 			return invalid("max_tokens", "missing required field: max_tokens")
 		}
 		if json.Unmarshal(r.MaxTokens, &n) != nil || n < 1 {
@@ -212,7 +212,7 @@ func parseMessages(body []byte, req *Request, generates bool) error {
 		if m.Role == nil || (*m.Role != "user" && *m.Role != "assistant") {
 			return invalid(param+".role", param+".role must be \"user\" or \"assistant\"")
 		}
-		if len(m.Content) == 0 || string(m.Content) == "null" {
+		if isNull(m.Content) {
 			return invalid(param+".content", "missing required field: "+param+".content")
 		}
 		text, err := textParts(m.Content, param+".content", "text")
@@ -238,7 +238,7 @@ func parseEmbeddings(body []byte, req *Request) error {
 	if err := modelAndStream(r.Model, nil, req); err != nil {
 		return err
 	}
-	if len(r.Input) == 0 || string(r.Input) == "null" {
+	if isNull(r.Input) {
 		return invalid("input", "missing required field: input")
 	}
 	// The completions prompt's shapes, with batches allowed: the first element routes.
