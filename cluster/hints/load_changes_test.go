@@ -13,15 +13,15 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 )
 
-// TestLoadChangesReachPeersAsTheyHappen: with full reports an hour apart, a request's start,
-// its first token and its end each reach the peer's view by a change report: the end of a
-// request must not stay counted there until the next full report, nor its prompt as
-// prefill once its first token came.
-func TestLoadChangesReachPeersAsTheyHappen(t *testing.T) {
+// sharingPair runs a load share from a tracker on replica "a" (full reports an hour apart,
+// change reports coalesced over coalesce, 0 for the default) and one on replica "b" whose
+// view of a's load it returns. stop ends a's share and waits for it (also at t's cleanup).
+func sharingPair(t *testing.T, coalesce time.Duration) (*routing.Tracker, *routing.RemoteLoad, *LoadShare, func()) {
+	t.Helper()
 	fn := newFakeNet()
 	ma, mb := fn.join("a", ""), fn.join("b", "")
 	tracker := routing.NewTracker()
-	s, err := NewLoadShare(LoadShareConfig{Messenger: ma, Local: tracker, Changes: tracker.Changes(),
+	s, err := NewLoadShare(LoadShareConfig{Messenger: ma, Local: tracker, Changes: tracker.Changes(), Coalesce: coalesce,
 		Remote: routing.NewRemoteLoad(tracker, time.Hour), Interval: time.Hour})
 	if err != nil {
 		t.Fatal(err)
@@ -33,7 +33,17 @@ func TestLoadChangesReachPeersAsTheyHappen(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = s.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	stop := func() { cancel(); <-done }
+	t.Cleanup(stop)
+	return tracker, remote, s, stop
+}
+
+// TestLoadChangesReachPeersAsTheyHappen: with full reports an hour apart, a request's start,
+// its first token and its end each reach the peer's view by a change report: the end of a
+// request must not stay counted there until the next full report, nor its prompt as
+// prefill once its first token came.
+func TestLoadChangesReachPeersAsTheyHappen(t *testing.T) {
+	tracker, remote, _, _ := sharingPair(t, 0)
 
 	w := indexer.Worker{ID: "w0"}
 	var k *routing.Ticket
@@ -132,22 +142,7 @@ func TestChangeReportsAreCoalesced(t *testing.T) {
 		{rate: 1000, coalesce: 20 * time.Millisecond},
 	} {
 		t.Run(fmt.Sprintf("%d/s,%v", tc.rate, tc.coalesce), func(t *testing.T) {
-			fn := newFakeNet()
-			ma, mb := fn.join("a", ""), fn.join("b", "")
-			tracker := routing.NewTracker()
-			s, err := NewLoadShare(LoadShareConfig{Messenger: ma, Local: tracker, Changes: tracker.Changes(), Coalesce: tc.coalesce,
-				Remote: routing.NewRemoteLoad(tracker, time.Hour), Interval: time.Hour})
-			if err != nil {
-				t.Fatal(err)
-			}
-			remote := routing.NewRemoteLoad(&fixedLoad{}, time.Hour)
-			if _, err := NewLoadShare(LoadShareConfig{Messenger: mb, Local: &fixedLoad{}, Remote: remote, Interval: time.Hour}); err != nil {
-				t.Fatal(err)
-			}
-			ctx, cancel := context.WithCancel(t.Context())
-			done := make(chan struct{})
-			go func() { defer close(done); _ = s.Run(ctx) }()
-			defer func() { cancel(); <-done }()
+			tracker, remote, s, stop := sharingPair(t, tc.coalesce)
 
 			workers := []indexer.Worker{{ID: "w0"}, {ID: "w1"}, {ID: "w2"}, {ID: "w3"}, {ID: "w4"}}
 			const stream = 500 * time.Millisecond
@@ -181,8 +176,7 @@ func TestChangeReportsAreCoalesced(t *testing.T) {
 			}); err != nil {
 				t.Fatalf("the last state: %v", err)
 			}
-			cancel()
-			<-done
+			stop()
 			st := s.m.Stats()
 			msgs, bytes := st.MessagesOut["load"], st.BytesOut["load"]
 			// The first report at once, one per coalescing window of the stream, and the
