@@ -603,11 +603,6 @@ func eligible(req *Request, t *Target, m *targetMeta, exclude []indexer.Worker) 
 	return serves(req, m)
 }
 
-// serves reports whether the target whose filter data is m serves req's adapter or model:
-// an adapter (req.LoRA) must be among its LoRAs (or "*"); any other model among its
-// models, unless those are not known. It is asked of a bound or explicit worker too, so
-// that a session bound to a worker of another model is rebound within the model's workers
-// as one whose worker left would be.
 // ServesModel reports whether t answers to model, as a base model or a LoRA adapter, as
 // selection judges it ("" and a worker whose models are not known: any).
 func (t *Target) ServesModel(model string) bool {
@@ -615,6 +610,11 @@ func (t *Target) ServesModel(model string) bool {
 	return serves(&Request{Model: model}, &m) || (model != "" && serves(&Request{LoRA: model}, &m))
 }
 
+// serves reports whether the target whose filter data is m serves req's adapter or model:
+// an adapter (req.LoRA) must be among its LoRAs (or "*"); any other model among its
+// models, unless those are not known. It is asked of a bound or explicit worker too, so
+// that a session bound to a worker of another model is rebound within the model's workers
+// as one whose worker left would be.
 func serves(req *Request, m *targetMeta) bool {
 	if req.LoRA != "" {
 		for _, l := range m.loras {

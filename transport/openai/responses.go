@@ -31,13 +31,8 @@ const maxResponseEvent = 1 << 20
 // request naming it is routed as any other.
 func responseSession(id string) (string, bool) {
 	key := routing.ResponseSession(id)
-	if id == "" || len(key) > maxSessionKey {
+	if id == "" || len(key) > maxSessionKey || !printable(id) {
 		return "", false
-	}
-	for i := 0; i < len(id); i++ {
-		if c := id[i]; c < 0x21 || c > 0x7e {
-			return "", false
-		}
 	}
 	return key, true
 }

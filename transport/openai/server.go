@@ -603,14 +603,22 @@ func (s *Server) sessionKey(h http.Header) (string, *Error) {
 		if len(key) > maxSessionKey {
 			return "", badHeader(name, fmt.Sprintf("%s must be at most %d bytes", name, maxSessionKey))
 		}
-		for i := 0; i < len(key); i++ {
-			if c := key[i]; c < 0x21 || c > 0x7e {
-				return "", badHeader(name, name+" must be printable ASCII without spaces")
-			}
+		if !printable(key) {
+			return "", badHeader(name, name+" must be printable ASCII without spaces")
 		}
 		return key, nil
 	}
 	return "", nil
+}
+
+// printable reports whether a session key is printable ASCII without spaces.
+func printable(key string) bool {
+	for i := 0; i < len(key); i++ {
+		if c := key[i]; c < 0x21 || c > 0x7e {
+			return false
+		}
+	}
+	return true
 }
 
 // explicitTarget reads X-Target-Worker: "id" or "id/rank" of a configured worker.
