@@ -53,7 +53,10 @@ func newPolicy(name string) (policy, error) {
 	return mk(), nil
 }
 
-// kvPolicy is the reference router's cost model (DESIGN.md section 7), lower is better.
+// kvPolicy is the reference router's cost model (DESIGN.md section 7), lower is better, with
+// two corrections measured by the capacity sweep (routing/DESIGN.md, "Policies"): the request's
+// own decode blocks are only those its worker does not already cache, and a worker's decode
+// blocks weigh by how full its KV cache would be.
 type kvPolicy struct{}
 
 func (kvPolicy) choose(req *Request, promptBlocks int, cands []candidate, r *Router) int {
@@ -72,13 +75,28 @@ func (kvPolicy) choose(req *Request, promptBlocks int, cands []candidate, r *Rou
 	}
 	for i := range cands {
 		c := &cands[i]
-		prefill := float64(c.load.PrefillTokens)/bs + float64(promptBlocks-c.overlap)
-		cost = append(cost, pw*prefill+decodeWeight*float64(c.load.DecodeBlocks)+float64(promptBlocks))
+		uncached := float64(promptBlocks - c.overlap)
+		prefill := float64(c.load.PrefillTokens)/bs + uncached
+		cost = append(cost, pw*prefill+decodeWeight*decodeCost(float64(c.load.DecodeBlocks)+uncached, c.target.Spec.CapacityBlocks))
 	}
 	if r.cfg.Temperature > 0 {
 		return r.softmin(cost, r.cfg.Temperature)
 	}
 	return r.argminPreferring(cost, cands)
+}
+
+// decodeCost is what a worker's KV blocks in use, blocks of them with the request (its own
+// uncached ones included), cost in the kv policy: the blocks themselves when the worker's
+// capacity is not known, as the reference router weighs them, else the blocks times the
+// share of the cache they fill. Blocks in use delay a first token only by crowding the cache
+// (an engine with no free blocks queues or preempts); a worker a few percent full is not
+// slower to prefill than an idle one, and weighing its blocks in full sent a conversation's
+// next turn away from the worker holding its prefix whenever one other request ran there.
+func decodeCost(blocks float64, capacity int) float64 {
+	if capacity <= 0 {
+		return blocks
+	}
+	return blocks * blocks / float64(capacity)
 }
 
 // argminPreferring is argmin where a tie in cost goes to the candidate with the longer

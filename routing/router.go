@@ -739,12 +739,15 @@ func (a *Attempt) startDispatch() {
 	}
 	d := a.decision
 	prefill := int64(a.req.PromptTokens) - int64(d.Overlap)*int64(a.router.cfg.BlockSize)
+	// The prompt's cached blocks are in the worker's cache already: only the others take
+	// room there.
+	decode := max(int64(d.PromptBlocks)-int64(d.Overlap), 0)
 	if a.ticket == nil {
 		a.ticket = &a.firstTicket
-		a.router.deps.Tracker.startInto(a.ticket, d.Target.Worker, max(prefill, 0), int64(d.PromptBlocks))
+		a.router.deps.Tracker.startInto(a.ticket, d.Target.Worker, max(prefill, 0), decode)
 		return
 	}
-	a.ticket = a.router.deps.Tracker.Start(d.Target.Worker, max(prefill, 0), int64(d.PromptBlocks))
+	a.ticket = a.router.deps.Tracker.Start(d.Target.Worker, max(prefill, 0), decode)
 }
 
 // Retry handles a dispatch that failed before the first byte: it invalidates a bound binding
