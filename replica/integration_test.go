@@ -916,8 +916,10 @@ func TestNonStreamingSiblingSentDuringGenerationGoesToTheSameWorker(t *testing.T
 	if a.worker() == b.worker() {
 		t.Fatalf("the first and the busy request both went to %s", a.worker())
 	}
-	if second.worker() != a.worker() || second.overlap(t) != 20 {
-		t.Fatalf("the sibling went to %s with %d blocks predicted; the first is on %s (20 blocks), the busy one on %s",
+	// 19 of the 20 blocks predicted: the engine computes a prompt's last token even when all
+	// of it is cached, so it reports 19 blocks' tokens.
+	if second.worker() != a.worker() || second.overlap(t) != 19 {
+		t.Fatalf("the sibling went to %s with %d blocks predicted (want 19); the first is on %s (20 blocks), the busy one on %s",
 			second.worker(), second.overlap(t), a.worker(), b.worker())
 	}
 }
