@@ -247,7 +247,9 @@ func TestCacheSaltKeepsPromptsApartAsTheEngineDoes(t *testing.T) {
 	}
 	waitRouterIdle(t, rep)
 	eventually(t, "the salted prompt's events", func() (bool, string) {
-		ans := client.post("/v1/route", saltedBody(prefix, "tenant-a"), nil)
+		// One token past the prefix, so that all 32 blocks can be a hit (the engine computes
+		// a prompt's last token however much of it is cached).
+		ans := client.post("/v1/route", saltedBody(concat(prefix, promptTokens(40, 1)), "tenant-a"), nil)
 		return bytes.Contains(ans.body, []byte(`"overlap_blocks":32`)), string(ans.body)
 	})
 	for _, tc := range []struct {
