@@ -34,6 +34,24 @@ func Seed(lora, salt string) uint64 {
 	return d.Sum64()
 }
 
+// loraIDDomain keeps LoRAIDSeed's seeds apart from Seed's.
+const loraIDDomain = "kvrouter-ha/lora-int-id/v1\x00"
+
+// LoRAIDSeed returns the block-hash seed of the blocks of an adapter that an engine names only
+// by its integer id: vLLM before lora_name was sent (PR 27577) hashed lora_int_id into every
+// block and reported only lora_id. The id is the engine's own numbering, which requests do not
+// carry, so no request is keyed by this seed: such blocks match nothing (a predicted miss for
+// the adapter's requests), and a base-model request, keyed by BaseSeed, never matches them.
+func LoRAIDSeed(id int64) uint64 {
+	var d xxhash.Digest
+	d.ResetWithSeed(0)
+	_, _ = d.WriteString(loraIDDomain)
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], uint64(id))
+	_, _ = d.Write(b[:])
+	return d.Sum64()
+}
+
 // BlockHashes appends to dst[:0] the local hash of every full block of blockSize tokens:
 // xxhash64 with seed over the block's tokens as little-endian uint32 bytes. A partial last
 // block is not hashed, and a blockSize below 1 hashes nothing. It does not allocate when dst

@@ -144,6 +144,26 @@ func TestSeedBaseIsFixedAndPairsDiffer(t *testing.T) {
 	}
 }
 
+// TestLoRAIDSeedsMatchNoNamedSeed: an adapter known only by the engine's integer id keys
+// blocks apart from the base model, from every other id and from any adapter name (the
+// decimal spelling of the id included).
+func TestLoRAIDSeedsMatchNoNamedSeed(t *testing.T) {
+	seen := map[uint64]string{BaseSeed: "base"}
+	for _, name := range []string{"1", "3", "-1", "sql"} {
+		seen[Seed(name, "")] = "name " + name
+	}
+	for _, id := range []int64{1, 3, -1, 1 << 40} {
+		s := LoRAIDSeed(id)
+		if s != LoRAIDSeed(id) {
+			t.Fatalf("LoRAIDSeed(%d) is not deterministic", id)
+		}
+		if q, dup := seen[s]; dup {
+			t.Fatalf("LoRAIDSeed(%d) == the seed of %s", id, q)
+		}
+		seen[s] = fmt.Sprintf("id %d", id)
+	}
+}
+
 func TestSequenceHashesChainBlockHashes(t *testing.T) {
 	// Every count of blocks up to ten, odd and even: blocks are hashed two at a time.
 	for blocks := range 11 {

@@ -151,6 +151,34 @@ func TestPreciseModePredictsWhatTheWorkerCached(t *testing.T) {
 	}
 }
 
+// TestAWhollyCachedPromptPredictsAllButItsLastBlock: the engine computes a prompt's last token
+// even when every block of it is cached, so a 128-token prompt (8 blocks, all held) reports 112
+// cached tokens; the router, crediting the worker with all 8 blocks from the events, must
+// predict 7, and so must a prompt one token past the blocks (8 full blocks hit).
+func TestAWhollyCachedPromptPredictsAllButItsLastBlock(t *testing.T) {
+	w := startEventWorker(t, "w0")
+	rep := startPreciseReplica(t, w)
+	client := newRouterClient(t, rep)
+	prompt := promptTokens(61, 8*16)
+	w.direct(prompt)
+	waitPrecise(t, rep, "w0", prompt, 8)
+	cases := []struct {
+		name   string
+		prompt []uint32
+		want   int // blocks the engine reports cached
+	}{
+		{"the whole prompt in full blocks", prompt, 7},
+		{"one token past the full blocks", concat(prompt, promptTokens(99, 1)), 8},
+	}
+	for _, c := range cases {
+		ans := client.complete(c.prompt, 2, nil).mustOK(t)
+		predicted, cached := ans.overlap(t)*indexer.DefaultBlockSize, ans.cachedTokens(t)
+		if predicted != cached || cached != c.want*indexer.DefaultBlockSize {
+			t.Fatalf("%s: predicted %d cached tokens, the worker reports %d (want %d)", c.name, predicted, cached, c.want*indexer.DefaultBlockSize)
+		}
+	}
+}
+
 func TestRestartedWorkerIsPurgedAndRelearned(t *testing.T) {
 	w := startEventWorker(t, "w0")
 	rep := startPreciseReplica(t, w)
@@ -219,7 +247,9 @@ func TestCacheSaltKeepsPromptsApartAsTheEngineDoes(t *testing.T) {
 	}
 	waitRouterIdle(t, rep)
 	eventually(t, "the salted prompt's events", func() (bool, string) {
-		ans := client.post("/v1/route", saltedBody(prefix, "tenant-a"), nil)
+		// One token past the prefix, so that all 32 blocks can be a hit (the engine computes
+		// a prompt's last token however much of it is cached).
+		ans := client.post("/v1/route", saltedBody(concat(prefix, promptTokens(40, 1)), "tenant-a"), nil)
 		return bytes.Contains(ans.body, []byte(`"overlap_blocks":32`)), string(ans.body)
 	})
 	for _, tc := range []struct {

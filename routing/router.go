@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -509,10 +510,13 @@ func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.W
 			overlaps[p] = matches[i].Blocks
 		}
 	}
+	// The decision predicts what the engine will report (hitLimit); the candidates' costs
+	// keep the index's overlap, which is the policy's to weigh.
+	limit := r.hitLimit(req.PromptTokens)
 	if pref != nil {
 		for i, t := range routable {
 			if t.Worker == *pref && (req.Subset == nil || req.Subset(t)) && serves(req, &view.meta[i]) {
-				return Decision{Target: t, Overlap: overlaps[i], PromptBlocks: promptBlocks, Took: time.Since(start)}, nil
+				return Decision{Target: t, Overlap: min(overlaps[i], limit), PromptBlocks: promptBlocks, Took: time.Since(start)}, nil
 			}
 		}
 		return Decision{}, fmt.Errorf("%s: %w", pref, errPreferredGone)
@@ -558,7 +562,7 @@ func (r *Router) selectWorker(ctx context.Context, req *Request, pref *indexer.W
 		}
 		if len(free) > 0 {
 			c := &free[r.policy.choose(req, promptBlocks, free, r)]
-			return Decision{Target: *c.target, Overlap: c.overlap, PromptBlocks: promptBlocks, Took: time.Since(start) - waited}, nil
+			return Decision{Target: *c.target, Overlap: min(c.overlap, limit), PromptBlocks: promptBlocks, Took: time.Since(start) - waited}, nil
 		}
 		if req.NoWait {
 			return Decision{}, fmt.Errorf("every candidate is busy: %w", ErrBusy)
@@ -945,7 +949,7 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 		a.decision.Binding, a.decision.Bound = b, true
 		// What the router predicts is what the request will find where it goes now: the
 		// overlap on the worker the session is bound to, not on the one first chosen.
-		a.decision.Overlap = a.router.overlapOn(b.Worker, a.req.Hashes)
+		a.decision.Overlap = a.router.overlapOn(b.Worker, a.req.Hashes, a.req.PromptTokens)
 		a.startDispatch()
 		return b, err
 	}
@@ -956,17 +960,31 @@ func (a *Attempt) Commit(ctx context.Context) (Binding, error) {
 	return b, nil
 }
 
-// overlapOn is how many leading blocks of hashes the index credits w with.
-func (r *Router) overlapOn(w indexer.Worker, hashes []uint64) int {
+// overlapOn is how many leading blocks of hashes, a prompt of promptTokens, w will hit: what
+// the index credits it with, up to hitLimit.
+func (r *Router) overlapOn(w indexer.Worker, hashes []uint64, promptTokens int) int {
 	if r.deps.Index == nil || len(hashes) == 0 {
 		return 0
 	}
 	for _, m := range r.deps.Index.FindMatches(hashes, nil) {
 		if m.Worker == w {
-			return m.Blocks
+			return min(m.Blocks, r.hitLimit(promptTokens))
 		}
 	}
 	return 0
+}
+
+// hitLimit is the most blocks an engine hits for a prompt of promptTokens tokens: vLLM leaves
+// the last prompt token to compute even when the whole prompt is cached (it needs that token's
+// logits), so a 128-token prompt in 16-token blocks reports at most 112 cached tokens, 7
+// blocks. A decision's Overlap is capped there, so that the prediction (the prefill load, the
+// overlap header, the replay's prediction error) says what the engine will report. Unknown
+// length (0): no cap.
+func (r *Router) hitLimit(promptTokens int) int {
+	if promptTokens <= 0 {
+		return math.MaxInt
+	}
+	return (promptTokens - 1) / r.cfg.BlockSize
 }
 
 // record puts the decision's prompt into the index on its target.

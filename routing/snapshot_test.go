@@ -31,7 +31,7 @@ func TestReusedIndexSlotsLandOnTheirOwnWorker(t *testing.T) {
 			idx.RemoveWorker(worker("w1"))
 			idx.Store(worker("w2"), prompt) // takes w1's slot
 		}
-		a := route(t, r, Request{PromptTokens: 48 * 16, Hashes: prompt})
+		a := route(t, r, Request{PromptTokens: 48*16 + 1, Hashes: prompt})
 		d := a.Decision()
 		a.Finish()
 		if d.Target.Worker != worker(want) || d.Overlap != len(prompt) {

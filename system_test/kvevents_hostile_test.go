@@ -76,9 +76,12 @@ func kvSend(t *testing.T, c *zmtptest.Conn, topic string, seq uint64, evs ...kve
 	return c.Send([]byte(topic), byteorder.BigEndian.AppendUint64(nil, seq), payload)
 }
 
-// kvRoute asks the replica where tokens would go: the worker and its predicted overlap.
+// kvRoute asks the replica where tokens would go: the worker and its predicted overlap. It
+// asks with one token more, so that every full block of tokens can be a hit (the engine
+// computes a prompt's last token however much of it is cached, and the router predicts so).
 func kvRoute(ctx context.Context, r *replica, tokens []uint32) (worker string, overlap int, err error) {
-	body, _ := json.Marshal(map[string]any{"model": sim.DefaultModel, "prompt": tokens, "max_tokens": 1})
+	prompt := append(tokens[:len(tokens):len(tokens)], 1)
+	body, _ := json.Marshal(map[string]any{"model": sim.DefaultModel, "prompt": prompt, "max_tokens": 1})
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+r.Client+"/v1/route", bytes.NewReader(body))
 	if err != nil {
 		return "", 0, err

@@ -683,7 +683,7 @@ func writeRequestLog(w io.Writer, reqs []trace.Request, results []result, blockS
 			OK: res.ok, Cause: res.cause, Replica: res.replica, Worker: res.worker, Prompt: res.promptTokens,
 			Cached: res.cachedTokens, Predicted: -1, TTFTMs: float64(res.ttft.Microseconds()) / 1000, Error: res.errText}
 		if res.hasOverlap {
-			rec.Predicted = res.overlap * int64(blockSize)
+			rec.Predicted = predictedTokens(res.overlap, res.promptTokens, blockSize)
 		}
 		if err := enc.Encode(rec); err != nil {
 			return err

@@ -74,7 +74,8 @@ type Summary struct {
 	// OverlapSamples counts OK responses carrying X-Kvrouter-Overlap-Blocks.
 	OverlapSamples int `json:"overlap_samples"`
 	// OverlapMAETokens is the mean absolute error of the router's predicted
-	// cached tokens (overlap blocks x RouterBlockSize) against the worker's
+	// cached tokens (overlap blocks x RouterBlockSize, at most the prompt's full
+	// blocks before its last token, as vLLM reports) against the worker's
 	// reported cached tokens.
 	OverlapMAETokens float64 `json:"overlap_mae_tokens"`
 	// OverlapBiasTokens is the mean signed error of the same prediction: positive when the
@@ -176,7 +177,7 @@ func summarize(results []result, routerBlockSize int) *Summary {
 		s.Workers[r.worker] = w
 		if r.hasOverlap {
 			s.OverlapSamples++
-			e := float64(r.overlap)*float64(routerBlockSize) - float64(r.cachedTokens)
+			e := float64(predictedTokens(r.overlap, r.promptTokens, routerBlockSize)) - float64(r.cachedTokens)
 			absErr += math.Abs(e)
 			signedErr += e
 		}
@@ -213,6 +214,19 @@ func summarize(results []result, routerBlockSize int) *Summary {
 	s.OverlapMAETokens = ratio(absErr, float64(s.OverlapSamples))
 	s.OverlapBiasTokens = ratio(signedErr, float64(s.OverlapSamples))
 	return s
+}
+
+// predictedTokens is the cached tokens a router's overlap of overlap blocks predicts for a
+// prompt of promptTokens: the blocks' tokens, at most the prompt's full blocks before its last
+// token, since vLLM computes the last prompt token even when the whole prompt is cached (a
+// 128-token prompt reports 112 cached tokens at 16-token blocks). Routers cap their overlap
+// there already; the cap here keeps the error honest for one that does not.
+func predictedTokens(overlap, promptTokens int64, blockSize int) int64 {
+	p := overlap * int64(blockSize)
+	if promptTokens > 0 && blockSize > 0 {
+		p = min(p, (promptTokens-1)/int64(blockSize)*int64(blockSize))
+	}
+	return p
 }
 
 func ratio(num, den float64) float64 {

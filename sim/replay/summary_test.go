@@ -170,3 +170,29 @@ func TestFirstTurnTTFTCountsEachSessionsFirstRequest(t *testing.T) {
 			s.FirstTTFTSamples, s.FirstTTFTP50Ms, s.FirstTTFTP90Ms, s.FirstTTFTP99Ms)
 	}
 }
+
+// TestPredictionErrorCountsWhatTheEngineReports: vLLM computes a prompt's last token even when
+// the whole prompt is cached, so a wholly cached 128-token prompt reports 112 cached tokens at
+// 16-token blocks: a router's 8 blocks (128 tokens) are a prediction of 112, no error.
+func TestPredictionErrorCountsWhatTheEngineReports(t *testing.T) {
+	cases := []struct {
+		name              string
+		prompt, cached    int64
+		overlap           int64
+		wantMAE, wantBias float64
+	}{
+		{"a wholly cached prompt in full blocks", 128, 112, 8, 0, 0},
+		{"one token past the full blocks", 129, 128, 8, 0, 0},
+		{"an overlap past the prompt's blocks", 100, 96, 9, 0, 0},
+		{"a miss where the router predicted a hit", 128, 0, 8, 112, 112},
+		{"a short prediction", 128, 112, 3, 64, -64},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := summarize([]result{{ok: true, worker: "a", promptTokens: c.prompt, cachedTokens: c.cached, overlap: c.overlap, hasOverlap: true}}, 16)
+			if s.OverlapMAETokens != c.wantMAE || s.OverlapBiasTokens != c.wantBias {
+				t.Fatalf("MAE %v bias %v, want %v %v", s.OverlapMAETokens, s.OverlapBiasTokens, c.wantMAE, c.wantBias)
+			}
+		})
+	}
+}

@@ -53,8 +53,10 @@ func (c *Counts) Add(o Counts) {
 // BlockRemoved resolves and a later BlockStored can chain from its parent. It also counts how
 // many engine blocks map to each router key: blocks the router cannot tell apart (a cache salt
 // or multimodal inputs an older engine does not report, the same block on GPU and offloaded to
-// CPU, the same block in two full-attention groups) leave the index only when the last of them
-// goes.
+// CPU) leave the index only when the last of them goes, and so does a block cached twice under
+// one hash (two physical copies: vLLM does not de-duplicate). With several full-attention
+// groups a block is a hit only while every one of them holds it, as vLLM's coordinator
+// requires: one group's removal takes it out of the index.
 //
 // KV cache groups (vLLM's group_idx) are kept apart: the same engine hash names a block in
 // every group of a hybrid model, and each group stores and removes its blocks on its own. Only
@@ -71,7 +73,18 @@ type Translator struct {
 	maxBlocks int
 
 	keys *table // engine block (salted by medium and group) -> router key
-	refs *table // router key -> how many engine blocks map to it
+	// refs counts, per router key salted by group (refKey), the engine blocks of that group
+	// that map to it.
+	refs *table
+	// copies counts, per engine block, the physical copies past the first: vLLM does not
+	// de-duplicate, so two requests that computed the same block at once each cache it, under
+	// one hash, and each copy is stored and later removed on its own. dups is their total, so
+	// that a removal looks copies up only while there are any.
+	copies *table
+	dups   int
+	// full lists the full-attention groups that have stored blocks, in the order met: vLLM
+	// hits a block only if every one of them holds it (see indexed).
+	full []int
 	// pages holds engine blocks smaller than a router block (same salted keys as keys).
 	pages map[uint64]*page
 	// groups says, per group learned from a BlockStored, whether it feeds the index.
@@ -113,6 +126,7 @@ func NewTranslator(w indexer.Worker, blockSize, maxBlocks int) (*Translator, err
 		maxBlocks: maxBlocks,
 		keys:      newTable(),
 		refs:      newTable(),
+		copies:    newTable(),
 		pages:     make(map[uint64]*page),
 	}, nil
 }
@@ -160,10 +174,13 @@ func (t *Translator) apply(ev *Event, sink Sink, c *Counts) error {
 			c.OtherGroup++
 			return nil
 		}
-		salt := saltOf(ev)
+		salt, gs := saltOf(ev), groupSalt(ev.Group)
 		t.gone = t.gone[:0]
 		for _, h := range ev.BlockHashes {
 			k := uint64(h ^ salt)
+			if t.dups > 0 && t.dropCopy(k) {
+				continue // another physical copy of the block remains
+			}
 			key, ok := t.keys.take(k)
 			if !ok {
 				p, isPage := t.pages[k]
@@ -177,7 +194,9 @@ func (t *Translator) apply(ev *Event, sink Sink, c *Counts) error {
 				}
 				key = p.own
 			}
-			if t.refs.decr(key) {
+			// The group's last block of this key is gone: with several full-attention groups
+			// the engine no longer hits the block even if another group still holds it.
+			if t.refs.decr(refKey(key, gs)) {
 				t.gone = append(t.gone, key)
 			}
 		}
@@ -205,8 +224,16 @@ func fullAttention(kind string) bool {
 }
 
 // feeds reports whether the event's group feeds the index, learning the group's kind from a
-// BlockStored that describes it.
+// BlockStored that describes it, and a full-attention group's existence from its first store.
 func (t *Translator) feeds(ev *Event) bool {
+	full := t.groupFeeds(ev)
+	if full && ev.Kind == indexer.Stored && !slices.Contains(t.full, ev.Group) {
+		t.full = append(t.full, ev.Group)
+	}
+	return full
+}
+
+func (t *Translator) groupFeeds(ev *Event) bool {
 	if ev.Kind == indexer.Stored && (ev.SpecKind != "" || ev.SlidingWindow > 0) {
 		full := fullAttention(ev.SpecKind) && ev.SlidingWindow == 0
 		if t.groups == nil {
@@ -221,6 +248,48 @@ func (t *Translator) feeds(ev *Event) bool {
 		return full
 	}
 	return ev.Group == 0
+}
+
+// refKey is the key refs counts a router key under for the group salted gs (groupSalt): a
+// block's copies in two full-attention groups are counted apart, since the engine needs both.
+func refKey(key uint64, gs EngineHash) uint64 { return key ^ uint64(gs) }
+
+// indexed reports whether every full-attention group met holds key, as vLLM's hit needs
+// (its coordinator takes a block only when each full-attention group has it cached).
+func (t *Translator) indexed(key uint64) bool {
+	for _, g := range t.full {
+		if _, ok := t.refs.get(refKey(key, groupSalt(g))); !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// dropCopy takes one physical copy of engine block k off, if it has more than one, and
+// reports whether it did (the block stays).
+func (t *Translator) dropCopy(k uint64) bool {
+	n, ok := t.copies.get(k)
+	if !ok {
+		return false
+	}
+	if n > 1 {
+		t.copies.put(k, n-1)
+	} else {
+		t.copies.take(k)
+	}
+	t.dups--
+	return true
+}
+
+// forgetCopies drops every extra copy counted for engine block k (its hash now names other
+// tokens, so the copies went without an event).
+func (t *Translator) forgetCopies(k uint64) {
+	if t.dups == 0 {
+		return
+	}
+	if n, ok := t.copies.take(k); ok {
+		t.dups -= int(n)
+	}
 }
 
 // saltOf is what the translator XORs an event's engine hashes with: the medium's salt and the
@@ -267,7 +336,7 @@ func (t *Translator) stored(ev *Event, sink Sink, c *Counts) error {
 			return nil
 		}
 	}
-	t.seq = indexer.BlockHashes(ev.TokenIDs, t.blockSize, t.seed(ev.LoRAName), t.seq)
+	t.seq = indexer.BlockHashes(ev.TokenIDs, t.blockSize, t.seed(ev), t.seq)
 	// The hashes name the last blocks of token_ids (vLLM leaves a group's null blocks out).
 	first := len(t.seq) - n
 	if ev.Extras != nil {
@@ -277,19 +346,25 @@ func (t *Translator) stored(ev *Event, sink Sink, c *Counts) error {
 	}
 	t.seq = indexer.Chain(parent, ev.HasParent, t.seq, t.seq)
 	keys := t.seq[first:]
+	gs := groupSalt(ev.Group)
 	t.gone = t.gone[:0]
 	for i, h := range ev.BlockHashes {
-		key := keys[i]
-		if old, had := t.keys.put(uint64(h^salt), key); had {
+		key, k := keys[i], uint64(h^salt)
+		if old, had := t.keys.put(k, key); had {
 			if old == key {
-				continue // stored again: the index refreshes it, the count stays
+				// Another physical block under the same hash (vLLM does not de-duplicate):
+				// the block stays cached until each copy is removed.
+				t.copies.incr(k)
+				t.dups++
+				continue
 			}
 			// The engine reused a hash for other tokens; the old key loses this holder.
-			if t.refs.decr(old) {
+			t.forgetCopies(k)
+			if t.refs.decr(refKey(old, gs)) {
 				t.gone = append(t.gone, old)
 			}
 		}
-		t.refs.incr(key)
+		t.refs.incr(refKey(key, gs))
 	}
 	if len(t.gone) > 0 {
 		if err := sink.Apply(indexer.Event{Kind: indexer.Removed, Worker: t.worker, Blocks: t.gone}); err != nil {
@@ -298,6 +373,18 @@ func (t *Translator) stored(ev *Event, sink Sink, c *Counts) error {
 	}
 	c.Events++
 	c.Blocks += n
+	if len(t.full) > 1 {
+		// Several full-attention groups: only the blocks every one of them holds are hits.
+		t.out = t.out[:0]
+		for _, key := range keys {
+			if t.indexed(key) {
+				t.out = append(t.out, key)
+			}
+		}
+		if keys = t.out; len(keys) == 0 {
+			return nil
+		}
+	}
 	return sink.Apply(indexer.Event{Kind: indexer.Stored, Worker: t.worker, Blocks: keys})
 }
 
@@ -314,7 +401,7 @@ func (t *Translator) storedPages(ev *Event, sink Sink, c *Counts) error {
 		return nil
 	}
 	salt := saltOf(ev)
-	seed := t.seed(ev.LoRAName)
+	seed := t.seed(ev)
 	off := len(ev.TokenIDs) - n*ps
 	t.gone, t.out = t.gone[:0], t.out[:0]
 	parent, hasParent := uint64(ev.Parent^salt), ev.HasParent
@@ -412,13 +499,20 @@ func (t *Translator) complete(p *page, seed uint64) bool {
 	return true
 }
 
-// seed caches the last LoRA name's seed: a worker serves few adapters, often one.
-func (t *Translator) seed(lora string) uint64 {
+// seed returns the event's block-hash seed, caching the last LoRA name's: a worker serves few
+// adapters, often one. An event with lora_id and no lora_name comes from a vLLM that hashed the
+// adapter's integer id into every block (before lora_name was sent): its blocks get a seed of
+// their own (indexer.LoRAIDSeed), so they never match a base-model request.
+func (t *Translator) seed(ev *Event) uint64 {
+	lora := ev.LoRAName
+	if lora == "" {
+		if ev.LoRAID != 0 {
+			return indexer.LoRAIDSeed(int64(ev.LoRAID))
+		}
+		return indexer.BaseSeed
+	}
 	if lora != t.loraName {
 		t.loraName, t.loraSeed = lora, indexer.Seed(lora, "")
-	}
-	if lora == "" {
-		return indexer.BaseSeed
 	}
 	return t.loraSeed
 }
@@ -437,8 +531,11 @@ func mediumSalt(medium string) EngineHash {
 func (t *Translator) Purge() {
 	t.keys.reset()
 	t.refs.reset()
+	t.copies.reset()
+	t.dups = 0
 	clear(t.pages)
 	t.groups = nil
+	t.full = t.full[:0]
 }
 
 // Snapshot copies out the engine-block to router-key map, for a snapshot of the worker.

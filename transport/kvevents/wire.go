@@ -147,6 +147,10 @@ type Event struct {
 	LoRAID int
 	// Medium is where the blocks live ("GPU", "CPU", ...); empty when not sent.
 	Medium string
+	// Version is a BlockStored's event_version when sent (vLLM from the typed extra keys on
+	// sends it only when it is not 1, its default); 0 when absent. Decode fills it; typed
+	// extra keys are read by their shape whatever it says.
+	Version int
 
 	// Extras holds, per block hash, the digest of the block's extra_keys (multimodal items,
 	// cache salt, prompt-embedding hashes) as indexer.ExtraDigest computes it, the leading LoRA
@@ -305,6 +309,8 @@ type Decoder struct {
 	// sink takes the digest writes nobody reads (the first element of a tuple, for the digest
 	// that leaves it out).
 	sink indexer.ExtraDigest
+	// typed holds the string fields of the typed extra key being decoded (typedKey).
+	typed []byte
 }
 
 // extraEntry is one block's extra_keys as decoded: the digest of all its elements, and of all
@@ -611,6 +617,8 @@ func (d *Decoder) mapEvent(ev *Event) error {
 			err = d.loraName(ev)
 		case "extra_keys":
 			err = d.extraKeys()
+		case "event_version":
+			err = d.eventVersion(ev)
 		case "group_idx":
 			err = d.group(ev)
 		case "kv_cache_spec_kind":
@@ -879,15 +887,7 @@ func (d *Decoder) blockSize(ev *Event) error {
 }
 
 func (d *Decoder) loraID(ev *Event) error {
-	c, err := d.peek("lora_id")
-	if err != nil {
-		return err
-	}
-	if c == codeNil {
-		ev.LoRAID = 0
-		return d.d.DecodeNil()
-	}
-	v, err := d.int("lora_id", math.MinInt64, math.MaxInt64)
+	v, err := d.optInt("lora_id", math.MinInt64, math.MaxInt64)
 	ev.LoRAID = int(v)
 	return err
 }
@@ -940,17 +940,21 @@ func (d *Decoder) specKind(ev *Event) error {
 }
 
 func (d *Decoder) slidingWindow(ev *Event) error {
-	c, err := d.peek("kv_cache_spec_sliding_window")
-	if err != nil {
-		return err
-	}
-	if c == codeNil {
-		ev.SlidingWindow = 0
-		return d.d.DecodeNil()
-	}
-	v, err := d.int("kv_cache_spec_sliding_window", 0, math.MaxInt32)
+	v, err := d.optInt("kv_cache_spec_sliding_window", 0, math.MaxInt32)
 	ev.SlidingWindow = int(v)
 	return err
+}
+
+// optInt reads an integer in lo..hi, or nil as 0.
+func (d *Decoder) optInt(what string, lo, hi int64) (int64, error) {
+	c, err := d.peek(what)
+	if err != nil {
+		return 0, err
+	}
+	if c == codeNil {
+		return 0, d.d.DecodeNil()
+	}
+	return d.int(what, lo, hi)
 }
 
 // extraKeys decodes vLLM's extra_keys: nil, or a list with one entry per block hash, each nil
@@ -994,15 +998,31 @@ func (d *Decoder) extraKeys() error {
 		var all, rest indexer.ExtraDigest
 		var x extraEntry
 		for j := range m {
+			c, err := d.peek("extra key")
+			if err != nil {
+				return err
+			}
+			if isMap(c) {
+				// vLLM's typed keys (event_version 1): the element the engine hashed, as the
+				// untyped tuple had it.
+				second := &rest
+				if j == 0 {
+					second = nil
+				}
+				lora, isLoRA, err := d.typedKey(&all, second)
+				if err != nil {
+					return err
+				}
+				if j == 0 && isLoRA {
+					x.first, x.firstStr = lora, true
+				}
+				continue
+			}
 			if j > 0 {
 				if err := d.extraValue(&all, &rest, 1); err != nil {
 					return err
 				}
 				continue
-			}
-			c, err := d.peek("extra key")
-			if err != nil {
-				return err
 			}
 			if !isStr(c) {
 				if err := d.extraValue(&all, nil, 1); err != nil {
@@ -1021,6 +1041,160 @@ func (d *Decoder) extraKeys() error {
 		d.pending = append(d.pending, x)
 	}
 	return nil
+}
+
+// Typed extra keys of vLLM's BlockStored from event_version 1 (kv_events.py's ExtraKey
+// structs, tagged maps): each stands for one element of the tuple the engine hashed.
+const (
+	typedLoRA   = "lora"          // {"name": str}: the LoRA name, a string element
+	typedSalt   = "cache_salt"    // {"salt": str}: the cache salt, a string element
+	typedEmbeds = "prompt_embeds" // {"hash": bytes}: a bytes element
+	typedMM     = "mm"            // {"modality", "hash": str, "block_offset": int}: (hash, offset)
+	typedLegacy = "legacy"        // {"value": any}: the element itself
+)
+
+// typedKey reads one typed extra key (a map tagged by "type", fields in any order) and adds to
+// a and b (b may be nil) the element the engine hashed for it, so that a block's digest is the
+// same whether its engine sends typed or untyped keys, and the same as the request side's. It
+// reports the LoRA name's xxhash for a "lora" key. A key of a type this package does not know
+// becomes an element of its own, which no request produces: a predicted miss, never a false
+// hit. A known type missing its field, or with a field of the wrong type, is an error.
+func (d *Decoder) typedKey(a, b *indexer.ExtraDigest) (lora uint64, isLoRA bool, err error) {
+	if b == nil {
+		b = &d.sink
+	}
+	n, err := d.mapLen("typed extra key")
+	if err != nil {
+		return 0, false, err
+	}
+	d.typed = d.typed[:0]
+	var typ, val [2]int // spans of the type and of the string or bytes field in d.typed
+	var haveType, haveVal, valBin, haveOffset, haveValue, legacyDone bool
+	var offset int64
+	var other indexer.ExtraDigest // fields of an unknown type, in the order met
+	other.String("typed")
+	for range n {
+		key, err := d.str("typed extra key field")
+		if err != nil {
+			return 0, false, err
+		}
+		switch string(key) {
+		case "type":
+			s, err := d.str("typed extra key type")
+			if err != nil {
+				return 0, false, err
+			}
+			typ, haveType = d.keepTyped(s), true
+			other.StringBytes(s)
+		case "name", "salt", "hash":
+			c, err := d.peek("typed extra key field")
+			if err != nil {
+				return 0, false, err
+			}
+			if !isStr(c) && !isBin(c) {
+				return 0, false, fmt.Errorf("%w: typed extra key field is msgpack code %#x, want a string or bytes", ErrWrongType, c)
+			}
+			s, err := d.raw("typed extra key field", MaxExtraBytes)
+			if err != nil {
+				return 0, false, err
+			}
+			val, haveVal, valBin = d.keepTyped(s), true, isBin(c)
+			other.StringBytes(s)
+		case "block_offset":
+			if offset, err = d.int("typed extra key block_offset", math.MinInt64, math.MaxInt64); err != nil {
+				return 0, false, err
+			}
+			haveOffset = true
+			other.Int(offset)
+		case "value":
+			haveValue = true
+			// msgspec writes the tag first, so a legacy key's value is usually read knowing it
+			// is one: then it is the element itself, as in an untyped tuple.
+			if haveType && string(d.typed[typ[0]:typ[1]]) == typedLegacy {
+				if err := d.extraValue(a, b, 2); err != nil {
+					return 0, false, err
+				}
+				legacyDone = true
+				continue
+			}
+			if err := d.extraValue(&other, nil, 2); err != nil {
+				return 0, false, err
+			}
+		default: // "modality" (not hashed by the engine) and fields of newer releases
+			other.StringBytes(key)
+			if err := d.extraValue(&other, nil, 2); err != nil {
+				return 0, false, err
+			}
+		}
+	}
+	if !haveType {
+		return 0, false, fmt.Errorf("%w: typed extra key without \"type\"", ErrMalformed)
+	}
+	t, v := d.typed[typ[0]:typ[1]], d.typed[val[0]:val[1]]
+	need := func(ok bool, field string) error {
+		if !ok {
+			return fmt.Errorf("%w: typed extra key %.64q without a valid %q", ErrMalformed, t, field)
+		}
+		return nil
+	}
+	switch string(t) {
+	case typedLoRA, typedSalt:
+		field := "name"
+		if string(t) == typedSalt {
+			field = "salt"
+		}
+		if err := need(haveVal && !valBin, field); err != nil {
+			return 0, false, err
+		}
+		a.StringBytes(v)
+		b.StringBytes(v)
+		return xxhash.Sum64(v), string(t) == typedLoRA, nil
+	case typedEmbeds:
+		if err := need(haveVal, "hash"); err != nil {
+			return 0, false, err
+		}
+		a.Bytes(v)
+		b.Bytes(v)
+	case typedMM:
+		if err := need(haveVal && !valBin && haveOffset, "hash and block_offset"); err != nil {
+			return 0, false, err
+		}
+		for _, e := range []*indexer.ExtraDigest{a, b} {
+			e.Tuple(2)
+			e.StringBytes(v)
+			e.Int(offset)
+		}
+	case typedLegacy:
+		if err := need(haveValue, "value"); err != nil {
+			return 0, false, err
+		}
+		if !legacyDone { // the value came before the type: an element of its own
+			sum := other.Sum()
+			a.Uint(sum)
+			b.Uint(sum)
+		}
+	default:
+		sum := other.Sum()
+		a.Uint(sum)
+		b.Uint(sum)
+	}
+	return 0, false, nil
+}
+
+// keepTyped copies s (scratch space) into d.typed and returns its span there.
+func (d *Decoder) keepTyped(s []byte) [2]int {
+	start := len(d.typed)
+	d.typed = append(d.typed, s...)
+	return [2]int{start, len(d.typed)}
+}
+
+// eventVersion reads BlockStored's event_version (1 introduced the typed extra keys, which
+// are told from untyped ones by their shape, so the number changes nothing here; vLLM leaves
+// it out at its default, 1).
+func (d *Decoder) eventVersion(ev *Event) error {
+	v, err := d.optInt("event_version", 0, math.MaxInt32)
+	ev.Version = int(v)
+	return err
 }
 
 // extraValue reads one element of an extra_keys tuple into a (and b, unless nil), nesting at

@@ -554,6 +554,7 @@ func FuzzDecode(f *testing.F) {
 		}
 		f.Add(p)
 	}
+	f.Add(fixture(f, mapBatch(typedStored(seqTokens(0, 8*bs), "sql", "s1", 1)))) // typed extra keys
 	f.Add([]byte{})
 	f.Add([]byte{0xc1})
 	f.Add([]byte("not msgpack at all"))

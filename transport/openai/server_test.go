@@ -137,11 +137,12 @@ func TestResponseHeadersTellWhatHappened(t *testing.T) {
 		t.Fatal("worker's own header not passed on")
 	}
 
-	// The first request's blocks were recorded: the same 64-token prompt now hits 4 blocks,
-	// and the bound session keeps its revision.
+	// The first request's blocks were recorded: the same 64-token prompt now holds 4 blocks,
+	// of which the engine hits 3 (it computes the last prompt token anyway), and the bound
+	// session keeps its revision.
 	resp, _ = rg.post("/v1/completions", body, hdr)
-	if got := resp.Header.Get(HeaderOverlap); got != "4" {
-		t.Fatalf("second request overlap = %q, want 4", got)
+	if got := resp.Header.Get(HeaderOverlap); got != "3" {
+		t.Fatalf("second request overlap = %q, want 3", got)
 	}
 	if got := resp.Header.Get(HeaderRevision); got != strconv.FormatUint(rev, 10) {
 		t.Fatalf("bound session revision %q, want %d", got, rev)
