@@ -43,7 +43,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			"Messages dropped as bad input, by cause (frame, malformed, unknown_event, wrong_type, too_large).", "worker", "cause"),
 		gaps:     counter("gaps_total", "Jumps in a worker's sequence numbers.", "worker"),
 		missed:   counter("missed_messages_total", "Messages lost in gaps and not recovered by replay.", "worker"),
-		replays:  counter("replays_total", "Replay requests, by result (ok, partial, error).", "worker", "result"),
+		replays:  counter("replays_total", "Replay requests, by result (ok, partial, error; skipped: not asked, waiting after failures).", "worker", "result"),
 		replayed: counter("replayed_messages_total", "Messages recovered through the replay socket.", "worker"),
 		restarts: counter("restarts_total", "Sequence restarts (engine restarts): the worker was purged from the index.", "worker"),
 		unknownParent: counter("unknown_parent_total",
