@@ -45,7 +45,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		missed:   counter("missed_messages_total", "Messages lost in gaps and not recovered by replay.", "worker"),
 		replays:  counter("replays_total", "Replay requests, by result (ok, partial, error; skipped: not asked, waiting after failures).", "worker", "result"),
 		replayed: counter("replayed_messages_total", "Messages recovered through the replay socket.", "worker"),
-		restarts: counter("restarts_total", "Sequence restarts (engine restarts): the worker was purged from the index.", "worker"),
+		restarts: counter("restarts_total", "Purges of the worker from the index: engine restarts (the sequence went back, the replay holds another message at the last sequence, a gap on a new connection nothing explains) and messages too large to apply.", "worker"),
 		unknownParent: counter("unknown_parent_total",
 			"BlockStored events dropped because their parent block was never seen.", "worker"),
 		unknownRemoved: counter("unknown_removed_blocks_total",

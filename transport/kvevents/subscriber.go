@@ -476,7 +476,7 @@ func (s *Subscriber) handle(ctx context.Context, m zmq4.Msg) {
 	switch {
 	case errors.Is(err, errSkip):
 	case err != nil:
-		s.dropped(ctx, s.rankOf(w, Batch{}), seq, sum, err)
+		s.dropped(s.rankOf(w, Batch{}), seq, sum, err)
 	}
 }
 
@@ -559,7 +559,7 @@ func (s *Subscriber) begin(ctx context.Context, w indexer.Worker, seq, sum uint6
 // not taken for a gap (and fetched again by a replay, to fail again). A message refused as too
 // large may be a real engine's batch that the limits cannot hold: what the worker holds is
 // then unknown (the batch may have removed any block), so the worker is purged.
-func (s *Subscriber) dropped(ctx context.Context, w indexer.Worker, seq, sum uint64, err error) {
+func (s *Subscriber) dropped(w indexer.Worker, seq, sum uint64, err error) {
 	cause := Cause(err)
 	s.drop(w, cause, err)
 	st := s.streams[w]
