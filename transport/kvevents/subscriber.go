@@ -141,7 +141,7 @@ type Subscriber struct {
 	// on the fields below. Run takes it for each message, reconnect resync and silence check,
 	// and lets go in between, so SnapshotEngineMaps and RestoreEngineMaps can work on the
 	// translators whether Run is running, not started or stopped. A message that needs a
-	// replay holds it for up to ReplayTimeout.
+	// replay holds it for up to ReplayTimeout (twice that when the replay shows a restart).
 	turn chan struct{}
 
 	// Held with turn.
