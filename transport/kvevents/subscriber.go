@@ -634,7 +634,7 @@ func (s *Subscriber) resync(ctx context.Context) {
 		return
 	}
 	st.reconnected = st.started
-	if st.replay == "" || !s.mayReplay(st) {
+	if st.replay == "" || !st.mayReplay() {
 		return
 	}
 	got, err := s.fetchReplay(ctx, st.replay, 0, math.MaxInt64)
@@ -735,7 +735,7 @@ func (s *Subscriber) apply(st *stream, seq, sum uint64, b Batch) {
 // purged and replayed from 0. After failures the replay is skipped for a while (mayReplay),
 // so a replay socket that never answers does not hold every gap up for ReplayTimeout.
 func (s *Subscriber) recover(ctx context.Context, st *stream, from, to uint64) verdict {
-	if !s.mayReplay(st) {
+	if !st.mayReplay() {
 		s.m.replays.WithLabelValues(st.label, "skipped").Inc()
 		return unverified
 	}
@@ -769,7 +769,7 @@ func (s *Subscriber) recover(ctx context.Context, st *stream, from, to uint64) v
 
 // mayReplay says whether the stream's replay socket may be asked now: after a failed request
 // it is left alone for a jittered, doubling while (replayMinWait up to replayMaxWait).
-func (s *Subscriber) mayReplay(st *stream) bool {
+func (st *stream) mayReplay() bool {
 	return st.replayFails == 0 || !time.Now().Before(st.replayAfter)
 }
 
