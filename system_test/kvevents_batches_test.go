@@ -4,19 +4,25 @@ import (
 	"context"
 	byteorder "encoding/binary"
 	"fmt"
+	"path/filepath"
 	"strconv"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/go-zeromq/zmq4"
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/zmtptest"
 )
 
-// An engine's long batches against the real binary: issue 30, publisher item 1.
+// An engine's long batches and an engine restart the sequence cannot show, against the real
+// binary: issue 30, publisher items 1 and 2.
 
 // longChain is the tokens of chain k, of n blocks, apart from other chains and every kvPrompt.
 func longChain(k, n int) []uint32 {
@@ -152,4 +158,121 @@ func seqHashes(base, n int) []any {
 		hs[i] = base + i
 	}
 	return hs
+}
+
+// vllmEngine is a vLLM engine's two KV-event sockets, as its ZmqEventPublisher binds them: a
+// PUB sending [topic, seq, payload] and a replay ROUTER answering [identity, "", start] with
+// [identity, "", seq, payload] for each buffered batch from start on, then seq -1.
+type vllmEngine struct {
+	pub, replay zmq4.Socket
+	cancel      context.CancelFunc
+	done        chan struct{}
+
+	mu   sync.Mutex
+	ring [][]byte // payload by sequence number
+}
+
+// startVLLMEngine binds an engine's sockets on pubAddr and replayAddr (host:port on loopback).
+func startVLLMEngine(t *testing.T, pubAddr, replayAddr string) *vllmEngine {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	e := &vllmEngine{pub: zmq4.NewPub(ctx), replay: zmq4.NewRouter(ctx), cancel: cancel, done: make(chan struct{})}
+	t.Cleanup(e.close)
+	if err := e.pub.Listen("tcp://" + pubAddr); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.replay.Listen("tcp://" + replayAddr); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		defer close(e.done)
+		for {
+			m, err := e.replay.Recv()
+			if err != nil {
+				return
+			}
+			if len(m.Frames) != 3 || len(m.Frames[2]) != 8 {
+				continue
+			}
+			id, start := m.Frames[0], byteorder.BigEndian.Uint64(m.Frames[2])
+			e.mu.Lock()
+			ring := e.ring
+			e.mu.Unlock()
+			for seq := start; seq < uint64(len(ring)); seq++ {
+				_ = e.replay.Send(zmq4.NewMsgFrom(id, []byte{}, byteorder.BigEndian.AppendUint64(nil, seq), ring[seq]))
+			}
+			_ = e.replay.Send(zmq4.NewMsgFrom(id, []byte{}, byteorder.BigEndian.AppendUint64(nil, ^uint64(0)), []byte{}))
+		}
+	}()
+	return e
+}
+
+// subscribed reports whether a SUB's subscription has reached the PUB.
+func (e *vllmEngine) subscribed() bool { return len(e.pub.(zmq4.Topics).Topics()) > 0 }
+
+// publish buffers the next batch for replay and, when send, publishes it.
+func (e *vllmEngine) publish(t *testing.T, payload []byte, send bool) {
+	t.Helper()
+	e.mu.Lock()
+	seq := uint64(len(e.ring))
+	e.ring = append(e.ring, payload)
+	e.mu.Unlock()
+	if !send {
+		return
+	}
+	if err := e.pub.Send(zmq4.NewMsgFrom([]byte("kv@w0"), byteorder.BigEndian.AppendUint64(nil, seq), payload)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// close stops the engine: its sockets close, as the process's would.
+func (e *vllmEngine) close() {
+	e.cancel()
+	_ = e.pub.Close()
+	_ = e.replay.Close()
+	<-e.done
+}
+
+// TestAnEngineRestartPastTheRoutersSequenceIsPurged: the old engine publishes seq 0; the router
+// is away (SIGSTOP) while the engine restarts on the same ports and its new incarnation
+// publishes seq 0-2; the router comes back, and hears seq 3. The sequence alone says "a gap";
+// the replay's message at seq 0 is not the one the router applied, so the old incarnation's
+// blocks must go and the new one's stay.
+func TestAnEngineRestartPastTheRoutersSequenceIsPurged(t *testing.T) {
+	fl := startFleetAt(t, "127.0.0.2")
+	pubAddr, replayAddr := loopbacktest.Addr(t), loopbacktest.Addr(t)
+	old := startVLLMEngine(t, pubAddr, replayAddr)
+	path := filepath.Join(t.TempDir(), "fleet.json")
+	if err := proc.WriteFleetFile(path, []map[string]string{{"id": "w0", "url": fl.urls[0],
+		"kv_events": "tcp://" + pubAddr, "kv_replay": "tcp://" + replayAddr}}); err != nil {
+		t.Fatal(err)
+	}
+	c := startClusterOf(t, binary, 1, nil, "--workers-file", path)
+	r := c.replicas[0]
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+	prompt := func(n int) []byte { return vllmPayload(t, []any{vllmStored(1000*(n+1), 0, kvBlocks, kvPrompt(n))}) }
+
+	poll.Holds(t, 30*time.Second, "the replica's subscription", old.subscribed)
+	old.publish(t, prompt(0), true) // seq 0
+	waitPredicted(t, r, "w0", kvPrompt(0))
+
+	c.signal(r, syscall.SIGSTOP)
+	old.close()
+	fresh := startVLLMEngine(t, pubAddr, replayAddr) // the same ports, its sequence from 0
+	for n := 1; n <= 3; n++ {
+		fresh.publish(t, prompt(n), false) // seq 0-2, while the router is away
+	}
+	c.signal(r, syscall.SIGCONT)
+	poll.Holds(t, 30*time.Second, "the replica's new subscription", fresh.subscribed)
+	fresh.publish(t, prompt(4), true) // seq 3
+	waitPredicted(t, r, "w0", kvPrompt(4))
+	if _, o, err := kvRoute(ctx, r, kvPrompt(0)); err != nil || o != 0 {
+		t.Errorf("the old incarnation's prompt: %d blocks predicted (%v); the engine holds none", o, err)
+	}
+	for n := 1; n <= 3; n++ {
+		if _, o, err := kvRoute(ctx, r, kvPrompt(n)); err != nil || o != kvBlocks {
+			t.Errorf("prompt %d, published by the new incarnation while the router was away: %d blocks predicted (%v)", n, o, err)
+		}
+	}
 }
