@@ -144,7 +144,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.ClientPort.HeaderTimeout, "client-header-timeout", replica.DefaultClientHeaderTimeout, "client port: time to send a request's headers")
 	fs.DurationVar(&cfg.ClientPort.BodyTimeout, "client-body-timeout", replica.DefaultClientBodyTimeout, "client port: time to send a request's whole body, from its headers on (408 past it); answers are not bounded by it")
 	fs.Var(workerFlag{&cfg.Workers}, "worker", "a worker as id=url (repeatable, or comma-separated)")
-	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events, role, dp_size, capacity_blocks, loras, models")
+	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events (the worker's ZMQ KV-event PUB, rank 0), kv_replay (its replay ROUTER, rank 0: recovers gaps and detects engine restarts), role, dp_size, capacity_blocks, loras, models")
 	registerDiscoveryFlags(fs, &cfg.Discovery)
 	fs.StringVar(&cfg.Router.Policy, "policy", "kv", "selection policy: "+strings.Join(routing.Policies(), ", "))
 	fs.IntVar(&cfg.Router.BlockSize, "block-size", indexer.DefaultBlockSize, "KV block size in tokens (must match the workers')")

@@ -241,13 +241,8 @@ func TestReplayFrameLayouts(t *testing.T) {
 // TestReplayAnswersWithATopicAreAccepted runs a ROUTER that answers as llm-d-inference-sim
 // does, [identity, "", topic, seq, payload], which a DEALER receives as four frames.
 func TestReplayAnswersWithATopicAreAccepted(t *testing.T) {
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	router := zmq4.NewRouter(ctx)
-	defer func() { _ = router.Close() }()
-	if err := router.Listen("tcp://127.0.0.1:0"); err != nil {
-		t.Fatal(err)
-	}
+	ctx := context.Background()
+	router := rawRouter(t)
 	var e engine
 	var payloads [][]byte
 	for i := range 3 {

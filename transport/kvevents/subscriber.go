@@ -53,6 +53,10 @@ const (
 	maxReplayMessages = 1 << 17
 	// logEvery is how often one worker's (or topic's) repeated problems are logged.
 	logEvery = time.Minute
+	// replayMinWait and replayMaxWait bound the wait before a failed replay socket is asked
+	// again; gaps in between are counted as missed without a replay.
+	replayMinWait = time.Second
+	replayMaxWait = time.Minute
 )
 
 // Config configures a Subscriber.
@@ -137,7 +141,7 @@ type Subscriber struct {
 	// on the fields below. Run takes it for each message, reconnect resync and silence check,
 	// and lets go in between, so SnapshotEngineMaps and RestoreEngineMaps can work on the
 	// translators whether Run is running, not started or stopped. A message that needs a
-	// replay holds it for up to ReplayTimeout.
+	// replay holds it for up to ReplayTimeout (twice that when the replay shows a restart).
 	turn chan struct{}
 
 	// Held with turn.
@@ -145,6 +149,10 @@ type Subscriber struct {
 	streams        map[indexer.Worker]*stream
 	topicCache     map[string]topicResult
 	limit          *ratelog.Limiter
+	drops          *dropLog
+	// replayMin and replayMax bound the wait after a failed replay (replayMinWait,
+	// replayMaxWait; tests lengthen it).
+	replayMin, replayMax time.Duration
 }
 
 type topicResult struct {
@@ -162,10 +170,21 @@ type stream struct {
 	last    uint64
 	lastMsg time.Time
 	silent  bool
+	// lastSum is the digest of the payload at last: a replay that holds another payload there
+	// comes from a new engine incarnation.
+	lastSum uint64
+	// reconnected: Connect mode reconnected and nothing has shown yet that the engine is the
+	// one it was (resync, begin).
+	reconnected bool
 	// replayed holds the payload digests of the messages the last replay applied: the same
 	// messages may still arrive live, and must then be skipped as duplicates rather than taken
 	// for an engine restart.
 	replayed map[uint64]uint64
+	// replayFails counts the replay requests failed in a row; none is made before
+	// replayAfter (mayReplay).
+	replayFails int
+	replayAfter time.Time
+	replayWait  backoff
 
 	lastSeq, silence prometheus.Gauge
 }
@@ -191,6 +210,9 @@ func NewSubscriber(cfg Config) (*Subscriber, error) {
 		streams:    make(map[indexer.Worker]*stream),
 		topicCache: make(map[string]topicResult),
 		limit:      ratelog.New(logEvery, maxStreams),
+		drops:      newDropLog(logEvery),
+		replayMin:  replayMinWait,
+		replayMax:  replayMaxWait,
 	}
 	switch cfg.Mode {
 	case Connect:
@@ -412,6 +434,7 @@ func (s *Subscriber) serve(ctx context.Context, sock zmq4.Socket, inFlight *budg
 		case now := <-tick:
 			s.acquire()
 			s.checkSilence(now)
+			s.drops.flush(s.log, now)
 			s.release()
 		}
 	}
@@ -439,11 +462,30 @@ func (s *Subscriber) handle(ctx context.Context, m zmq4.Msg) {
 		return
 	}
 	seq := binary.BigEndian.Uint64(m.Frames[1])
-	b, err := s.dec.Decode(m.Frames[2])
-	if err != nil {
-		s.drop(w, Cause(err), err)
-		return
+	sum := xxhash.Sum64(m.Frames[2])
+	var st *stream
+	err := s.dec.DecodePieces(m.Frames[2], func(b Batch) error {
+		if st == nil { // the first piece: the whole payload decoded, its rank known
+			if st = s.begin(ctx, s.rankOf(w, b), seq, sum); st == nil {
+				return errSkip
+			}
+		}
+		s.apply(st, seq, sum, b)
+		return nil
+	})
+	switch {
+	case errors.Is(err, errSkip):
+	case err != nil:
+		s.dropped(s.rankOf(w, Batch{}), seq, sum, err)
 	}
+}
+
+// errSkip stops the decode of a message that is not to be applied (a duplicate, no stream).
+var errSkip = errors.New("skip")
+
+// rankOf is the worker a batch from w's publisher belongs to: in Bind mode the batch's
+// data_parallel_rank, else the topic's, else the socket's Rank.
+func (s *Subscriber) rankOf(w indexer.Worker, b Batch) indexer.Worker {
 	if s.cfg.Mode == Bind {
 		switch {
 		case b.HasDPRank:
@@ -452,16 +494,25 @@ func (s *Subscriber) handle(ctx context.Context, m zmq4.Msg) {
 			w.DPRank = uint32(s.cfg.Rank)
 		}
 	}
+	return w
+}
+
+// begin applies the sequence rules (DESIGN.md) to a message of w that decoded: it recovers a
+// gap, purges an engine that restarted, and returns the stream to apply the message to, or nil
+// when the message is not to be applied.
+func (s *Subscriber) begin(ctx context.Context, w indexer.Worker, seq, sum uint64) *stream {
 	st := s.stream(w)
 	if st == nil {
 		s.m.unknownPublisher.Inc()
-		return
+		return nil
 	}
 	st.lastMsg = time.Now()
 	if st.silent {
 		st.silent = false
 		s.log.Info("kv events: worker publishing again", "worker", st.label)
 	}
+	reconnected := st.reconnected
+	st.reconnected = false
 	switch {
 	case !st.started:
 		if st.replay != "" && seq > 0 {
@@ -472,29 +523,74 @@ func (s *Subscriber) handle(ctx context.Context, m zmq4.Msg) {
 	case seq == st.last+1:
 	case seq > st.last+1:
 		s.m.gaps.WithLabelValues(st.label).Inc()
+		v := unverified
 		if st.replay != "" {
-			s.recover(ctx, st, st.last+1, seq)
+			v = s.recover(ctx, st, st.last+1, seq)
 		}
-		if missed := seq - 1 - st.last; missed > 0 {
+		if v == unverified && reconnected {
+			// The first message on a new connection, past a gap nothing can fill: the engine
+			// may have restarted while we were away (its new sequence already past ours), and
+			// whatever it holds now is not what we know. Start over from this message.
+			s.purge(st, "sequence gap after a reconnect that the replay cannot explain", seq)
+			if st.replay != "" {
+				s.recover(ctx, st, 0, seq)
+			}
+		}
+		if st.started && seq > st.last+1 {
+			missed := seq - 1 - st.last
 			s.m.missed.WithLabelValues(st.label).Add(float64(missed))
 			s.logLimited(st.label, slog.LevelWarn, "kv events: sequence gap", "worker", st.label,
 				"missed", missed, "seq", seq)
 		}
-	case st.replayed[seq] == xxhash.Sum64(m.Frames[2]):
-		return // already applied from the replay socket
+	case st.replayed[seq] == sum:
+		return nil // already applied from the replay socket
 	default:
 		// A sequence that goes back is an engine that restarted: what we knew is stale.
-		s.m.restarts.WithLabelValues(st.label).Inc()
-		s.log.Warn("kv events: sequence restarted, purging the worker", "worker", st.label,
-			"last", st.last, "seq", seq)
-		st.tr.Purge()
-		s.cfg.Sink.RemoveWorker(st.w)
-		st.started = false
+		s.purge(st, "sequence went back", seq)
 		if st.replay != "" && seq > 0 {
 			s.recover(ctx, st, 0, seq)
 		}
 	}
-	s.apply(st, seq, b)
+	return st
+}
+
+// dropped handles a message of w that failed to decode. Its sequence number is the engine's
+// all the same: when it is the next one, the stream moves past it, so the message after it is
+// not taken for a gap (and fetched again by a replay, to fail again). A message refused as too
+// large may be a real engine's batch that the limits cannot hold: what the worker holds is
+// then unknown (the batch may have removed any block), so the worker is purged.
+func (s *Subscriber) dropped(w indexer.Worker, seq, sum uint64, err error) {
+	cause := Cause(err)
+	s.drop(w, cause, err)
+	st := s.streams[w]
+	if st == nil && cause == "too_large" {
+		st = s.stream(w)
+	}
+	if st == nil {
+		return
+	}
+	st.reconnected = false
+	if cause == "too_large" {
+		s.purge(st, "a message over the limits was dropped", seq)
+		st.started, st.last, st.lastSum = true, seq, sum
+		st.lastSeq.Set(float64(seq))
+		return
+	}
+	if st.started && seq == st.last+1 {
+		st.last, st.lastSum = seq, sum
+		st.lastSeq.Set(float64(seq))
+	}
+}
+
+// purge forgets everything known of a stream's worker (translator and index) and starts its
+// sequence over.
+func (s *Subscriber) purge(st *stream, why string, seq uint64) {
+	s.m.restarts.WithLabelValues(st.label).Inc()
+	s.log.Warn("kv events: purging the worker", "worker", st.label, "why", why, "last", st.last, "seq", seq)
+	st.tr.Purge()
+	s.cfg.Sink.RemoveWorker(st.w)
+	st.started = false
+	clear(st.replayed)
 }
 
 // msgSize is the bytes of a message's frames: what the guard reserved for it.
@@ -524,19 +620,25 @@ func (s *Subscriber) workerOf(topic string) (string, bool) {
 // resync runs after a (re)connect in Connect mode when the worker has a replay socket: what
 // the worker published while no SUB was connected is lost to ZMQ, and an idle engine may not
 // publish again for a long time, so waiting for the next message to reveal the gap is not
-// enough. It fetches the whole replay buffer: if its newest sequence is behind ours, the
-// engine restarted (purge, then apply the buffer); otherwise what follows our last is applied.
-// An engine that restarted and has already published past our last sequence looks like a
-// gap; vLLM's protocol carries no engine epoch to tell them apart.
+// enough. It fetches the whole replay buffer: if the engine restarted (the buffer's newest
+// sequence is behind ours, or its message at our last sequence is not the one we applied),
+// the worker is purged and the buffer applied; otherwise what follows our last is applied.
+// When the buffer cannot tell (no answer, or our last message has left it), the stream stays
+// marked as reconnected, and a gap on its next message purges it (begin).
 func (s *Subscriber) resync(ctx context.Context) {
-	if s.cfg.Mode != Connect || s.cfg.Replay == "" {
+	if s.cfg.Mode != Connect {
 		return
 	}
 	st := s.stream(s.cfg.Worker)
 	if st == nil {
 		return
 	}
+	st.reconnected = st.started
+	if st.replay == "" || !st.mayReplay() {
+		return
+	}
 	got, err := s.fetchReplay(ctx, st.replay, 0, math.MaxInt64)
+	s.replayDone(st, err)
 	if err != nil {
 		s.m.replays.WithLabelValues(st.label, "error").Inc()
 		s.logLimited(st.label, slog.LevelWarn, "kv events: replay after connect failed", "worker", st.label,
@@ -544,18 +646,45 @@ func (s *Subscriber) resync(ctx context.Context) {
 		return
 	}
 	s.m.replays.WithLabelValues(st.label, "ok").Inc()
-	if len(got) == 0 {
-		return
-	}
-	if st.started && got[len(got)-1].seq < st.last {
-		s.m.restarts.WithLabelValues(st.label).Inc()
-		s.log.Warn("kv events: engine restarted while disconnected, purging the worker", "worker", st.label,
-			"last", st.last, "newest", got[len(got)-1].seq)
-		st.tr.Purge()
-		s.cfg.Sink.RemoveWorker(st.w)
-		st.started = false
+	switch s.verify(st, got) {
+	case restarted:
+		s.purge(st, "the engine restarted while disconnected (replay)", got[len(got)-1].seq)
+	case continuous:
+		st.reconnected = false
 	}
 	s.applyReplayed(st, got)
+}
+
+// verdict is what a replay answer says about a started stream's engine.
+type verdict int
+
+const (
+	// unverified: the answer does not hold our last message (or there was none).
+	unverified verdict = iota
+	// continuous: the answer holds our last message, the same bytes: the same engine.
+	continuous
+	// restarted: the answer ends before our last sequence, or holds another message there: a
+	// new engine incarnation, whose sequence may already be past ours.
+	restarted
+)
+
+// verify compares a replay answer with what the stream last applied.
+func (s *Subscriber) verify(st *stream, got []replayed) verdict {
+	if !st.started || len(got) == 0 {
+		return unverified
+	}
+	if got[len(got)-1].seq < st.last {
+		return restarted
+	}
+	for _, r := range got {
+		if r.seq == st.last {
+			if xxhash.Sum64(r.payload) != st.lastSum {
+				return restarted
+			}
+			return continuous
+		}
+	}
+	return unverified
 }
 
 // applyReplayed applies, in order, the replayed messages the stream does not have yet, and
@@ -567,13 +696,20 @@ func (s *Subscriber) applyReplayed(st *stream, got []replayed) int {
 		if st.started && r.seq <= st.last {
 			continue // a duplicate
 		}
-		b, err := s.replayDec.Decode(r.payload)
+		sum := xxhash.Sum64(r.payload)
+		err := s.replayDec.DecodePieces(r.payload, func(b Batch) error {
+			s.apply(st, r.seq, sum, b)
+			return nil
+		})
 		if err != nil {
 			s.drop(st.w, Cause(err), err)
-			st.started, st.last = true, r.seq // it is bad however often it is fetched
+			// It is bad however often it is fetched; one too large leaves the worker unknown.
+			if Cause(err) == "too_large" {
+				s.purge(st, "a replayed message over the limits was dropped", r.seq)
+			}
+			st.started, st.last, st.lastSum = true, r.seq, sum
 			continue
 		}
-		s.apply(st, r.seq, b)
 		st.noteReplayed(r)
 		applied++
 	}
@@ -581,21 +717,41 @@ func (s *Subscriber) applyReplayed(st *stream, got []replayed) int {
 	return applied
 }
 
-// apply applies one decoded batch and moves the stream to seq.
-func (s *Subscriber) apply(st *stream, seq uint64, b Batch) {
+// apply applies one decoded batch (or piece of one) and moves the stream to seq, whose
+// payload's digest is sum.
+func (s *Subscriber) apply(st *stream, seq, sum uint64, b Batch) {
 	c, err := st.tr.Apply(b, s.cfg.Sink)
 	s.m.counts(st.label, c)
 	if err != nil {
 		s.drop(st.w, Cause(err), err)
 	}
-	st.started, st.last = true, seq
+	st.started, st.last, st.lastSum = true, seq, sum
 	st.lastSeq.Set(float64(seq))
 }
 
 // recover fetches [from, to) from the worker's replay socket and applies what it gets in
-// order, skipping what the stream already has.
-func (s *Subscriber) recover(ctx context.Context, st *stream, from, to uint64) {
-	got, err := s.fetchReplay(ctx, st.replay, from, to)
+// order, skipping what the stream already has. For a started stream it asks from its last
+// sequence on, to check that the engine is the one it was (verify): one that restarted is
+// purged and replayed from 0. After failures the replay is skipped for a while (mayReplay),
+// so a replay socket that never answers does not hold every gap up for ReplayTimeout.
+func (s *Subscriber) recover(ctx context.Context, st *stream, from, to uint64) verdict {
+	if !st.mayReplay() {
+		s.m.replays.WithLabelValues(st.label, "skipped").Inc()
+		return unverified
+	}
+	ask := from
+	if st.started && st.last < from {
+		ask = st.last
+	}
+	got, err := s.fetchReplay(ctx, st.replay, ask, to)
+	s.replayDone(st, err)
+	v := s.verify(st, got)
+	if v == restarted {
+		s.purge(st, "the replay holds another message at our last sequence: the engine restarted", to)
+		from = 0
+		got, err = s.fetchReplay(ctx, st.replay, from, to)
+		s.replayDone(st, err)
+	}
 	applied := s.applyReplayed(st, got)
 	result := "ok"
 	switch {
@@ -608,6 +764,26 @@ func (s *Subscriber) recover(ctx context.Context, st *stream, from, to uint64) {
 	}
 	s.m.replays.WithLabelValues(st.label, result).Inc()
 	s.log.Debug("kv events: replayed", "worker", st.label, "from", from, "to", to, "applied", applied, "result", result)
+	return v
+}
+
+// mayReplay says whether the stream's replay socket may be asked now: after a failed request
+// it is left alone for a jittered, doubling while (replayMinWait up to replayMaxWait).
+func (st *stream) mayReplay() bool {
+	return st.replayFails == 0 || !time.Now().Before(st.replayAfter)
+}
+
+// replayDone records how a replay request went, for mayReplay.
+func (s *Subscriber) replayDone(st *stream, err error) {
+	if err == nil {
+		st.replayFails, st.replayWait = 0, backoff{}
+		return
+	}
+	if st.replayFails == 0 {
+		st.replayWait = backoff{min: s.replayMin, max: s.replayMax}
+	}
+	st.replayFails++
+	st.replayAfter = time.Now().Add(st.replayWait.next())
 }
 
 type replayed struct {
@@ -773,11 +949,13 @@ func (s *Subscriber) checkSilence(now time.Time) {
 	}
 }
 
-// drop counts a dropped message by cause and logs it, at most once a minute per worker.
+// drop counts a dropped message by cause and logs it in the subscriber's summary of drops
+// (dropLog: one line per logEvery, counts by cause).
 func (s *Subscriber) drop(w indexer.Worker, cause string, err error) {
 	label := w.String()
 	s.m.decodeErrors.WithLabelValues(label, cause).Inc()
-	s.logLimited(label, slog.LevelWarn, "kv events: message dropped", "worker", label, "cause", cause, "err", err)
+	s.drops.add(label, cause, err)
+	s.drops.flush(s.log, time.Now())
 }
 
 // logLimited logs at most once per logEvery for key, with the count of lines left out.

@@ -27,11 +27,15 @@ import (
 const (
 	// MaxPayload is the largest payload Decode accepts, in bytes.
 	MaxPayload = 64 << 20
-	// MaxEvents is the most events one batch may carry. SGLang sends one BlockStored per page,
-	// and its default page is one token, so a long prefill step is many thousand events.
+	// MaxEvents is the most events one Batch holds: Decode refuses a payload of more, and
+	// DecodePieces hands a longer batch on in pieces of at most this many. SGLang sends one
+	// BlockStored per page, and its default page is one token, so a long prefill step is many
+	// thousand events; an engine evicting a long context sends a BlockRemoved per block.
 	MaxEvents = 1 << 16
-	// MaxBlocksPerEvent is the most block hashes one event may carry.
-	MaxBlocksPerEvent = 65536
+	// MaxBlocksPerEvent is the most block hashes one event may carry: as many as
+	// MaxTokensPerEvent, since a stored block has at least one token (a removal of a whole
+	// 100,000-block context is one event).
+	MaxBlocksPerEvent = MaxTokensPerEvent
 	// MaxTokensPerEvent is the most token ids one BlockStored event may carry.
 	MaxTokensPerEvent = 1 << 21
 	// MaxBlockSize is the largest block size, in tokens, an event may declare.
@@ -311,6 +315,12 @@ type Decoder struct {
 	sink indexer.ExtraDigest
 	// typed holds the string fields of the typed extra key being decoded (typedKey).
 	typed []byte
+	// emit, when set (DecodePieces), takes the events decoded so far whenever they fill a
+	// piece, and the event list is then unbounded in count; emitted counts its calls.
+	emit    func([]Event) error
+	emitted int
+	// pieceEvents is the most events of a piece (pieceEvents; the fuzz target makes it small).
+	pieceEvents int
 }
 
 // extraEntry is one block's extra_keys as decoded: the digest of all its elements, and of all
@@ -324,7 +334,7 @@ type extraEntry struct {
 
 // NewDecoder returns a Decoder.
 func NewDecoder() *Decoder {
-	d := &Decoder{scratch: make([]byte, 0, 64)}
+	d := &Decoder{scratch: make([]byte, 0, 64), pieceEvents: pieceEvents}
 	d.d = msgpack.NewDecoder(&d.r)
 	return d
 }
@@ -442,19 +452,27 @@ func (d *Decoder) dpRank() (int, bool, error) {
 }
 
 func (d *Decoder) eventList() ([]Event, error) {
-	n, err := d.arrayLen("events", MaxEvents)
+	limit := MaxEvents
+	if d.emit != nil {
+		limit = math.MaxInt // in pieces: bounded by the bytes left
+	}
+	n, err := d.arrayLen("events", limit)
 	if err != nil {
 		return nil, err
 	}
-	start := len(d.events)
 	for i := range n {
+		if d.emit != nil && d.pieceFull() {
+			if err := d.flush(); err != nil {
+				return nil, err
+			}
+		}
 		// Decoded in place: an Event is a couple of hundred bytes, not worth copying twice.
 		d.events = append(d.events, Event{})
-		if err := d.event(&d.events[start+i]); err != nil {
+		if err := d.event(&d.events[len(d.events)-1]); err != nil {
 			return nil, fmt.Errorf("event %d: %w", i, err)
 		}
 	}
-	return d.events[start:len(d.events):len(d.events)], nil
+	return d.events[:len(d.events):len(d.events)], nil
 }
 
 func (d *Decoder) event(ev *Event) error {

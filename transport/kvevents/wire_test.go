@@ -591,5 +591,6 @@ func FuzzDecode(f *testing.F) {
 		if _, err := tr.Apply(b, indexer.New(indexer.Options{})); err != nil {
 			t.Fatalf("apply: %v", err)
 		}
+		checkPieces(t, payload, b)
 	})
 }
