@@ -1,0 +1,251 @@
+package system_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
+	"github.com/kvrouter-ha/kvrouter-ha/sim"
+)
+
+// migrationStream is what one client of TestStreamsOutliveAWorkerKilledMidStream read.
+type migrationStream struct {
+	worker string // X-Kvrouter-Worker: where the stream started
+	ids    map[string]bool
+	text   strings.Builder
+	done   bool   // [DONE] came
+	errEv  string // the error event's code, "" for none
+	err    error
+}
+
+// TestStreamsOutliveAWorkerKilledMidStream: 20 concurrent streams (chat and completions)
+// through a replica in front of three simulated worker processes, and the worker carrying
+// the most of them SIGKILLed once every stream has its first tokens. With
+// --migration-limit 1 every stream completes, each with one id, and reads exactly the text
+// an uninterrupted run generates (the simulator's output is a function of the prompt and
+// the tokens before, so a duplicated or missing token shows); the moves are counted. With
+// --migration-limit 0 each stream of the killed worker ends with an error event in the
+// API's shape, and the others complete as before.
+func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
+	const streams, maxTokens = 20, 200
+	// The uninterrupted answers, from an in-process simulator with the same tokenizer and
+	// generator as the worker processes, without their pace.
+	ref, err := sim.New(sim.Config{ID: "ref", Speedup: 1e6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	refSrv := httptest.NewServer(ref.Handler())
+	t.Cleanup(refSrv.Close)
+	type request struct{ path, body string }
+	reqs := make([]request, streams)
+	want := make([]string, streams)
+	for i := range reqs {
+		if i%2 == 0 {
+			reqs[i] = request{"/v1/chat/completions", fmt.Sprintf(`{"model":%q,"max_tokens":%d,"messages":[{"role":"user","content":"stream %d: tell me a long story"}]}`, sim.DefaultModel, maxTokens, i)}
+		} else {
+			reqs[i] = request{"/v1/completions", fmt.Sprintf(`{"model":%q,"max_tokens":%d,"prompt":"stream %d: once upon a time"}`, sim.DefaultModel, maxTokens, i)}
+		}
+		want[i] = wholeText(t, refSrv.URL+reqs[i].path, reqs[i].body)
+	}
+
+	tests := []struct {
+		name  string
+		limit string
+	}{
+		{"migration on", "1"},
+		{"migration off", "0"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+			defer cancel()
+			// 200 tokens at 50 ms: a stream lasts 10 s, far longer than starting them all.
+			workers := map[string]*proc.Process{}
+			var specs []string
+			for i := range 3 {
+				id, addr := fmt.Sprintf("w%d", i), loopbacktest.Addr(t)
+				p := newProcess(t, proc.Spec{Name: id, Argv: []string{binary, "sim-worker", "--listen", addr, "--id", id,
+					"--decode-per-token", "50ms", "--log-level", "warn"}})
+				if err := p.Start(); err != nil {
+					t.Fatal(err)
+				}
+				if err := proc.WaitReady(ctx, nil, "http://"+addr+"/health", 30*time.Second); err != nil {
+					t.Fatal(err)
+				}
+				workers[id] = p
+				specs = append(specs, id+"=http://"+addr)
+			}
+			r := startClusterOf(t, binary, 1, specs, "--migration-limit", tt.limit).replicas[0]
+
+			got := make([]*migrationStream, streams)
+			started := make(chan int, streams)
+			var wg sync.WaitGroup
+			for i := range reqs {
+				got[i] = &migrationStream{ids: map[string]bool{}}
+				wg.Go(func() {
+					body := strings.Replace(reqs[i].body, "{", `{"stream":true,`, 1)
+					readStream(ctx, "http://"+r.Client+reqs[i].path, body, fmt.Sprintf("%s-%d", strings.ReplaceAll(tt.name, " ", "-"), i), got[i], func() { started <- i })
+				})
+			}
+			// Every stream has its first tokens (bounded), then the busiest worker dies.
+			on := map[string]int{}
+			for range streams {
+				select {
+				case i := <-started:
+					on[got[i].worker]++
+				case <-ctx.Done():
+					t.Fatalf("streams did not all start: %v", ctx.Err())
+				}
+			}
+			victim := ""
+			for w, n := range on {
+				if victim == "" || n > on[victim] {
+					victim = w
+				}
+			}
+			workers[victim].Kill()
+			t.Logf("streams per worker %v; SIGKILLed %s with %d streams in flight", on, victim, on[victim])
+			wg.Wait()
+
+			affected := 0
+			for i, s := range got {
+				if s.err != nil {
+					t.Errorf("stream %d (on %s): %v", i, s.worker, s.err)
+					continue
+				}
+				if len(s.ids) != 1 {
+					t.Errorf("stream %d (on %s): ids %v, want one", i, s.worker, s.ids)
+				}
+				if s.worker == victim {
+					affected++
+				}
+				if tt.limit == "0" && s.worker == victim {
+					if s.errEv != "upstream_broken" || s.done {
+						t.Errorf("stream %d of the killed worker: error event %q, done %v; want an upstream_broken error event", i, s.errEv, s.done)
+					}
+					if !strings.HasPrefix(want[i], s.text.String()) {
+						t.Errorf("stream %d of the killed worker read %q, not a prefix of the answer %q", i, s.text.String(), want[i])
+					}
+					continue
+				}
+				if s.errEv != "" || !s.done || s.text.String() != want[i] {
+					t.Errorf("stream %d (on %s): error event %q, done %v, read\n%q\nwant\n%q", i, s.worker, s.errEv, s.done, s.text.String(), want[i])
+				}
+			}
+			outcome := "moved"
+			if tt.limit == "0" {
+				outcome = "disabled"
+			}
+			n, err := metricValue(ctx, r, fmt.Sprintf(`kvrouter_migrations_total{outcome=%q}`, outcome))
+			if err != nil || int(n) != affected {
+				t.Errorf("kvrouter_migrations_total{outcome=%q} = %v (%v), want the %d streams of the killed worker", outcome, n, err, affected)
+			}
+			t.Logf("%d of %d streams were on the killed worker; migrations{outcome=%q} = %v", affected, streams, outcome, n)
+		})
+	}
+}
+
+// wholeText is the text of the non-streamed answer to body at url.
+func wholeText(t *testing.T, url, body string) string {
+	t.Helper()
+	resp, err := httpClient.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var a struct {
+		Choices []struct {
+			Text    string `json:"text"`
+			Message struct {
+				Content string `json:"content"`
+			} `json:"message"`
+		} `json:"choices"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&a); err != nil || len(a.Choices) != 1 {
+		t.Fatalf("reference answer: %s, %v", resp.Status, err)
+	}
+	return a.Choices[0].Text + a.Choices[0].Message.Content
+}
+
+// readStream reads one streamed chat or completion into s, calling first once: at its first
+// content, or as it ends without any.
+func readStream(ctx context.Context, url, body, session string, s *migrationStream, first func()) {
+	called := false
+	defer func() {
+		if !called {
+			first()
+		}
+	}()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		s.err = err
+		return
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		s.err = err
+		return
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		s.err = fmt.Errorf("%s: %s", resp.Status, b)
+		return
+	}
+	s.worker = resp.Header.Get("X-Kvrouter-Worker")
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			s.done = true
+			continue
+		}
+		var ev struct {
+			ID      string `json:"id"`
+			Choices []struct {
+				Text  string `json:"text"`
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+			Error *struct {
+				Code string `json:"code"`
+			} `json:"error"`
+		}
+		if err := json.Unmarshal([]byte(data), &ev); err != nil {
+			s.err = fmt.Errorf("event %q: %w", data, err)
+			return
+		}
+		if ev.Error != nil {
+			s.errEv = ev.Error.Code
+			continue
+		}
+		s.ids[ev.ID] = true
+		for _, c := range ev.Choices {
+			if !called && c.Text+c.Delta.Content != "" {
+				called = true
+				first()
+			}
+			s.text.WriteString(c.Text + c.Delta.Content)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		s.err = err
+	}
+}
