@@ -91,9 +91,10 @@ func TestStreamMovesToAnotherWorkerWhenItsWorkerBreaksOff(t *testing.T) {
 		name string
 		path string
 		body string
-		// limit is --migration-limit; breakAll makes every worker break off.
-		limit    int
-		breakAll bool
+		// limit is --migration-limit; breakAll makes every worker break off, refuse every
+		// worker refuse a continuation (400).
+		limit            int
+		breakAll, refuse bool
 		// want: the text the client reads; outcome the migration counted; cont what the
 		// continuation carries.
 		want    string
@@ -101,17 +102,19 @@ func TestStreamMovesToAnotherWorkerWhenItsWorkerBreaksOff(t *testing.T) {
 		cont    []string
 	}{
 		{"chat", "/v1/chat/completions", `{"model":"m","stream":true,"max_tokens":4,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"tell"}]}`,
-			1, false, "Once upon a time", migrationMoved,
+			1, false, false, "Once upon a time", migrationMoved,
 			[]string{`"continue_final_message":true`, `"add_generation_prompt":false`, `{"content":"Once upon","role":"assistant"}`, `"max_tokens":2`}},
 		{"completions", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"stream_options":{"include_usage":true},"prompt":"Start:"}`,
-			1, false, "Once upon a time", migrationMoved,
+			1, false, false, "Once upon a time", migrationMoved,
 			[]string{`"prompt":"Start:Once upon"`, `"max_tokens":2`}},
 		{"token prompt", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":[1,2,3]}`,
-			1, false, "Once upon", migrationUnsupported, nil},
+			1, false, false, "Once upon", migrationUnsupported, nil},
 		{"limit reached", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
-			1, true, "Once upon a", migrationExhausted, nil},
+			1, true, false, "Once upon a", migrationExhausted, nil},
+		{"continuation refused", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
+			1, false, true, "Once upon", migrationNoWorker, nil},
 		{"migration off", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
-			0, false, "Once upon", migrationDisabled, nil},
+			0, false, false, "Once upon", migrationDisabled, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -123,6 +126,10 @@ func TestStreamMovesToAnotherWorkerWhenItsWorkerBreaksOff(t *testing.T) {
 					switch {
 					case !strings.Contains(body, "Once upon"):
 						streamWorker(w, chat, fmt.Sprintf("first-%d", i), 111, []string{"Once", " upon"}, false)
+					case tt.refuse:
+						w.Header().Set("Content-Type", "application/json")
+						w.WriteHeader(http.StatusBadRequest)
+						_, _ = io.WriteString(w, `{"error":{"message":"no","type":"BadRequestError"}}`)
 					case tt.breakAll:
 						streamWorker(w, chat, "second", 222, []string{" a"}, false)
 					default:
@@ -185,8 +192,12 @@ func TestStreamMovesToAnotherWorkerWhenItsWorkerBreaksOff(t *testing.T) {
 				t.Errorf("migrations{outcome=%s} = %v, want 1", tt.outcome, got)
 			}
 			if tt.outcome != migrationMoved {
-				if done || last == nil || last.Error == nil || last.Error.Code != "upstream_broken" {
-					t.Fatalf("stream that could not move ends with %+v (done %v), want an upstream_broken error event:\n%s", last, done, body)
+				code := "upstream_broken"
+				if tt.refuse {
+					code = "migration_failed"
+				}
+				if done || last == nil || last.Error == nil || last.Error.Code != code {
+					t.Fatalf("stream that could not move ends with %+v (done %v), want a %s error event:\n%s", last, done, code, body)
 				}
 				poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
 				return
