@@ -33,7 +33,8 @@ type migrationStream struct {
 // the most of them SIGKILLed once every stream has its first tokens. With
 // --migration-limit 1 every stream completes, each with one id, and reads exactly the text
 // an uninterrupted run generates (the simulator's output is a function of the prompt and
-// the tokens before, so a duplicated or missing token shows); the moves are counted. With
+// the tokens before, so a duplicated or missing token shows); the moves are counted. Answers
+// not streamed, in flight beside them, are retried whole and read exactly too. With
 // --migration-limit 0 each stream of the killed worker ends with an error event in the
 // API's shape, and the others complete as before.
 func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
@@ -87,9 +88,18 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 			}
 			r := startClusterOf(t, binary, 1, specs, "--migration-limit", tt.limit).replicas[0]
 
+			// Beside the streams, a few answers not streamed, in flight at the kill: a worker
+			// that dies before its answer is whole has sent the client nothing, and the
+			// request is retried from scratch elsewhere (with migration off too).
+			var wg sync.WaitGroup
+			whole := make([]string, 4)
+			for i := range whole {
+				wg.Go(func() {
+					whole[i] = wholeTextErr("http://"+r.Client+reqs[i].path, reqs[i].body)
+				})
+			}
 			got := make([]*migrationStream, streams)
 			started := make(chan int, streams)
-			var wg sync.WaitGroup
 			for i := range reqs {
 				got[i] = &migrationStream{ids: map[string]bool{}}
 				wg.Go(func() {
@@ -142,6 +152,11 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 					t.Errorf("stream %d (on %s): error event %q, done %v, read\n%q\nwant\n%q", i, s.worker, s.errEv, s.done, s.text.String(), want[i])
 				}
 			}
+			for i, text := range whole {
+				if text != want[i] {
+					t.Errorf("answer %d, not streamed, read %q, want %q", i, text, want[i])
+				}
+			}
 			outcome := "moved"
 			if tt.limit == "0" {
 				outcome = "disabled"
@@ -150,7 +165,9 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 			if err != nil || int(n) != affected {
 				t.Errorf("kvrouter_migrations_total{outcome=%q} = %v (%v), want the %d streams of the killed worker", outcome, n, err, affected)
 			}
-			t.Logf("%d of %d streams were on the killed worker; migrations{outcome=%q} = %v", affected, streams, outcome, n)
+			retries, _ := metricValue(ctx, r, "kvrouter_retries_total")
+			t.Logf("%d of %d streams were on the killed worker; migrations{outcome=%q} = %v; retries before the first byte = %v",
+				affected, streams, outcome, n, retries)
 		})
 	}
 }
@@ -158,9 +175,19 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 // wholeText is the text of the non-streamed answer to body at url.
 func wholeText(t *testing.T, url, body string) string {
 	t.Helper()
-	resp, err := httpClient.Post(url, "application/json", strings.NewReader(body))
+	text := wholeTextErr(url, body)
+	if strings.HasPrefix(text, "error: ") {
+		t.Fatalf("reference answer: %s", text)
+	}
+	return text
+}
+
+// wholeTextErr is wholeText with a failure as the text, "error: ...".
+func wholeTextErr(url, body string) string {
+	client := &http.Client{Timeout: 2 * time.Minute}
+	resp, err := client.Post(url, "application/json", strings.NewReader(body))
 	if err != nil {
-		t.Fatal(err)
+		return "error: " + err.Error()
 	}
 	defer resp.Body.Close()
 	var a struct {
@@ -172,7 +199,7 @@ func wholeText(t *testing.T, url, body string) string {
 		} `json:"choices"`
 	}
 	if err := json.NewDecoder(resp.Body).Decode(&a); err != nil || len(a.Choices) != 1 {
-		t.Fatalf("reference answer: %s, %v", resp.Status, err)
+		return fmt.Sprintf("error: %s, %v", resp.Status, err)
 	}
 	return a.Choices[0].Text + a.Choices[0].Message.Content
 }
