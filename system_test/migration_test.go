@@ -10,17 +10,20 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback/loopbacktest"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/sim"
 )
 
 // migrationStream is what one client of TestStreamsOutliveAWorkerKilledMidStream read.
 type migrationStream struct {
-	worker string // X-Kvrouter-Worker: where the stream started
+	ended  atomic.Bool // the client is done reading
+	worker string      // X-Kvrouter-Worker: where the stream started
 	ids    map[string]bool
 	text   strings.Builder
 	done   bool   // [DONE] came
@@ -29,14 +32,14 @@ type migrationStream struct {
 }
 
 // TestStreamsOutliveAWorkerKilledMidStream: 20 concurrent streams (chat and completions)
-// through a replica in front of three simulated worker processes, and the worker carrying
-// the most of them SIGKILLed once every stream has its first tokens. With
+// through a replica in front of three simulated worker processes, and the worker with the
+// most streams still running SIGKILLed once every stream has its first tokens. With
 // --migration-limit 1 every stream completes, each with one id, and reads exactly the text
 // an uninterrupted run generates (the simulator's output is a function of the prompt and
 // the tokens before, so a duplicated or missing token shows); the moves are counted. Answers
 // not streamed, in flight beside them, are retried whole and read exactly too. With
-// --migration-limit 0 each stream of the killed worker ends with an error event in the
-// API's shape, and the others complete as before.
+// --migration-limit 0 each stream cut on the killed worker ends with an error event in the
+// API's shape (counted), and the others complete as before.
 func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 	const streams, maxTokens = 20, 200
 	// The uninterrupted answers, from an in-process simulator with the same tokenizer and
@@ -71,7 +74,7 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 			ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
 			defer cancel()
 			// 200 tokens at 50 ms: a stream lasts 10 s, far longer than starting them all.
-			workers := map[string]*proc.Process{}
+			workers, workerURL := map[string]*proc.Process{}, map[string]string{}
 			var specs []string
 			for i := range 3 {
 				id, addr := fmt.Sprintf("w%d", i), loopbacktest.Addr(t)
@@ -83,51 +86,91 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 				if err := proc.WaitReady(ctx, nil, "http://"+addr+"/health", 30*time.Second); err != nil {
 					t.Fatal(err)
 				}
-				workers[id] = p
+				workers[id], workerURL[id] = p, "http://"+addr
 				specs = append(specs, id+"=http://"+addr)
 			}
 			r := startClusterOf(t, binary, 1, specs, "--migration-limit", tt.limit).replicas[0]
 
-			// Beside the streams, a few answers not streamed, in flight at the kill: a worker
-			// that dies before its answer is whole has sent the client nothing, and the
-			// request is retried from scratch elsewhere (with migration off too).
 			var wg sync.WaitGroup
-			whole := make([]string, 4)
-			for i := range whole {
-				wg.Go(func() {
-					whole[i] = wholeTextErr("http://"+r.Client+reqs[i].path, reqs[i].body)
-				})
-			}
 			got := make([]*migrationStream, streams)
 			started := make(chan int, streams)
 			for i := range reqs {
 				got[i] = &migrationStream{ids: map[string]bool{}}
 				wg.Go(func() {
 					body := strings.Replace(reqs[i].body, "{", `{"stream":true,`, 1)
-					readStream(ctx, "http://"+r.Client+reqs[i].path, body, fmt.Sprintf("%s-%d", strings.ReplaceAll(tt.name, " ", "-"), i), got[i], func() { started <- i })
+					readStream(ctx, "http://"+r.Client+reqs[i].path, body, sessionOf(tt.name, i), got[i], func() { started <- i })
 				})
 			}
-			// Every stream has its first tokens (bounded), then the busiest worker dies.
-			on := map[string]int{}
+			// Every stream has its first tokens (bounded), then the worker with the most
+			// streams still running dies.
 			for range streams {
 				select {
-				case i := <-started:
-					on[got[i].worker]++
+				case <-started:
 				case <-ctx.Done():
 					t.Fatalf("streams did not all start: %v", ctx.Err())
 				}
 			}
+			running := map[string]int{}
+			for _, s := range got {
+				if !s.ended.Load() {
+					running[s.worker]++
+				}
+			}
 			victim := ""
-			for w, n := range on {
-				if victim == "" || n > on[victim] {
+			for w, n := range running {
+				if victim == "" || n > running[victim] {
 					victim = w
 				}
 			}
+			cut := make([]bool, streams)
+			for i, s := range got {
+				cut[i] = s.worker == victim && !s.ended.Load()
+			}
+			// Beside them, two answers not streamed, of sessions bound to the victim, in
+			// flight there at the kill: a worker that dies before its answer is whole has sent
+			// the client nothing, so the request is retried from scratch elsewhere (with
+			// migration off too).
+			var alongside []int
+			for i := range got {
+				if cut[i] && len(alongside) < 2 {
+					alongside = append(alongside, i)
+				}
+			}
+			whole := make([]string, len(alongside))
+			for k, i := range alongside {
+				wg.Go(func() {
+					whole[k] = wholeTextVia("http://"+r.Client+reqs[i].path, reqs[i].body, sessionOf(tt.name, i))
+				})
+			}
+			poll.Until(t, 30*time.Second, func() error {
+				var st struct {
+					Stats sim.Stats `json:"stats"`
+				}
+				status, body, err := getJSON(ctx, workerURL[victim]+"/sim/stats")
+				if err == nil && status != http.StatusOK {
+					err = fmt.Errorf("/sim/stats: %d %s", status, body)
+				}
+				if err == nil {
+					err = json.Unmarshal([]byte(body), &st)
+				}
+				if err != nil {
+					return err
+				}
+				if n := st.Stats.Running + st.Stats.Waiting; n < running[victim]+len(alongside) {
+					return fmt.Errorf("%s runs %d requests, want %d", victim, n, running[victim]+len(alongside))
+				}
+				return nil
+			})
 			workers[victim].Kill()
-			t.Logf("streams per worker %v; SIGKILLed %s with %d streams in flight", on, victim, on[victim])
+			t.Logf("streams running per worker %v; SIGKILLed %s", running, victim)
+			if running[victim] == 0 {
+				t.Fatal("no stream was running at the kill")
+			}
 			wg.Wait()
 
-			affected := 0
+			// A stream of the killed worker that had all its tokens already ends whole either
+			// way; every other one moves (migration on) or ends with an error event (off).
+			broken := 0
 			for i, s := range got {
 				if s.err != nil {
 					t.Errorf("stream %d (on %s): %v", i, s.worker, s.err)
@@ -136,12 +179,10 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 				if len(s.ids) != 1 {
 					t.Errorf("stream %d (on %s): ids %v, want one", i, s.worker, s.ids)
 				}
-				if s.worker == victim {
-					affected++
-				}
-				if tt.limit == "0" && s.worker == victim {
-					if s.errEv != "upstream_broken" || s.done {
-						t.Errorf("stream %d of the killed worker: error event %q, done %v; want an upstream_broken error event", i, s.errEv, s.done)
+				if tt.limit == "0" && cut[i] && !s.done {
+					broken++
+					if s.errEv != "upstream_broken" {
+						t.Errorf("stream %d of the killed worker ended with error event %q, want upstream_broken", i, s.errEv)
 					}
 					if !strings.HasPrefix(want[i], s.text.String()) {
 						t.Errorf("stream %d of the killed worker read %q, not a prefix of the answer %q", i, s.text.String(), want[i])
@@ -152,9 +193,9 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 					t.Errorf("stream %d (on %s): error event %q, done %v, read\n%q\nwant\n%q", i, s.worker, s.errEv, s.done, s.text.String(), want[i])
 				}
 			}
-			for i, text := range whole {
-				if text != want[i] {
-					t.Errorf("answer %d, not streamed, read %q, want %q", i, text, want[i])
+			for k, i := range alongside {
+				if whole[k] != want[i] {
+					t.Errorf("answer %d, not streamed, read %q, want %q", i, whole[k], want[i])
 				}
 			}
 			outcome := "moved"
@@ -162,30 +203,51 @@ func TestStreamsOutliveAWorkerKilledMidStream(t *testing.T) {
 				outcome = "disabled"
 			}
 			n, err := metricValue(ctx, r, fmt.Sprintf(`kvrouter_migrations_total{outcome=%q}`, outcome))
-			if err != nil || int(n) != affected {
-				t.Errorf("kvrouter_migrations_total{outcome=%q} = %v (%v), want the %d streams of the killed worker", outcome, n, err, affected)
+			if err != nil {
+				t.Fatal(err)
 			}
-			retries, _ := metricValue(ctx, r, "kvrouter_retries_total")
-			t.Logf("%d of %d streams were on the killed worker; migrations{outcome=%q} = %v; retries before the first byte = %v",
-				affected, streams, outcome, n, retries)
+			switch {
+			case tt.limit == "0" && (broken == 0 || int(n) != broken):
+				t.Errorf("%d streams ended with an error event and migrations{outcome=%q} = %v; want them equal, and not 0", broken, outcome, n)
+			case tt.limit != "0" && (n < 1 || int(n) > running[victim]):
+				t.Errorf("migrations{outcome=%q} = %v, want from 1 to the %d streams running on the killed worker", outcome, n, running[victim])
+			}
+			retries, err := metricValue(ctx, r, "kvrouter_retries_total")
+			if err != nil || int(retries) < len(alongside) {
+				t.Errorf("kvrouter_retries_total = %v (%v), want the %d answers not streamed retried at least", retries, err, len(alongside))
+			}
+			t.Logf("%d of %d streams were running on the killed worker; migrations{outcome=%q} = %v; error events %d; retries before the first byte = %v",
+				running[victim], streams, outcome, n, broken, retries)
 		})
 	}
+}
+
+// sessionOf is the session of stream i of the subtest named name.
+func sessionOf(name string, i int) string {
+	return fmt.Sprintf("%s-%d", strings.ReplaceAll(name, " ", "-"), i)
 }
 
 // wholeText is the text of the non-streamed answer to body at url.
 func wholeText(t *testing.T, url, body string) string {
 	t.Helper()
-	text := wholeTextErr(url, body)
+	text := wholeTextVia(url, body, "")
 	if strings.HasPrefix(text, "error: ") {
 		t.Fatalf("reference answer: %s", text)
 	}
 	return text
 }
 
-// wholeTextErr is wholeText with a failure as the text, "error: ...".
-func wholeTextErr(url, body string) string {
-	client := &http.Client{Timeout: 2 * time.Minute}
-	resp, err := client.Post(url, "application/json", strings.NewReader(body))
+// wholeTextVia is wholeText in a session ("": none), with a failure as the text, "error: ...".
+func wholeTextVia(url, body, session string) string {
+	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		return "error: " + err.Error()
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if session != "" {
+		req.Header.Set("X-Session-ID", session)
+	}
+	resp, err := (&http.Client{Timeout: 2 * time.Minute}).Do(req)
 	if err != nil {
 		return "error: " + err.Error()
 	}
@@ -209,6 +271,7 @@ func wholeTextErr(url, body string) string {
 func readStream(ctx context.Context, url, body, session string, s *migrationStream, first func()) {
 	called := false
 	defer func() {
+		s.ended.Store(true)
 		if !called {
 			first()
 		}
