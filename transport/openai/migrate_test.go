@@ -273,3 +273,27 @@ func FuzzMigrationRelay(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkMigrationRelay is what following a stream costs per event with --migration-limit
+// above 0 (off, nothing is followed): one vLLM chat chunk of one token, as relayed, and the
+// same chunk rewritten as a continuation's.
+func BenchmarkMigrationRelay(b *testing.B) {
+	ev := []byte(`data: {"id":"chatcmpl-0123456789abcdef","object":"chat.completion.chunk","created":1767225600,"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"delta":{"content":" token"},"logprobs":null,"finish_reason":null}]}` + "\n\n")
+	for _, moving := range []bool{false, true} {
+		b.Run(fmt.Sprintf("continuation=%v", moving), func(b *testing.B) {
+			m := newMigration(&Request{Kind: KindChat, Stream: true, Body: []byte(`{"messages":[]}`)}, 1)
+			if moving {
+				m.relay(ev)
+				m.moves = 1
+			}
+			b.ReportAllocs()
+			b.SetBytes(int64(len(ev)))
+			for b.Loop() {
+				if m.text.Len() > 1<<20 {
+					m.text.Reset()
+				}
+				m.relay(ev)
+			}
+		})
+	}
+}
