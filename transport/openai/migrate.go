@@ -227,23 +227,36 @@ func eventData(ev []byte) (data []byte, ok bool) {
 
 // streamChunk is what the migration reads of a chat or completion stream's event.
 type streamChunk struct {
-	ID      json.RawMessage `json:"id"`
-	Created json.RawMessage `json:"created"`
-	Model   json.RawMessage `json:"model"`
-	Error   json.RawMessage `json:"error"`
+	Error   nonNull `json:"error"`
 	Choices []struct {
 		Index int     `json:"index"`
 		Text  *string `json:"text"`
 		Delta *struct {
-			Role         *string         `json:"role"`
-			Content      *string         `json:"content"`
-			ToolCalls    json.RawMessage `json:"tool_calls"`
-			FunctionCall json.RawMessage `json:"function_call"`
-			Reasoning    json.RawMessage `json:"reasoning_content"`
-			Reasoning2   json.RawMessage `json:"reasoning"`
+			Role         nonNull `json:"role"`
+			Content      *string `json:"content"`
+			ToolCalls    nonNull `json:"tool_calls"`
+			FunctionCall nonNull `json:"function_call"`
+			Reasoning    nonNull `json:"reasoning_content"`
+			Reasoning2   nonNull `json:"reasoning"`
 		} `json:"delta"`
-		FinishReason *string `json:"finish_reason"`
+		FinishReason nonNull `json:"finish_reason"`
 	} `json:"choices"`
+}
+
+// streamHead is a stream's first event's identity, which every later event keeps.
+type streamHead struct {
+	ID      json.RawMessage `json:"id"`
+	Created json.RawMessage `json:"created"`
+	Model   json.RawMessage `json:"model"`
+}
+
+// nonNull notes that a member is present and not null, without keeping it.
+type nonNull bool
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (n *nonNull) UnmarshalJSON(b []byte) error {
+	*n = nonNull(string(b) != "null")
+	return nil
 }
 
 // observe notes one event the client gets; roleOnly reports a chat event that carries the
@@ -258,12 +271,17 @@ func (m *migration) observe(ev []byte) (roleOnly bool) {
 		m.block("an event that is not a chunk")
 		return false
 	}
-	if !isNull(c.Error) {
+	if c.Error {
 		m.block("an error event")
 		return false
 	}
 	if m.id == nil {
-		m.id, m.created, m.model = c.ID, c.Created, c.Model
+		var h streamHead
+		if json.Unmarshal(data, &h) != nil || isNull(h.ID) {
+			m.block("a first event without an id")
+			return false
+		}
+		m.id, m.created, m.model = h.ID, h.Created, h.Model
 	}
 	roleOnly = len(c.Choices) == 1
 	for _, ch := range c.Choices {
@@ -274,10 +292,10 @@ func (m *migration) observe(ev []byte) (roleOnly bool) {
 		piece := ch.Text
 		if d := ch.Delta; d != nil {
 			piece = d.Content
-			if !isNull(d.ToolCalls) || !isNull(d.FunctionCall) || !isNull(d.Reasoning) || !isNull(d.Reasoning2) {
+			if d.ToolCalls || d.FunctionCall || d.Reasoning || d.Reasoning2 {
 				m.block("tool calls or reasoning in the answer")
 			}
-			roleOnly = roleOnly && d.Role != nil && (d.Content == nil || *d.Content == "")
+			roleOnly = roleOnly && bool(d.Role) && (d.Content == nil || *d.Content == "")
 		} else {
 			roleOnly = false
 		}
@@ -289,7 +307,7 @@ func (m *migration) observe(ev []byte) (roleOnly bool) {
 			}
 			m.tokens++
 		}
-		if ch.FinishReason != nil {
+		if ch.FinishReason {
 			m.finished = true
 			roleOnly = false
 		}
