@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -66,19 +67,43 @@ func TestOfficialClientsSpeakResponsesAndMessages(t *testing.T) {
 // completion, Responses and Messages answer whose worker's connection is cut after the first
 // event ends, for the official openai and @anthropic-ai/sdk clients (clients/node/midstream.mjs),
 // in a typed API error (openai's APIError with code upstream_broken, Anthropic's with type
-// api_error), not a connection error. The script prints "first NAME WORKER" at each stream's
-// first event, when the test cuts that worker, and "ok NAME ..." or "FAIL NAME ..." at its end.
+// api_error), not a connection error.
 func TestOfficialClientsRaiseATypedErrorWhenTheWorkerDiesMidStream(t *testing.T) {
+	// A worker whose stream broke is out of rotation: one per stream.
+	if ok := runCuttingWorkers(t, "midstream.mjs", 4, 200, nil); ok != 4 {
+		t.Fatalf("%d of 4 streams raised a typed error", ok)
+	}
+}
+
+// TestOfficialClientsReadAMovedStreamWhole: with --migration-limit 1, a streamed chat and
+// completion whose worker's connection is cut after the first event go on at another worker,
+// and the official openai client (clients/node/migrate.mjs) reads one stream, with one id,
+// holding exactly the uninterrupted answer.
+func TestOfficialClientsReadAMovedStreamWhole(t *testing.T) {
+	// Each cut takes a worker out of rotation: two streams, each moving once.
+	// 40 tokens: the script asks each once whole, then streamed.
+	if ok := runCuttingWorkers(t, "migrate.mjs", 4, 40, func(c *Config) { c.Proxy.MigrationLimit = 1 }); ok != 2 {
+		t.Fatalf("%d of 2 streams were read whole", ok)
+	}
+}
+
+// runCuttingWorkers runs the Node script (in clientsDir) against a replica (tune adjusts its
+// config) in front of n simulated workers, asking for maxTokens tokens per answer. The script prints "first NAME WORKER" at each
+// stream's first event, when the worker's connections are cut, and "ok NAME ..." or
+// "FAIL NAME ..." at its end; it returns the ok lines' count, failing the test if the script
+// fails.
+func runCuttingWorkers(t *testing.T, script string, n, maxTokens int, tune func(*Config)) int {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
 	node := nodeClients(t, ctx)
-	// 200 tokens at 50 ms: a stream lasts 10 s unless it is cut, far longer than the cut takes.
-	// A worker whose stream broke is out of rotation: one per stream.
-	fleet := startWorkers(t, 4, simConfig(50*time.Millisecond))
-	rep := startTestReplica(t, fleet, nil)
-	run := exec.CommandContext(ctx, node, "midstream.mjs")
+	// A token every 50 ms: a stream of 40 lasts 2 s unless it is cut, far longer than the
+	// cut takes.
+	fleet := startWorkers(t, n, simConfig(50*time.Millisecond))
+	rep := startTestReplica(t, fleet, tune)
+	run := exec.CommandContext(ctx, node, script)
 	run.Dir = clientsDir
-	run.Env = append(os.Environ(), "KVROUTER_URL=http://"+rep.Addr(), "KVROUTER_MODEL="+sim.DefaultModel, "KVROUTER_MAX_TOKENS=200")
+	run.Env = append(os.Environ(), "KVROUTER_URL=http://"+rep.Addr(), "KVROUTER_MODEL="+sim.DefaultModel, "KVROUTER_MAX_TOKENS="+strconv.Itoa(maxTokens))
 	run.Stderr = io.Discard
 	if testing.Verbose() {
 		run.Stderr = os.Stderr
@@ -103,9 +128,10 @@ func TestOfficialClientsRaiseATypedErrorWhenTheWorkerDiesMidStream(t *testing.T)
 		}
 	}
 	err = run.Wait()
-	t.Logf("node midstream.mjs:\n%s", strings.Join(lines, "\n"))
-	if err != nil || len(ok) != 4 {
-		t.Fatalf("node midstream.mjs: %v; %d of 4 streams raised a typed error", err, len(ok))
+	t.Logf("node %s:\n%s", script, strings.Join(lines, "\n"))
+	if err != nil {
+		t.Fatalf("node %s: %v", script, err)
 	}
 	waitRouterIdle(t, rep)
+	return len(ok)
 }

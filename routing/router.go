@@ -758,7 +758,16 @@ func (a *Attempt) startDispatch() {
 // (revision-guarded), releases the failed worker's load and selects another worker, excluding
 // those tried. It returns ErrRetriesExhausted (or a selection error) when no retry is
 // possible; the attempt is then finished.
-func (a *Attempt) Retry(ctx context.Context, cause error) error {
+func (a *Attempt) Retry(ctx context.Context, cause error) error { return a.retry(ctx, cause, true) }
+
+// Move is Retry for a request whose answer had started when its worker failed, which the
+// caller continues on another worker (transport/openai's request migration): the binding
+// moves with it in one compare-and-set, as Retry's does. The caller bounds how often a
+// request moves; a move does not spend the retries before the first byte.
+func (a *Attempt) Move(ctx context.Context, cause error) error { return a.retry(ctx, cause, false) }
+
+// retry is Retry, counted against MaxRetries when bounded.
+func (a *Attempt) retry(ctx context.Context, cause error, bounded bool) error {
 	if a.finished {
 		return fmt.Errorf("retry of a finished attempt: %w", cause)
 	}
@@ -773,11 +782,13 @@ func (a *Attempt) Retry(ctx context.Context, cause error) error {
 		return fmt.Errorf("bind session: %w", err)
 	}
 	a.tried = append(a.tried, a.decision.Target.Worker)
-	if a.req.Target != nil || a.retries >= a.router.cfg.MaxRetries || a.req.Resume && a.decision.Bound {
+	if a.req.Target != nil || bounded && a.retries >= a.router.cfg.MaxRetries || a.req.Resume && a.decision.Bound {
 		a.fail(ctx)
 		return fmt.Errorf("%w after %d tries: %w", ErrRetriesExhausted, len(a.tried), cause)
 	}
-	a.retries++
+	if bounded {
+		a.retries++
+	}
 	// The bound worker failed: its binding is replaced, and the session chosen afresh. A
 	// racing request may meanwhile have bound the session to a worker this request already
 	// saw fail; that binding is replaced too (once), rather than spending the retry on it.

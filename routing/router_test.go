@@ -800,3 +800,37 @@ func TestSubsetNarrowsCandidatesAndRebindsOutsideIt(t *testing.T) {
 		t.Fatalf("empty subset: %v, want ErrNoWorker", err)
 	}
 }
+
+// TestMoveAfterTheFirstByteRebindsWithoutSpendingRetries: a committed request whose answer
+// broke off moves to a worker not tried yet, by a compare-and-set rebind to a higher revision,
+// even with no retries allowed; once every worker was tried it fails.
+func TestMoveAfterTheFirstByteRebindsWithoutSpendingRetries(t *testing.T) {
+	rg := newRig(t, 2, Config{MaxRetries: -1}) // negative: none
+	ctx := context.Background()
+	a := route(t, rg.router, Request{Session: "s", PromptTokens: 16})
+	first, err := a.Commit(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Move(ctx, errors.New("stream broke off")); err != nil {
+		t.Fatalf("move with MaxRetries 0: %v", err)
+	}
+	if w := a.Decision().Target.Worker; w == first.Worker {
+		t.Fatalf("moved to the failed worker %s again", w)
+	}
+	a.Propose(ctx)
+	second, err := a.Commit(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if second.Worker == first.Worker || second.Revision <= first.Revision {
+		t.Fatalf("binding after the move %+v, want another worker at a revision above %+v", second, first)
+	}
+	if b, _, _ := rg.affinity.Peek(ctx, "s"); b != second {
+		t.Fatalf("stored binding %+v, want %+v", b, second)
+	}
+	if err := a.Move(ctx, errors.New("broke off again")); err == nil {
+		t.Fatal("moved with every worker tried")
+	}
+	a.Finish()
+}

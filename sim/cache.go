@@ -75,22 +75,12 @@ type CacheStats struct {
 // endian) and then each token id (4 bytes little endian). It never returns 0, which means
 // "no parent".
 func BlockHash(parent uint64, tokens []uint32) uint64 {
-	const (
-		offset64 = 14695981039346656037
-		prime64  = 1099511628211
-	)
-	h := uint64(offset64)
+	h := uint64(fnvOffset)
 	for i := range 8 {
 		h ^= (parent >> (8 * i)) & 0xff
-		h *= prime64
+		h *= fnvPrime
 	}
-	for _, t := range tokens {
-		for i := range 4 {
-			h ^= uint64(t>>(8*i)) & 0xff
-			h *= prime64
-		}
-	}
-	if h == 0 {
+	if h = fnvTokens(h, tokens); h == 0 {
 		h = 1
 	}
 	return h
@@ -102,14 +92,10 @@ func saltSeed(salt string) uint64 {
 	if salt == "" {
 		return 0
 	}
-	const (
-		offset64 = 14695981039346656037
-		prime64  = 1099511628211
-	)
-	h := uint64(offset64)
+	h := uint64(fnvOffset)
 	for _, c := range []byte("sim/cache_salt\x00" + salt) {
 		h ^= uint64(c)
-		h *= prime64
+		h *= fnvPrime
 	}
 	if h == 0 {
 		h = 1

@@ -17,7 +17,14 @@
 //
 // Generated text is a sequence of filler words picked deterministically from the prompt;
 // every filler word is a single token, so a follow-up chat turn that repeats the assistant's
-// reply reproduces the exact token ids the worker generated and hits its cache.
+// reply reproduces the exact token ids the worker generated and hits its cache. Each word is
+// picked by a hash of every token before it (the prompt's and the words generated so far), so
+// a continuation generates what the uninterrupted answer would have: a completion whose
+// prompt is the original prompt followed by the first k words, or a chat whose final
+// assistant message holds them with continue_final_message true and add_generation_prompt
+// false (as vLLM takes a continuation; both true, or a final message not the assistant's, is
+// a 400), goes on with word k+1. That is how a router's migration of a stream to another
+// worker can be checked for duplicated or missing tokens.
 //
 // # Prefix cache
 //

@@ -198,7 +198,7 @@ func (w *Worker) handleGenerate(chat bool) http.HandlerFunc {
 		if chat {
 			prefix = "chatcmpl"
 		}
-		out := newOutput(req.prompt, req.maxTokens, chat)
+		out := newOutput(req.prompt, req.maxTokens, chat && !req.continues)
 		g := &generation{
 			w: w, rw: rw, req: req, out: out, start: start, created: start.Unix(), model: w.cfg.Model,
 			id: fmt.Sprintf("%s-%s-%d", prefix, w.cfg.ID, w.nextID.Add(1)),

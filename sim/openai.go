@@ -73,6 +73,9 @@ type genRequest struct {
 	cacheSalt string
 	// turn is a Responses request's place in its conversation; nil for the other APIs.
 	turn *responseTurn
+	// continues: a chat request with continue_final_message whose final (assistant) message
+	// has content, so its first generated word follows that text after a space.
+	continues bool
 }
 
 type streamOptions struct {
@@ -95,6 +98,7 @@ type wireRequest struct {
 	N                   *int64          `json:"n"`
 	AddSpecialTokens    *bool           `json:"add_special_tokens"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
+	ContinueFinal       *bool           `json:"continue_final_message"`
 	KVTransferParams    json.RawMessage `json:"kv_transfer_params"`
 	CacheSalt           json.RawMessage `json:"cache_salt"`
 }
@@ -125,6 +129,18 @@ func decodeRequest(body []byte, chat bool, maxModelLen int) (*genRequest, *apiEr
 			return nil, aerr
 		}
 		addGen := w.AddGenerationPrompt == nil || *w.AddGenerationPrompt
+		if w.ContinueFinal != nil && *w.ContinueFinal {
+			// As vLLM: the final message is continued rather than closed, which a
+			// generation prompt after it would contradict.
+			if addGen {
+				return nil, badRequest("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true")
+			}
+			last := msgs[len(msgs)-1]
+			if last.Role != "assistant" {
+				return nil, badRequest("continue_final_message", "continue_final_message needs a final message of role assistant, got %q", last.Role)
+			}
+			req.continues = last.Content != ""
+		}
 		req.prompt = Tokenize(RenderChat(msgs, addGen), addSpecial)
 	} else {
 		if req.prompt, aerr = parsePrompt(w.Prompt, addSpecial); aerr != nil {

@@ -306,19 +306,51 @@ type output struct {
 	tokens []uint32
 }
 
-// newOutput picks n filler words, seeded by the prompt so equal prompts get equal text.
-func newOutput(prompt []uint32, n int, chat bool) output {
-	seed := BlockHash(0, prompt)
+// newOutput picks n filler words. Word i is picked by a hash of every token before it, the
+// prompt's and the i words generated before it, so equal prompts get equal text, and a
+// continuation (the prompt followed by the first k words, as a router sends it when it moves a
+// stream to another worker) generates exactly the words k, k+1, ... of the uninterrupted run.
+// bare leaves the first word without its leading space (a chat answer's start).
+func newOutput(prompt []uint32, n int, bare bool) output {
+	h := fnvTokens(fnvOffset, prompt)
 	out := output{pieces: make([]string, n), tokens: make([]uint32, n)}
 	for i := range n {
-		word := fillerWords[(seed+uint64(i)*0x9e3779b97f4a7c15)>>58%uint64(len(fillerWords))]
+		word := fillerWords[mix64(h)>>58%uint64(len(fillerWords))]
 		out.tokens[i] = pieceToken(word)
-		if i > 0 || !chat {
+		h = fnvTokens(h, out.tokens[i:i+1])
+		if i > 0 || !bare {
 			word = " " + word
 		}
 		out.pieces[i] = word
 	}
 	return out
+}
+
+// FNV-1a-64's starting state and prime.
+const (
+	fnvOffset = 14695981039346656037
+	fnvPrime  = 1099511628211
+)
+
+// fnvTokens continues FNV-1a-64 state h over tokens (4 bytes little endian each), so that
+// fnvTokens(fnvTokens(h, a), b) is fnvTokens(h, a followed by b).
+func fnvTokens(h uint64, tokens []uint32) uint64 {
+	for _, t := range tokens {
+		for i := range 4 {
+			h ^= uint64(t>>(8*i)) & 0xff
+			h *= fnvPrime
+		}
+	}
+	return h
+}
+
+// mix64 spreads h's bits (SplitMix64's finalizer): FNV's high bits alone are poorly mixed.
+func mix64(h uint64) uint64 {
+	h ^= h >> 30
+	h *= 0xbf58476d1ce4e5b9
+	h ^= h >> 27
+	h *= 0x94d049bb133111eb
+	return h ^ h>>31
 }
 
 // runResult is what a request's run tells its answer besides the tokens.

@@ -158,6 +158,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.IntVar(&cfg.Router.QueueSize, "queue-size", 64, "requests that may wait while every worker is busy")
 	fs.DurationVar(&cfg.Router.QueueWait, "queue-wait", 5*time.Second, "how long a request waits for a non-busy worker before 503")
 	fs.IntVar(&cfg.Router.MaxRetries, "max-retries", 2, "retries on another worker before the first byte")
+	fs.IntVar(&cfg.Proxy.MigrationLimit, "migration-limit", 0, "times a streamed chat or completion whose worker fails after the first byte may move to another worker, continued from the text already sent (as Dynamo's --migration-limit; a move does not spend --max-retries); 0 ends such a stream with an error event")
 	fs.DurationVar(&cfg.ApproxTTL, "approx-ttl", 120*time.Second, "how long a routing decision counts as cached on its worker")
 	fs.IntVar(&cfg.ApproxMaxBlocks, "approx-max-blocks", 1<<20, "per-worker cap of remembered blocks from decisions (prompts, and the blocks their answers generated); the workers' KV cache size in blocks is the faithful value")
 	fs.DurationVar(&cfg.SessionTTL, "session-ttl", 10*time.Minute, "a session binding idles out this long after its last request ends")

@@ -16,6 +16,8 @@ type metrics struct {
 	requests *prometheus.CounterVec
 	errors   *prometheus.CounterVec
 	retries  prometheus.Counter
+	// migrations counts streams whose worker failed after the first byte, by outcome.
+	migrations *prometheus.CounterVec
 	// dispatches counts requests sent to each worker, by why it was that worker.
 	dispatches *prometheus.CounterVec
 	ttft       prometheus.Histogram
@@ -57,6 +59,13 @@ func newMetrics() *metrics {
 			Name: "kvrouter_retries_total",
 			Help: "Dispatches retried on another worker before the first byte reached the client.",
 		}),
+		migrations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_migrations_total",
+			Help: "Streamed chat and completion answers whose worker failed after the first byte, by outcome: moved (continued at another worker), " +
+				"disabled (--migration-limit 0), exhausted (moved the limit's times already), unsupported (the request or its answer cannot be continued), " +
+				"no_worker (no other worker took the continuation), finished (every token had come; the router sent the end). " +
+				"A failure that ends with an error event is also counted in kvrouter_errors_total.",
+		}, []string{"outcome"}),
 		dispatches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_worker_dispatches_total",
 			Help: "Requests this replica sent to the worker (rank), retries included, by why that worker: " +
@@ -126,7 +135,7 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
-	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,
+	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.migrations, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,
 		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, m.tokenizeFallbacks, m.clientLimited, m.models, c} {
 		if err := reg.Register(col); err != nil {
 			return fmt.Errorf("register metrics: %w", err)

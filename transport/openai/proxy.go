@@ -72,6 +72,7 @@ const (
 	retry                  // nothing reached the client: try the next choice
 	aborted                // the response had started when the worker broke off
 	moved                  // another replica bound the session first: dispatch again to its worker
+	migrate                // the stream broke off after it started: continue it at another worker
 )
 
 // failure is a dispatch that may be retried.
@@ -117,6 +118,9 @@ type call struct {
 	decodeAt time.Time
 	// watch reads a stored Responses stream for its id (nil: not watched).
 	watch *responseWatch
+	// mig follows a stream for its continuation at another worker (migrate.go); nil with
+	// migration off.
+	mig *migration
 }
 
 // firstBytes notes the first body bytes of a dispatch: the load moves from prefill to decode.
@@ -147,6 +151,7 @@ func (s *Server) proxy(c *call) bool {
 	defer c.att.Finish()
 	ctx := c.r.Context()
 	base := c.r
+	c.mig = newMigration(c.p, s.cfg.MigrationLimit)
 	var last failure
 	for attempt := range maxDispatches {
 		// Each attempt is a span of its own, the worker's traceparent its child.
@@ -157,9 +162,12 @@ func (s *Server) proxy(c *call) bool {
 				append(decisionAttrs(c.att.Decision()), attrAttempt.Int(attempt+1))...)
 			c.r = base.WithContext(actx)
 		}
+		if c.mig.moving() {
+			span.SetAttributes(attrMoves.Int(c.mig.moves))
+		}
 		res, fail := s.dispatch(c)
 		c.r = base
-		if res == retry {
+		if res == retry || res == migrate {
 			failSpan(span, fail.cause, fail.err)
 		}
 		if c.prefill != "" {
@@ -172,6 +180,11 @@ func (s *Server) proxy(c *call) bool {
 		case aborted:
 			return true
 		case moved:
+			continue
+		case migrate:
+			if !s.move(c, fail) {
+				return false
+			}
 			continue
 		}
 		last = fail
@@ -199,6 +212,12 @@ func (s *Server) proxy(c *call) bool {
 func (s *Server) giveUp(c *call, err error, last failure) {
 	if c.r.Context().Err() != nil {
 		s.fail(c.w, c.r, nil)
+		return
+	}
+	if c.mig.moving() {
+		// The stream's head is out: it ends with an error event.
+		s.metrics.migrations.WithLabelValues(migrationNoWorker).Inc()
+		s.failStream(c, retryError(err, last))
 		return
 	}
 	if a := last.answer; a != nil {
@@ -242,6 +261,12 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 	c.prefill = ""
 	sent, err := sentBody(c.p, d.Model)
+	if err == nil && c.mig != nil {
+		c.mig.start()
+		if c.mig.moving() {
+			sent, err = c.mig.continuation(sent)
+		}
+	}
 	if err != nil {
 		return retry, failure{cause: "internal", err: err}
 	}
@@ -278,6 +303,15 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 			answer: &failedAnswer{worker: d, resp: resp, body: body}}
 	}
 
+	if c.mig.moving() && (resp.StatusCode < 200 || resp.StatusCode >= 300 || !isEventStream(resp.Header)) {
+		// The client has the stream's head already: a refused continuation ends it.
+		c.att.Refused(ctx)
+		s.metrics.migrations.WithLabelValues(migrationNoWorker).Inc()
+		s.failStream(c, &Error{Status: http.StatusBadGateway, Type: TypeServer, Code: "migration_failed", Cause: "migration_failed",
+			Message: fmt.Sprintf("the answer is incomplete: worker %s refused its continuation (%s)", d.Target.Worker, resp.Status)})
+		return done, failure{}
+	}
+
 	if resp.StatusCode < 200 || resp.StatusCode >= 300 {
 		// The worker refused the request itself: the client's fault, so it is theirs to see.
 		// A new session's binding, proposed at dispatch and seen by no other request yet,
@@ -297,8 +331,9 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		}
 		res, fail := s.relay(c, &rd, d, isEventStream(resp.Header), func() (outcome, failure, bool) {
 			binding, res, fail, ok := s.bind(c)
-			if !ok {
-				return res, fail, false
+			if !ok || c.mig.moving() {
+				// A continuation's head went out with the first worker's answer.
+				return res, fail, ok
 			}
 			c.observeTTFT(s)
 			s.observeDecodeLeg(c, resp.Header)
@@ -408,7 +443,11 @@ func (s *Server) bind(c *call) (binding routing.Binding, res outcome, fail failu
 		return binding, retry, failure{cause: "draining", err: err}, false
 	}
 	// Closing the body unread drops the connection, which cancels the worker's request.
-	s.fail(c.w, c.r, commitError(err))
+	if c.mig.moving() {
+		s.failStream(c, commitError(err))
+	} else {
+		s.fail(c.w, c.r, commitError(err))
+	}
 	return binding, done, failure{}, false
 }
 
@@ -672,13 +711,17 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, sse bool
 				c.ended, c.generated = true, tally.Generated()
 				c.att.Complete(c.generated)
 			}
-			if _, werr := c.w.Write(buf[:n]); werr != nil {
+			out := buf[:n]
+			if c.mig != nil && hdr != nil {
+				out = c.mig.relay(out)
+			}
+			if _, werr := c.w.Write(out); werr != nil {
 				s.log.Debug("client write failed", "error", werr)
 				c.w.clientGone()
 				s.metrics.errors.WithLabelValues("client_cancel").Inc()
 				return done, failure{}
 			}
-			tail.add(buf[:n])
+			tail.add(out)
 			// Bytes that came with the end of the stream go out with the end of the response,
 			// in one write, when the handler returns; all others at once.
 			if !errors.Is(err, io.EOF) {
@@ -720,12 +763,25 @@ func (s *Server) relay(c *call, rd *upstreamReader, d routing.Decision, sse bool
 			// would read as an error, so the connection is cut.
 			return aborted, fail
 		}
-		apiErr := &Error{Status: http.StatusBadGateway, Type: TypeServer, Code: cause, Cause: cause,
-			Message: "the answer is incomplete: " + fail.err.Error()}
-		if _, err := c.w.Write(apiErr.streamEvent(c.p.Kind, c.w.anthropic, tally.events)); err != nil {
-			c.w.clientGone()
-			return done, failure{}
+		msg := "the answer is incomplete: " + fail.err.Error()
+		if hdr != nil {
+			outcome, move := c.mig.canMove()
+			if move {
+				return migrate, fail
+			}
+			s.metrics.migrations.WithLabelValues(outcome).Inc()
+			switch outcome {
+			case migrationFinished:
+				// Every token came; only the end was lost.
+				if _, err := io.WriteString(c.w, streamEnd+"\n\n"); err != nil {
+					c.w.clientGone()
+				}
+				return done, fail
+			case migrationExhausted:
+				msg += fmt.Sprintf(" (the stream moved %d times already)", c.mig.moves)
+			}
 		}
+		s.writeStreamEvent(c, &Error{Status: http.StatusBadGateway, Type: TypeServer, Code: cause, Cause: cause, Message: msg}, tally.events)
 		return done, fail
 	}
 }

@@ -105,10 +105,14 @@ type Config struct {
 	// (responses.go): for workers that keep no Responses state, where each binding would be
 	// a Raft write for nothing. previous_response_id is then routed as any request.
 	NoResponsesAffinity bool
+	// MigrationLimit is how many times a streamed chat or completion whose worker fails
+	// after the first byte may move to another worker, continued from the text already sent
+	// (migrate.go); 0, the default, ends such a stream with an error event.
+	MigrationLimit int
 }
 
 func (c *Config) setDefaults() error {
-	if c.MaxBodyBytes < 0 || c.ConnectTimeout < 0 || c.FirstByteTimeout < 0 || c.IdleTimeout < 0 || c.ReservationTTL < 0 || c.MaxReservations < 0 {
+	if c.MaxBodyBytes < 0 || c.ConnectTimeout < 0 || c.FirstByteTimeout < 0 || c.IdleTimeout < 0 || c.ReservationTTL < 0 || c.MaxReservations < 0 || c.MigrationLimit < 0 {
 		return errors.New("openai: negative limit or timeout in config")
 	}
 	if c.MaxBodyBytes == 0 {

@@ -40,6 +40,7 @@ const (
 	attrFallback  = attribute.Key("kvrouter.tokenize.fallback")
 	attrOutcome   = attribute.Key("kvrouter.disaggregation")
 	attrGenerated = attribute.Key("kvrouter.output_tokens")
+	attrMoves     = attribute.Key("kvrouter.migration.moves")
 )
 
 // tracing is the front's tracer and the W3C propagator; nil when tracing is off.
