@@ -48,6 +48,9 @@ type Config struct {
 	// PrefillWeight is the kv policy's weight of prefill blocks against decode blocks in its
 	// cost (0: the router's default), as serve's --prefill-weight.
 	PrefillWeight float64
+	// OverlapWeight is the kv policy's weight of uncached prompt blocks (0: the router's
+	// default), as serve's --overlap-weight.
+	OverlapWeight float64
 	Modes         []string // approximate and/or precise (KV events)
 	Topologies    []Topology
 	// Fleets are the worker fleets to compare (default: Workers aggregated workers); a
@@ -478,7 +481,7 @@ func runOne(ctx context.Context, cfg Config, r run, reqs []trace.Request, progre
 	base := replica.Config{
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0",
 		Workers: fleet.specs,
-		Router: routing.Config{Policy: policy, PrefillWeight: cfg.PrefillWeight, RecordAtCommit: r.recordAt == "commit",
+		Router: routing.Config{Policy: policy, PrefillWeight: cfg.PrefillWeight, OverlapWeight: cfg.OverlapWeight, RecordAtCommit: r.recordAt == "commit",
 			NoRefreshAtEnd: r.recordAt == "dispatch-only",
 			Disagg:         routing.DisaggConfig{Mode: r.disagg, MinUncachedTokens: cfg.MinUncachedTokens}},
 		// The decision index forgets on the workers' scale: a worker remembers no more than

@@ -53,15 +53,20 @@ func newPolicy(name string) (policy, error) {
 	return mk(), nil
 }
 
+// DefaultOverlapWeight is Config.OverlapWeight's default, chosen with the capacity sweep
+// (routing/DESIGN.md, "Policies").
+const DefaultOverlapWeight = 3
+
 // kvPolicy is the reference router's cost model (DESIGN.md section 7), lower is better, with
-// two corrections measured by the capacity sweep (routing/DESIGN.md, "Policies"): the request's
+// three corrections measured by the capacity sweep (routing/DESIGN.md, "Policies"): a prompt
+// block the worker does not cache weighs OverlapWeight blocks of queued prefill, the request's
 // own decode blocks are only those its worker does not already cache, and a worker's decode
 // blocks weigh by how full its KV cache would be.
 type kvPolicy struct{}
 
 func (kvPolicy) choose(req *Request, promptBlocks int, cands []candidate, r *Router) int {
 	bs := float64(r.cfg.BlockSize)
-	pw := r.cfg.PrefillWeight
+	pw, ow := r.cfg.PrefillWeight, r.cfg.OverlapWeight
 	var costs [64]float64
 	cost := costs[:0]
 	if len(cands) > len(costs) {
@@ -76,7 +81,7 @@ func (kvPolicy) choose(req *Request, promptBlocks int, cands []candidate, r *Rou
 	for i := range cands {
 		c := &cands[i]
 		uncached := float64(promptBlocks - c.overlap)
-		prefill := float64(c.load.PrefillTokens)/bs + uncached
+		prefill := float64(c.load.PrefillTokens)/bs + ow*uncached
 		cost = append(cost, pw*prefill+decodeWeight*decodeCost(float64(c.load.DecodeBlocks)+uncached, c.target.Spec.CapacityBlocks))
 	}
 	if r.cfg.Temperature > 0 {

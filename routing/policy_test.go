@@ -17,7 +17,7 @@ func TestKVCostWeighsBlocksInUseByHowFullTheCacheIs(t *testing.T) {
 		{"another request decodes in a cache a tenth full", 0, 100, "w1"},
 		{"the cache is four fifths full", 0, 800, "w0"},
 		{"a short prefill queue costs less than the prefix saves", 30, 0, "w1"},
-		{"a long prefill queue costs more than the prefix saves", 60, 0, "w0"},
+		{"a long prefill queue costs more than the prefix saves", 200, 0, "w0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rg := newRig(t, 2, Config{})

@@ -89,6 +89,9 @@ type Config struct {
 	Policy        string
 	BlockSize     int     // tokens per block (16)
 	PrefillWeight float64 // kv cost weight of prefill blocks (1.0)
+	// OverlapWeight is the kv cost's weight of each prompt block a worker does not cache,
+	// against one block of prefill already queued there (DefaultOverlapWeight when 0).
+	OverlapWeight float64
 	Temperature   float64 // 0: argmin, ties to the longer overlap, then random; >0: softmax sampling
 	// BusyDecodeFraction marks a worker busy when its decode blocks exceed this share of its
 	// capacity; 0 disables.
@@ -160,8 +163,11 @@ func New(cfg Config, deps Deps) (*Router, error) {
 	if cfg.PrefillWeight == 0 {
 		cfg.PrefillWeight = 1
 	}
-	if cfg.PrefillWeight < 0 || cfg.Temperature < 0 || cfg.BusyDecodeFraction < 0 || cfg.BusyPrefillTokens < 0 {
-		return nil, errors.New("prefill weight, temperature and busy thresholds must not be negative")
+	if cfg.OverlapWeight == 0 {
+		cfg.OverlapWeight = DefaultOverlapWeight
+	}
+	if cfg.PrefillWeight < 0 || cfg.OverlapWeight < 0 || cfg.Temperature < 0 || cfg.BusyDecodeFraction < 0 || cfg.BusyPrefillTokens < 0 {
+		return nil, errors.New("prefill and overlap weights, temperature and busy thresholds must not be negative")
 	}
 	if cfg.QueueSize == 0 {
 		cfg.QueueSize = 64

@@ -69,7 +69,7 @@ func TestViewFollowsTheRoutableSet(t *testing.T) {
 	prefix := hashes(9, 10)
 	rg.index.Record(worker("w2"), prefix)
 	for _, id := range []string{"w0", "w1"} {
-		rg.tracker.Start(worker(id), 40*16, 0) // 40 blocks of prefill each
+		rg.tracker.Start(worker(id), 100*16, 0) // 100 blocks of prefill each
 	}
 	rg.tracker.Start(worker("w2"), 1000*16, 0)
 	route(t, rg.router, Request{PromptTokens: 160, Hashes: prefix}).Finish()

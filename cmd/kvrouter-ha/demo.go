@@ -26,6 +26,7 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	topologies := fs.String("replicas", "1", "router topologies to compare: N replicas behind a round-robin client, N-nogossip for N replicas that share nothing but bindings (e.g. 1,3,3-nogossip)")
 	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
 	fs.Float64Var(&cfg.PrefillWeight, "prefill-weight", 1, "compare, capacity: the kv policy's weight of prefill blocks in its cost, as serve's flag of that name (to try a tuning on the same runs)")
+	fs.Float64Var(&cfg.OverlapWeight, "overlap-weight", routing.DefaultOverlapWeight, "compare, capacity: the kv policy's weight of uncached prompt blocks against queued prefill, as serve's flag of that name")
 	fs.IntVar(&cfg.Workers, "workers", 8, "simulated workers (aggregated; see --fleet); scale: the fleet it starts with")
 	fs.IntVar(&cfg.ScaleUp, "scale-up", 4, "scale: simulated workers started and added to the fleet file at one third of the replay")
 	fs.IntVar(&cfg.ScaleDown, "scale-down", 4, "scale: the oldest workers taken out of the fleet file at two thirds of the replay, and stopped once every replica has drained them")

@@ -149,6 +149,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.StringVar(&cfg.Router.Policy, "policy", "kv", "selection policy: "+strings.Join(routing.Policies(), ", "))
 	fs.IntVar(&cfg.Router.BlockSize, "block-size", indexer.DefaultBlockSize, "KV block size in tokens (must match the workers')")
 	fs.Float64Var(&cfg.Router.PrefillWeight, "prefill-weight", 1, "kv policy: weight of prefill blocks in the cost")
+	fs.Float64Var(&cfg.Router.OverlapWeight, "overlap-weight", routing.DefaultOverlapWeight, "kv policy: weight of each prompt block a worker does not cache against one block of prefill queued there (its prefill now, and a second copy of the prefix in the fleet's caches)")
 	fs.Float64Var(&cfg.Router.Temperature, "temperature", 0, "kv policy: 0 picks the cheapest worker; >0 samples by softmax over costs")
 	fs.Float64Var(&cfg.Router.BusyDecodeFraction, "busy-decode-fraction", 0, "a worker whose decode blocks exceed this share of capacity_blocks is busy (0: off)")
 	fs.Int64Var(&cfg.Router.BusyPrefillTokens, "busy-prefill-tokens", 0, "a worker with more in-flight prefill tokens is busy (0: off)")
