@@ -200,6 +200,9 @@ type Node struct {
 	wg        sync.WaitGroup
 	closeOnce sync.Once
 	closed    atomic.Bool
+	// stopping: the replica is stopping (SetStopping); cutOff: this node stepped down as
+	// leader with no successor known and has known no leader since (refusal.go).
+	stopping, cutOff atomic.Bool
 
 	// pendingMembers are the founders' addresses, recorded in the FSM by the first leader.
 	memMu          sync.Mutex
@@ -861,6 +864,13 @@ func (n *Node) watchLeadership() {
 			cur = t
 		case !leading && cur != nil:
 			revoke()
+			// A leader that steps down with no successor in sight lost its quorum (a
+			// partition, a pause): it refuses at once until it hears of a leader.
+			if _, lid := n.raft.LeaderWithID(); lid == "" {
+				n.cutOff.Store(true)
+				n.log.Warn("stepped down with no other leader known: refusing requests until a leader is heard of")
+				n.notifyApplied()
+			}
 		}
 	}
 }
@@ -872,6 +882,9 @@ func (n *Node) watchLeadership() {
 func (n *Node) noteLeader(last *raft.ServerID, id raft.ServerID) {
 	if id != "" && id != *last {
 		n.leaderChanges.Add(1)
+	}
+	if id != "" {
+		n.cutOff.Store(false)
 	}
 	*last = id
 }
