@@ -35,11 +35,11 @@ func TestAReplicaThatCannotServeRefusesWithoutWaitingAndOneThatMayWaits(t *testi
 	cases := []struct {
 		name string
 		// fault breaks the cluster and returns the node the request goes to.
-		fault func(c *testCluster, leader int) *Node
+		fault func(t *testing.T, c *testCluster, leader int) *Node
 		// want is the refusal's reason, "" for a served request.
 		want string
 	}{
-		{"leader cut off from both followers", func(c *testCluster, li int) *Node {
+		{"leader cut off from both followers", func(t *testing.T, c *testCluster, li int) *Node {
 			c.cut(li)
 			n := c.nodes[li]
 			// Raft steps it down once it misses its quorum for LeaderLeaseTimeout.
@@ -51,12 +51,12 @@ func TestAReplicaThatCannotServeRefusesWithoutWaitingAndOneThatMayWaits(t *testi
 			})
 			return n
 		}, "cut_off"},
-		{"stopping follower without a read lease", func(c *testCluster, li int) *Node {
+		{"stopping follower without a read lease", func(t *testing.T, c *testCluster, li int) *Node {
 			fi := (li + 1) % 3
 			c.cut(fi)
 			n := c.nodes[fi]
 			poll.Until(t, 10*time.Second, func() error {
-				if n.Ready() == nil {
+				if n.leaseHolds() == nil {
 					return errors.New("the cut-off follower still holds its lease")
 				}
 				return nil
@@ -64,7 +64,7 @@ func TestAReplicaThatCannotServeRefusesWithoutWaitingAndOneThatMayWaits(t *testi
 			n.SetStopping()
 			return n
 		}, "stopping"},
-		{"follower of a killed leader", func(c *testCluster, li int) *Node {
+		{"follower of a killed leader", func(t *testing.T, c *testCluster, li int) *Node {
 			c.kill(li)
 			return c.nodes[(li+1)%3]
 		}, ""},
@@ -81,7 +81,7 @@ func TestAReplicaThatCannotServeRefusesWithoutWaitingAndOneThatMayWaits(t *testi
 					return nil
 				})
 			}
-			n := tc.fault(c, li)
+			n := tc.fault(t, c, li)
 			a := NewAffinity(n)
 			ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 			defer cancel()
