@@ -34,7 +34,8 @@ type Error struct {
 	// RetryAfter, when set, becomes the Retry-After header (seconds).
 	RetryAfter string `json:"-"`
 	// Refused, when set, becomes the X-Kvrouter-Refused header: the replica refused the
-	// request before asking any worker (routing.Refusal), for this reason.
+	// request before asking any worker, for this reason (a routing.Refusal's, no_worker,
+	// busy). Every 503 carries it (afterWorker).
 	Refused string `json:"-"`
 	// Cause is the metrics label for this error.
 	Cause string `json:"-"`
@@ -190,10 +191,10 @@ func routeError(err error) *Error {
 		return nil
 	case errors.Is(err, routing.ErrNoWorker):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
-			Code: "no_worker", RetryAfter: "1", Cause: "no_worker"}
+			Code: "no_worker", RetryAfter: "1", Refused: "no_worker", Cause: "no_worker"}
 	case errors.Is(err, routing.ErrBusy):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
-			Code: "busy", RetryAfter: "1", Cause: "busy"}
+			Code: "busy", RetryAfter: "1", Refused: "busy", Cause: "busy"}
 	case errors.As(err, &refusal):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
 			Code: "cluster_unavailable", RetryAfter: "1", Refused: refusal.Reason, Cause: "refused_" + refusal.Reason}

@@ -34,6 +34,7 @@ func TestOnlyARequestNoWorkerSawIsAnswered503(t *testing.T) {
 		wantAsked  int
 	}{
 		{"refused by a cut-off replica", "s-1", okJSON, true, http.StatusServiceUnavailable, "cut_off", 0},
+		{"no healthy worker", "", okJSON, false, http.StatusServiceUnavailable, "no_worker", 0},
 		{"every worker answering 503", "", func(w http.ResponseWriter, _ *http.Request) {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusServiceUnavailable)
@@ -48,6 +49,10 @@ func TestOnlyARequestNoWorkerSawIsAnswered503(t *testing.T) {
 				opts.affinity = func(m *routing.MemoryAffinity) routing.AffinityStore { return refusingAffinity{m} }
 			}
 			rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL), spec("w1", w1.URL)}, opts)
+			if tc.wantMarker == "no_worker" {
+				rg.workers.SetHealthy("w0", false, "test")
+				rg.workers.SetHealthy("w1", false, "test")
+			}
 			headers := map[string]string{}
 			if tc.session != "" {
 				headers[headerSession] = tc.session
@@ -60,7 +65,7 @@ func TestOnlyARequestNoWorkerSawIsAnswered503(t *testing.T) {
 			if asked := w0.requests() + w1.requests(); asked != tc.wantAsked {
 				t.Fatalf("workers asked %d times, want %d", asked, tc.wantAsked)
 			}
-			if tc.refuse {
+			if tc.wantStatus == http.StatusServiceUnavailable {
 				if resp.Header.Get("Retry-After") == "" {
 					t.Fatal("a refusal without Retry-After")
 				}
