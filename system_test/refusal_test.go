@@ -68,7 +68,13 @@ func TestFaultsBehindHAProxyFailOnlyRequestsInFlightOnTheFaultedReplica(t *testi
 	}
 	fl := startFleet(t, 4)
 	// 2s is above what deploy/haproxy.cfg's checks need to take a draining replica out.
-	c := startCluster(t, 3, fl, "--shutdown-delay", "2s", "--shutdown-timeout", "20s")
+	// Elections are slow (1.5 s timeouts: a loaded machine, or replicas far apart), so that
+	// one outlasts HAProxy's checks (fall 2, fastinter 250ms) whatever the machine's load:
+	// every replica is without a lease meanwhile, and none may leave the rotation for it
+	// (before, all three did, and HAProxy answered its own 503 until the election was over).
+	// --bind-wait is above such an election.
+	c := startCluster(t, 3, fl, "--shutdown-delay", "2s", "--shutdown-timeout", "20s",
+		"--raft-heartbeat-timeout", "1500ms", "--raft-election-timeout", "1500ms", "--bind-wait", "8s")
 	lb, lbLog := startHAProxyLogged(t, bin, c)
 	base := "http://" + lb
 	tr := &http.Transport{MaxIdleConnsPerHost: 16}
