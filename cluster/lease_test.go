@@ -50,7 +50,8 @@ func TestHeartbeatsAloneRenewNoReadLease(t *testing.T) {
 	c.net.mu.Lock()
 	c.net.noReads[peerAddr(fi)] = false
 	c.net.mu.Unlock()
-	poll.Until(t, 10*time.Second, func() error { return f.Ready() })
+	// The lease itself, not Ready: Ready also holds for BindWait after a lease ended.
+	poll.Until(t, 10*time.Second, func() error { return f.leaseHolds() })
 	if b, ok, err := a.Peek(ctx, "kept"); err != nil || !ok || b.Worker.ID != "w1" {
 		t.Fatalf("after the lease returned: %+v %v %v", b, ok, err)
 	}
