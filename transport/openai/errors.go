@@ -178,7 +178,9 @@ func modelNotFound(model string) *Error {
 }
 
 // routeError maps a routing error to the answer a client gets. A nil result means the
-// client went away and nothing should be written.
+// client went away and nothing should be written. It answers errors met before any worker
+// was asked, so its 503s are refusals (Refused set); after one, afterWorker turns them into
+// 502s.
 func routeError(err error) *Error {
 	var (
 		apiErr  *Error
@@ -200,7 +202,7 @@ func routeError(err error) *Error {
 			Code: "cluster_unavailable", RetryAfter: "1", Refused: refusal.Reason, Cause: "refused_" + refusal.Reason}
 	case errors.Is(err, routing.ErrUnavailable):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
-			Code: "cluster_unavailable", RetryAfter: "1", Cause: "cluster_unavailable"}
+			Code: "cluster_unavailable", RetryAfter: "1", Refused: "cluster_unavailable", Cause: "cluster_unavailable"}
 	case errors.Is(err, routing.ErrUnknownTarget):
 		return &Error{Status: http.StatusNotFound, Message: err.Error(), Type: TypeNotFound,
 			Param: headerTarget, Code: "unknown_target", Cause: "unknown_target"}
