@@ -2,7 +2,6 @@ package cluster
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -62,11 +61,17 @@ func toRouting(b fsm.Binding) routing.Binding {
 }
 
 // fence waits (up to BindWait) for the replica to be fresh enough to read at its level; a
-// bounded read made after it must still be confirmed with Node.ReadValid.
+// bounded read made after it must still be confirmed with Node.ReadValid. Where waiting
+// cannot help (Node.hopeless: stopping, cut off from the leader) it refuses at once, and a
+// wait that ends without a lease is a refusal too: either way no worker was asked, so the
+// answer is a routing.Refusal the load balancer may retry on another replica.
 func (a *Affinity) fence(ctx context.Context) error {
 	err := a.n.ReadFence(ctx)
-	if err == nil || !errors.Is(err, ErrStale) && !errors.Is(err, ErrNoLeader) {
+	if err == nil || !unavailable(err) {
 		return err
+	}
+	if why := a.n.hopeless(); why != "" {
+		return refuse(why, err)
 	}
 	wctx, cancel := context.WithTimeout(ctx, a.n.cfg.BindWait)
 	defer cancel()
@@ -77,15 +82,18 @@ func (a *Affinity) fence(ctx context.Context) error {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			return err
+			return refuse("no_read_lease", err)
 		case <-ch:
 		case <-time.After(25 * time.Millisecond):
 		}
 		if err = a.n.ReadFence(wctx); err == nil {
 			return nil
 		}
-		if !errors.Is(err, ErrStale) && !errors.Is(err, ErrNoLeader) {
+		if !unavailable(err) {
 			return err
+		}
+		if why := a.n.hopeless(); why != "" {
+			return refuse(why, err)
 		}
 	}
 }

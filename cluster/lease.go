@@ -25,6 +25,9 @@ type readLease struct {
 	base  time.Time
 	grant atomic.Pointer[leaseGrant]
 	poke  chan struct{}
+	// last is the end (an offset from base) of the latest lease ever granted, which a term
+	// change does not reset: how long ago this replica last held one (0: never).
+	last atomic.Int64
 
 	// Round outcomes, for metrics: renewed, failed (no answer, no leader, not applied in
 	// time), discarded (the term or role changed while it ran).
@@ -121,6 +124,12 @@ func (n *Node) renewLease(ctx context.Context) error {
 			return nil
 		}
 		if n.lease.grant.CompareAndSwap(old, &leaseGrant{until: until, term: term, state: st}) {
+			break
+		}
+	}
+	for {
+		last := n.lease.last.Load()
+		if last >= int64(until) || n.lease.last.CompareAndSwap(last, int64(until)) {
 			break
 		}
 	}

@@ -200,6 +200,11 @@ type Node struct {
 	wg        sync.WaitGroup
 	closeOnce sync.Once
 	closed    atomic.Bool
+	// stopping: the replica is stopping (SetStopping).
+	stopping atomic.Bool
+	// cutOff is when (lease clock, +1) this node stepped down as leader with no successor
+	// known, while it has known no leader since; 0 otherwise (refusal.go).
+	cutOff atomic.Int64
 
 	// pendingMembers are the founders' addresses, recorded in the FSM by the first leader.
 	memMu          sync.Mutex
@@ -505,7 +510,10 @@ func (n *Node) leaderPeerAddr() (string, bool) {
 }
 
 // Ready reports whether the replica may serve: it must hold a read lease (lease.go), the
-// same rule bounded reads follow. Local consistency only needs the node running.
+// same rule bounded reads follow, or have held one less than BindWait ago and not be cut
+// off (refusal.go): during an election every replica is without a lease, and a request sent
+// to any of them waits for the new leader, so none should leave the balancer's rotation
+// for it. Local consistency only needs the node running.
 func (n *Node) Ready() error {
 	if n.closed.Load() {
 		return ErrClosed
@@ -513,7 +521,14 @@ func (n *Node) Ready() error {
 	if n.cfg.Level == Local {
 		return nil
 	}
-	return n.leaseHolds()
+	err := n.leaseHolds()
+	if err == nil || n.hopeless() != "" || n.cutOffFor() >= 0 {
+		return err
+	}
+	if last := n.lease.last.Load(); last > 0 && n.lease.now()-time.Duration(last) < n.cfg.BindWait {
+		return nil
+	}
+	return err
 }
 
 // ReadFence makes a read of the local FSM valid at the configured level: nothing for
@@ -861,6 +876,13 @@ func (n *Node) watchLeadership() {
 			cur = t
 		case !leading && cur != nil:
 			revoke()
+			// A leader that steps down with no successor in sight lost its quorum (a
+			// partition, a pause): it refuses at once until it hears of a leader.
+			if _, lid := n.raft.LeaderWithID(); lid == "" {
+				n.cutOff.Store(int64(n.lease.now()) + 1)
+				n.log.Warn("stepped down with no other leader known: refusing requests until a leader is heard of")
+				n.notifyApplied()
+			}
 		}
 	}
 }
@@ -872,6 +894,9 @@ func (n *Node) watchLeadership() {
 func (n *Node) noteLeader(last *raft.ServerID, id raft.ServerID) {
 	if id != "" && id != *last {
 		n.leaderChanges.Add(1)
+	}
+	if id != "" {
+		n.cutOff.Store(0)
 	}
 	*last = id
 }

@@ -53,6 +53,9 @@ func (r *Replica) Shutdown(skip <-chan struct{}) error {
 func (r *Replica) stop(skip <-chan struct{}) error {
 	delay := r.cfg.ShutdownDelay
 	r.drain.draining.Store(true)
+	// A request that finds no read lease from now on is refused at once (a 503 the balancer
+	// retries on another replica), not held up to --bind-wait by a replica that is leaving.
+	r.node.SetStopping()
 	r.log.Info("shutdown: /readyz now fails, the client port keeps serving", "shutdown_delay", delay)
 	if delay > 0 {
 		t := time.NewTimer(delay)

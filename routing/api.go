@@ -212,3 +212,20 @@ var (
 	// ErrRetriesExhausted: the bounded retries before the first byte are used up (502).
 	ErrRetriesExhausted = errors.New("retries exhausted")
 )
+
+// Refusal is an affinity store's answer to a request it cannot serve on this replica, given
+// before any worker was asked (503, Retry-After, and a marker a load balancer can match): the
+// replica is cut off from the cluster's leader, is stopping, or waited --bind-wait for a read
+// lease in vain. Nothing has run anywhere, so another replica may take the request.
+type Refusal struct {
+	// Reason is a short label: "cut_off", "stopping" or "no_read_lease".
+	Reason string
+	// Err is why (it wraps ErrUnavailable).
+	Err error
+}
+
+// Error implements error.
+func (r *Refusal) Error() string { return r.Err.Error() }
+
+// Unwrap returns the cause.
+func (r *Refusal) Unwrap() error { return r.Err }

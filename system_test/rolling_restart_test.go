@@ -29,7 +29,15 @@ var haproxyConfig = filepath.Join("..", "deploy", "haproxy.cfg")
 // foreground; it is killed at cleanup. It returns the address clients connect to.
 func startHAProxy(t *testing.T, bin string, c *cluster) string {
 	t.Helper()
-	listen := loopbacktest.Addr(t)
+	listen, _ := startHAProxyLogged(t, bin, c)
+	return listen
+}
+
+// startHAProxyLogged is startHAProxy that also returns the file HAProxy's log goes to (one
+// httplog line per request: the server, the status, the retries).
+func startHAProxyLogged(t *testing.T, bin string, c *cluster) (listen, logPath string) {
+	t.Helper()
+	listen = loopbacktest.Addr(t)
 	var members []proc.Replica
 	for _, r := range c.replicas {
 		members = append(members, r.Replica)
@@ -42,10 +50,29 @@ func startHAProxy(t *testing.T, bin string, c *cluster) string {
 	if err := h.Check(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	if err := newProcess(t, h.Spec()).Start(); err != nil {
+	spec := h.Spec()
+	spec.LogPath = filepath.Join(t.TempDir(), "haproxy.log")
+	if err := newProcess(t, spec).Start(); err != nil {
 		t.Fatal(err)
 	}
-	return listen
+	return listen, spec.LogPath
+}
+
+// waitInRotation waits until every replica of c has answered a request through the
+// balancer at base.
+func waitInRotation(t *testing.T, hc *http.Client, base string, c *cluster) {
+	t.Helper()
+	seen := map[string]bool{}
+	eventually(t, 30*time.Second, func() error {
+		rp, err := chatVia(t.Context(), hc, base, "", "warm-up", 4)
+		if err == nil && rp.status == http.StatusOK {
+			seen[rp.replica] = true
+		}
+		if len(seen) < len(c.replicas) {
+			return fmt.Errorf("replicas answering through haproxy: %v (last: %+v %v)", seen, rp, err)
+		}
+		return nil
+	})
 }
 
 // streamVia sends one streamed chat request to base and reads it to the end: nil only when
@@ -118,17 +145,7 @@ func TestRollingRestartBehindHAProxyLosesNothing(t *testing.T) {
 	ctx := t.Context()
 
 	// Every replica is in HAProxy's rotation before the load starts.
-	seen := map[string]bool{}
-	eventually(t, 30*time.Second, func() error {
-		rp, err := chatVia(ctx, hc, base, "", "warm-up", 4)
-		if err == nil && rp.status == http.StatusOK {
-			seen[rp.replica] = true
-		}
-		if len(seen) < len(c.replicas) {
-			return fmt.Errorf("replicas answering through haproxy: %v (last: %+v %v)", seen, rp, err)
-		}
-		return nil
-	})
+	waitInRotation(t, hc, base, c)
 
 	// Bind the sessions through HAProxy; from here on each must keep its worker and revision.
 	sessions := sessionNames("roll", 50)

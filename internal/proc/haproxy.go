@@ -65,8 +65,8 @@ func DeployEnv(listen string, replicas []Replica) ([]string, error) {
 // request on another replica not only when the connection failed but also on an empty
 // answer or a 503, so the balancer hides a replica killed or cut off mid-request, as the
 // harness's availability figures assume. deploy/haproxy.cfg deliberately retries only
-// connection failures (a request a replica has read may already run on a worker), and checks
-// less often (inter 1s against 300ms here). Like it, it checks /readyz, so an unready
+// connection failures and 503s, a replica's refusals before any worker (an empty answer may
+// come from a replica that died with the request on a worker), and checks less often (inter 1s against 300ms here). Like it, it checks /readyz, so an unready
 // replica (no quorum) is drained.
 func HAProxyConfig(listen string, replicas []Replica) string {
 	var b strings.Builder

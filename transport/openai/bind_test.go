@@ -196,8 +196,10 @@ func TestFirstByteWaitsForTheBindingProposedAtDispatch(t *testing.T) {
 				return
 			}
 			if tc.wantFrom < 0 {
-				if a.resp.StatusCode != http.StatusServiceUnavailable || strings.Contains(string(text), called[0]) {
-					t.Fatalf("a failed commit answered %d %q; want the router's 503 and nothing of %s", a.resp.StatusCode, text, called[0])
+				// 502, not 503: the worker was asked, so the balancer must not resend it
+				// (a 503 is a refusal before any worker, HeaderRefused).
+				if a.resp.StatusCode != http.StatusBadGateway || a.resp.Header.Get(HeaderRefused) != "" || strings.Contains(string(text), called[0]) {
+					t.Fatalf("a failed commit answered %d %q; want the router's 502 and nothing of %s", a.resp.StatusCode, text, called[0])
 				}
 				if bound {
 					t.Fatalf("a failed commit left a binding: %+v", b)

@@ -33,6 +33,10 @@ type Error struct {
 	Code    string `json:"code,omitempty"`
 	// RetryAfter, when set, becomes the Retry-After header (seconds).
 	RetryAfter string `json:"-"`
+	// Refused, when set, becomes the X-Kvrouter-Refused header: the replica refused the
+	// request before asking any worker, for this reason (a routing.Refusal's, no_worker,
+	// busy). Every 503 carries it (afterWorker).
+	Refused string `json:"-"`
 	// Cause is the metrics label for this error.
 	Cause string `json:"-"`
 }
@@ -92,9 +96,7 @@ func (e *Error) writeAnthropic(w http.ResponseWriter) {
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("X-Content-Type-Options", "nosniff")
-	if e.RetryAfter != "" {
-		h.Set("Retry-After", e.RetryAfter)
-	}
+	e.setRetryHeaders(h)
 	w.WriteHeader(e.Status)
 	_, _ = w.Write(append(e.anthropicBody(), '\n'))
 }
@@ -147,11 +149,25 @@ func (e *Error) write(w http.ResponseWriter) {
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("X-Content-Type-Options", "nosniff")
+	e.setRetryHeaders(h)
+	w.WriteHeader(e.Status)
+	_, _ = w.Write(e.Body())
+}
+
+// HeaderRefused marks a refusal (Error.Refused): a 503 the replica answered before asking
+// any worker, which a load balancer may send to another replica. Every 503 the router
+// answers is one (a failure after a worker was asked is a 502), so a balancer that matches
+// statuses only (HAProxy's retry-on) can retry 503s; one that reads headers can match this.
+const HeaderRefused = "X-Kvrouter-Refused"
+
+// setRetryHeaders sets Retry-After and the refusal marker when e has them.
+func (e *Error) setRetryHeaders(h http.Header) {
 	if e.RetryAfter != "" {
 		h.Set("Retry-After", e.RetryAfter)
 	}
-	w.WriteHeader(e.Status)
-	_, _ = w.Write(e.Body())
+	if e.Refused != "" {
+		h.Set(HeaderRefused, e.Refused)
+	}
 }
 
 // modelNotFound is the answer for a model no worker of the fleet serves, in OpenAI's words
@@ -162,9 +178,14 @@ func modelNotFound(model string) *Error {
 }
 
 // routeError maps a routing error to the answer a client gets. A nil result means the
-// client went away and nothing should be written.
+// client went away and nothing should be written. It answers errors met before any worker
+// was asked, so its 503s are refusals (Refused set); after one, afterWorker turns them into
+// 502s.
 func routeError(err error) *Error {
-	var apiErr *Error
+	var (
+		apiErr  *Error
+		refusal *routing.Refusal
+	)
 	switch {
 	case errors.As(err, &apiErr):
 		return apiErr
@@ -172,13 +193,16 @@ func routeError(err error) *Error {
 		return nil
 	case errors.Is(err, routing.ErrNoWorker):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
-			Code: "no_worker", RetryAfter: "1", Cause: "no_worker"}
+			Code: "no_worker", RetryAfter: "1", Refused: "no_worker", Cause: "no_worker"}
 	case errors.Is(err, routing.ErrBusy):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
-			Code: "busy", RetryAfter: "1", Cause: "busy"}
+			Code: "busy", RetryAfter: "1", Refused: "busy", Cause: "busy"}
+	case errors.As(err, &refusal):
+		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
+			Code: "cluster_unavailable", RetryAfter: "1", Refused: refusal.Reason, Cause: "refused_" + refusal.Reason}
 	case errors.Is(err, routing.ErrUnavailable):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
-			Code: "cluster_unavailable", RetryAfter: "1", Cause: "cluster_unavailable"}
+			Code: "cluster_unavailable", RetryAfter: "1", Refused: "cluster_unavailable", Cause: "cluster_unavailable"}
 	case errors.Is(err, routing.ErrUnknownTarget):
 		return &Error{Status: http.StatusNotFound, Message: err.Error(), Type: TypeNotFound,
 			Param: headerTarget, Code: "unknown_target", Cause: "unknown_target"}

@@ -217,7 +217,7 @@ func (s *Server) modelsFailed(w *recorder, r *http.Request, err error) {
 		s.fail(w, r, nil)
 	case errors.Is(err, errNoModelSource):
 		s.fail(w, r, &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Type: TypeUnavailable,
-			Code: "no_worker", RetryAfter: "1", Cause: "no_worker"})
+			Code: "no_worker", RetryAfter: "1", Refused: "no_worker", Cause: "no_worker"})
 	default:
 		s.fail(w, r, &Error{Status: http.StatusBadGateway, Message: "could not list models: " + err.Error(),
 			Type: TypeServer, Code: "upstream_failed", Cause: "upstream_models"})

@@ -223,6 +223,11 @@ func (s *Server) giveUp(c *call, err error, last failure) {
 	if a := last.answer; a != nil {
 		s.log.Info("no worker left to retry on; the client gets the last worker's answer",
 			"worker", a.worker.Target.Worker.String(), "status", a.resp.StatusCode)
+		if a.resp.StatusCode == http.StatusServiceUnavailable {
+			// A 503 from the router means nothing was asked of any worker (HeaderRefused):
+			// the worker's own 503 goes out as a 502, its body unchanged.
+			a.resp.StatusCode = http.StatusBadGateway
+		}
 		s.writeHeaders(c, a.resp, a.worker, routing.Binding{}, len(a.body))
 		_, _ = c.w.Write(a.body)
 		return
@@ -244,7 +249,7 @@ func retryError(err error, last failure) *Error {
 	if errors.Is(err, routing.ErrRetriesExhausted) {
 		apiErr.Message = fmt.Sprintf("%s; last upstream error: %v", apiErr.Message, last.err)
 	}
-	return apiErr
+	return afterWorker(apiErr)
 }
 
 // dispatch sends the request to the current decision's worker once.
@@ -459,8 +464,18 @@ func commitError(err error) *Error {
 	case errors.Is(err, routing.ErrTooManySessions):
 		return routeError(err)
 	}
-	return &Error{Status: http.StatusServiceUnavailable, Message: "could not bind the session: " + err.Error(),
-		Type: TypeUnavailable, Code: "binding_failed", RetryAfter: "1", Cause: "commit"}
+	return afterWorker(&Error{Status: http.StatusServiceUnavailable, Message: "could not bind the session: " + err.Error(),
+		Type: TypeUnavailable, Code: "binding_failed", RetryAfter: "1", Cause: "commit"})
+}
+
+// afterWorker is e for a request a worker was already asked to run: a 503 becomes a 502
+// without the refusal marker, since only a request no worker saw may be answered 503
+// (HeaderRefused), the status a load balancer retries on another replica.
+func afterWorker(e *Error) *Error {
+	if e != nil && e.Status == http.StatusServiceUnavailable {
+		e.Status, e.Type, e.Refused = http.StatusBadGateway, TypeServer, ""
+	}
+	return e
 }
 
 // badResponse takes a worker that answered garbage out of rotation until the health checker
