@@ -45,8 +45,10 @@ FUZZ_TARGETS := \
 
 all: build
 
+# The version kvrouter-ha --version prints (empty: the source tree's release and VCS revision).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
 build:
-	$(GO) build -trimpath -o $(BIN) ./cmd/kvrouter-ha
+	$(GO) build -trimpath -ldflags "-X github.com/kvrouter-ha/kvrouter-ha/internal/version.stamp=$(VERSION)" -o $(BIN) ./cmd/kvrouter-ha
 
 ## test: lint, every test with the race detector, then a short run of each fuzz target.
 test: lint unit fuzz
