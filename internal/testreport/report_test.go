@@ -92,7 +92,7 @@ func TestReporterPrintsFailuresAndKeepsSkips(t *testing.T) {
 func TestParseAllowListWantsAReasonPerEntry(t *testing.T) {
 	cases := []struct {
 		name, text, wantErr string
-		want               int
+		want                int
 	}{
 		{name: "comments and blanks", text: "# why\n\n  \nindexer TestX the race detector\n./deploy TestY/* no systemd\n", want: 2},
 		{name: "no reason", text: "indexer TestX\n", wantErr: "allow:1: want a package, a test name pattern and the reason"},
