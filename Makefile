@@ -16,6 +16,7 @@ FUZZ_TARGETS := \
 	./transport/openai:FuzzResponseWatch \
 	./sim:FuzzDecodeRequest \
 	./sim/trace:FuzzRead \
+	./internal/testreport:FuzzReport \
 	./indexer:FuzzChain \
 	./transport/kvevents:FuzzDecode \
 	./transport/kvevents:FuzzGuardFraming \
@@ -46,18 +47,31 @@ FUZZ_TARGETS := \
 
 all: build
 
+# The version kvrouter-ha --version prints (empty: the source tree's release and VCS revision).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
 build:
-	$(GO) build -trimpath -o $(BIN) ./cmd/kvrouter-ha
+	$(GO) build -trimpath -ldflags "-X github.com/kvrouter-ha/kvrouter-ha/internal/version.stamp=$(VERSION)" -o $(BIN) ./cmd/kvrouter-ha
 
 ## test: lint, every test with the race detector, then a short run of each fuzz target.
 test: lint unit fuzz
 
-unit:
-	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+# With SKIPS_ALLOWED set to an allow-list (CI: .ci/skips-allowed), unit and fuzz run go test
+# under internal/testreport: it prints every skipped test with its reason and fails on one
+# the list does not name (a skip is a test that did not run).
+SKIPS_ALLOWED ?=
+REPORT   := $(if $(SKIPS_ALLOWED),bin/testreport -allow $(SKIPS_ALLOWED) --)
+REPORT_V := $(if $(SKIPS_ALLOWED),bin/testreport -allow $(SKIPS_ALLOWED) -v --)
+TESTREPORT := $(if $(SKIPS_ALLOWED),bin/testreport)
+
+bin/testreport: internal/testreport/*.go
+	$(GO) build -o $@ ./internal/testreport
+
+unit: $(TESTREPORT)
+	$(REPORT) $(GO) test -race -count=1 -timeout 20m $(PKGS)
 
 # Every Fuzz function in the tree must be listed, and every listed one must exist: a target
 # that moved to another package would otherwise "pass" by fuzzing nothing.
-fuzz:
+fuzz: $(TESTREPORT)
 	@set -e; listed=" $(FUZZ_TARGETS) "; \
 	for f in $$(grep -rl --include='*_test.go' '^func Fuzz' .); do \
 		pkg=./$$(dirname $${f#./}); \
@@ -69,7 +83,7 @@ fuzz:
 		pkg=$${t%%:*}; name=$${t##*:}; \
 		$(GO) test -list "^$$name\$$" $$pkg | grep -qx "$$name" || { echo "no fuzz target $$name in $$pkg"; exit 1; }; \
 		echo "fuzz $$pkg $$name ($(FUZZTIME))"; \
-		$(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg; \
+		$(REPORT_V) $(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg; \
 	done
 
 ## demo: the main job on its embedded defaults: three replicas behind HAProxy (when installed), simulated workers, a trace replayed, the leader killed half-way.

@@ -227,17 +227,7 @@ func failover(ctx context.Context, cfg Config, reqs []trace.Request, logDir stri
 		case <-time.After(half):
 		}
 		// A starved cluster may be between leaders just then: wait for one (bounded).
-		var i int
-		var err error
-		for deadline := time.Now().Add(15 * time.Second); ; {
-			lctx, cancel := context.WithTimeout(killCtx, 2*time.Second)
-			i, err = proc.FindLeader(lctx, hc, admins)
-			cancel()
-			if err == nil || killCtx.Err() != nil || time.Now().After(deadline) {
-				break
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+		i, err := proc.AwaitLeader(killCtx, hc, admins, 15*time.Second, 2*time.Second)
 		if err != nil {
 			killErr = fmt.Errorf("no leader to kill half-way: %w", err)
 			return

@@ -244,9 +244,15 @@ func (c *testCluster) kill(i int) {
 // leader waits for a leader among the live nodes that has established its term.
 func (c *testCluster) leader() (int, *Node) {
 	c.t.Helper()
+	return c.leaderWithin(10 * time.Second)
+}
+
+// leaderWithin is leader, waiting up to within (a test that runs beside a CPU hog waits longer).
+func (c *testCluster) leaderWithin(within time.Duration) (int, *Node) {
+	c.t.Helper()
 	var idx int
 	var ln *Node
-	poll.Until(c.t, 10*time.Second, func() error {
+	poll.Until(c.t, within, func() error {
 		for i, n := range c.nodes {
 			if n != nil && n.IsLeader() && n.lead.isEstablished() {
 				idx, ln = i, n

@@ -93,7 +93,8 @@ type Config struct {
 	Parallel   int
 	TTFTTarget time.Duration
 	OutDir     string
-	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with.
+	// HAProxyConfig is the balancer config the high-availability demo runs HAProxy with
+	// (empty: the bundled deploy/haproxy.cfg).
 	HAProxyConfig string
 	Logger        *slog.Logger
 }

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvrouter-ha/kvrouter-ha/deploy"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
@@ -113,6 +114,10 @@ func HA(ctx context.Context, cfg Config, stdout, progress io.Writer) error {
 		return err
 	}
 	h.report(stdout, sum, kill, watch)
+	if kill.killed == "" {
+		// The demo's point is the failover: a run without one shows nothing.
+		return fmt.Errorf("the leader was never killed: %w", kill.err)
+	}
 	return nil
 }
 
@@ -213,16 +218,27 @@ func (h *haCluster) watchLeader(ctx context.Context, watch *leaderWatch) {
 type killReport struct {
 	killed, restarted string
 	killAt, backAt    time.Duration
+	err               error // why no leader was killed (killed is empty)
 }
 
+// Asking for the leader to kill: each ask is bounded by killAsk (a replica on a starved
+// machine can be slow to answer), and the asking goes on for killWithin after the
+// half-way point (the cluster may be between leaders just then).
+const (
+	killAsk    = 2 * time.Second
+	killWithin = 30 * time.Second
+)
+
 // killLeader kills the leader after the delay (SIGKILL), starts it again and waits until it
-// is ready.
+// is ready. It waits for a leader up to killWithin; r.err says why, if none was killed.
 func (h *haCluster) killLeader(ctx context.Context, start time.Time, after time.Duration) (r killReport) {
 	if !sleepCtx(ctx, after) {
+		r.err = fmt.Errorf("the replay ended before the half-way point (%.1f s)", after.Seconds())
 		return r
 	}
-	i, err := h.leader(ctx)
+	i, err := proc.AwaitLeader(ctx, h.hc, h.admins, killWithin, killAsk)
 	if err != nil {
+		r.err = fmt.Errorf("no leader to kill from %.1f s on: %w", after.Seconds(), err)
 		return r
 	}
 	r.killAt = time.Since(start)
@@ -247,14 +263,14 @@ func (h *haCluster) report(stdout io.Writer, sum *replay.Summary, k killReport, 
 	fmt.Fprintln(stdout)
 	switch {
 	case k.killed == "":
-		fmt.Fprintln(stdout, "no leader was found to kill half-way (the run was too short?)")
+		fmt.Fprintf(stdout, "no leader was killed: %v\n", k.err)
 	case k.restarted == "":
 		fmt.Fprintf(stdout, "leader %s killed at %.1f s; it did not come back ready (log: %s)\n", k.killed, k.killAt.Seconds(), h.log(k.killed))
 	default:
 		fmt.Fprintf(stdout, "leader %s killed (SIGKILL) at %.1f s, restarted and ready again at %.1f s\n", k.killed, k.killAt.Seconds(), k.backAt.Seconds())
 	}
 	fmt.Fprintf(stdout, "time without a leader: %.2f s in all (%d spell(s), longest %.2f s)\n", without.Seconds(), episodes, longest.Seconds())
-	fmt.Fprintf(stdout, "requests failed: %d of %d %v\n", sum.Failed, sum.Requests, sum.Errors)
+	fmt.Fprintf(stdout, "requests failed: %d of %d (%s)\n", sum.Failed, sum.Requests, sum.ErrorList())
 	fmt.Fprintf(stdout, "sessions that changed worker: %d of %d\n", sum.SessionsMoved, sum.Sessions)
 }
 
@@ -273,8 +289,16 @@ func startBalancer(ctx context.Context, cfg Config, dir string, members []proc.R
 	if err != nil {
 		return roundRobin("haproxy is not installed")
 	}
-	if _, err := os.Stat(cfg.HAProxyConfig); err != nil {
-		return roundRobin(fmt.Sprintf("no %s", cfg.HAProxyConfig))
+	config, name := cfg.HAProxyConfig, cfg.HAProxyConfig
+	if config == "" {
+		// The bundled one, written out: the demo runs from any working directory.
+		config, name = filepath.Join(dir, "haproxy.cfg"), "the bundled deploy/haproxy.cfg"
+		if err := os.WriteFile(config, []byte(deploy.HAProxyConfig), 0o600); err != nil {
+			return nil, "", nil, fmt.Errorf("write the bundled HAProxy config: %w", err)
+		}
+	}
+	if _, err := os.Stat(config); err != nil {
+		return roundRobin(fmt.Sprintf("no %s", config))
 	}
 	listen, err := loopback.Addr()
 	if err != nil {
@@ -284,7 +308,7 @@ func startBalancer(ctx context.Context, cfg Config, dir string, members []proc.R
 	if err != nil {
 		return nil, "", nil, err
 	}
-	h := proc.HAProxy{Binary: bin, Config: cfg.HAProxyConfig, Env: env}
+	h := proc.HAProxy{Binary: bin, Config: config, Env: env}
 	if err := h.Check(ctx); err != nil {
 		return nil, "", nil, err
 	}
@@ -299,5 +323,5 @@ func startBalancer(ctx context.Context, cfg Config, dir string, members []proc.R
 		stop()
 		return nil, "", nil, fmt.Errorf("haproxy on %s (log %s): %w", listen, spec.LogPath, err)
 	}
-	return []string{"http://" + listen}, fmt.Sprintf("behind HAProxy on %s (%s)", listen, cfg.HAProxyConfig), stop, nil
+	return []string{"http://" + listen}, fmt.Sprintf("behind HAProxy on %s (%s)", listen, name), stop, nil
 }

@@ -579,8 +579,8 @@ func (r *ScaleReport) print(w io.Writer) {
 	if len(s.Stopped) > 0 {
 		fmt.Fprintf(w, "stopped once drained: %s at %.1f s\n", strings.Join(s.Stopped, " "), s.StoppedAt.Seconds())
 	}
-	fmt.Fprintf(w, "requests failed: %d of %d (%d in flight on a stopped worker, %d whose binding did not commit in time, %d otherwise; %d naming a draining worker) %v\n",
-		s.Summary.Failed, s.Summary.Requests, s.FailedOnStopped, s.FailedAtBinding, s.UnexplainedFailures(), s.FailedDraining, s.Summary.Errors)
+	fmt.Fprintf(w, "requests failed: %d of %d (%d in flight on a stopped worker, %d whose binding did not commit in time, %d otherwise; %d naming a draining worker): %s\n",
+		s.Summary.Failed, s.Summary.Requests, s.FailedOnStopped, s.FailedAtBinding, s.UnexplainedFailures(), s.FailedDraining, s.Summary.ErrorList())
 	for _, f := range s.FailureSamples {
 		fmt.Fprintf(w, "  failed: %s\n", f)
 	}

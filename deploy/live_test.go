@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -283,13 +284,32 @@ func overrides(t *testing.T, b *kvrBinary, s execSpec, l listeners, dir, name, w
 		// A drain here has nothing to wait for.
 		"--shutdown-delay=0s", "--shutdown-timeout=5s",
 	}
+	set := b.setFlags(t, s)
+	// Every other address the spec binds (the StatefulSet's --ext-proc-listen on its pod's
+	// IP and port 9002, a --kv-events-bind) gets a free loopback address of its own: a fixed
+	// port fails when anything on the host holds it, and a wildcard binds every interface.
+	chosen := map[string]bool{l.client: true, l.admin: true, l.raft: true, l.peer: true, l.gossip: true}
+	for name := range set {
+		if !bindsAddress(name) || slices.ContainsFunc(out, func(a string) bool { return strings.HasPrefix(a, "--"+name+"=") }) {
+			continue
+		}
+		v := b.value(t, s, name)
+		if v == "" {
+			continue
+		}
+		addr := loopbacktest.Addr(t)
+		chosen[addr] = true
+		if scheme, _, ok := strings.Cut(v, "://"); ok {
+			addr = scheme + "://" + addr
+		}
+		out = append(out, "--"+name+"="+addr)
+	}
 	files := map[string]string{
 		"gossip-key-file": f.gossipKey, "admin-token-file": f.adminToken,
 		"peer-tls-ca-file": f.ca, "peer-tls-cert-file": f.cert, "peer-tls-key-file": f.key,
 		"tls-cert-file": f.cert, "tls-key-file": f.key,
 		"workers-file": workersFile,
 	}
-	set := b.setFlags(t, s)
 	for name := range set {
 		if !strings.HasSuffix(name, "-file") || name == "workers-file" {
 			continue
@@ -304,7 +324,30 @@ func overrides(t *testing.T, b *kvrBinary, s execSpec, l listeners, dir, name, w
 	if !set["admin-token-file"] {
 		out = append(out, "--admin-token-file="+f.adminToken)
 	}
+	// What runs binds only addresses this test chose: free ports on loopback.
+	final := s
+	final.args = append(append([]string{}, s.args...), out...)
+	for name := range b.flags[s.sub] {
+		if !bindsAddress(name) {
+			continue
+		}
+		v := b.value(t, final, name)
+		if f := b.flags[s.sub][name]; v == f.def && (v == "string" || v == "value") {
+			continue // --help's placeholder for an empty default: off
+		}
+		if _, hostPort, ok := strings.Cut(v, "://"); ok {
+			v = hostPort
+		}
+		if v != "" && !chosen[v] {
+			t.Fatalf("%s: --%s=%s is not an address this test chose (a fixed port, or beyond loopback): teach overrides to replace it", s.source, name, v)
+		}
+	}
 	return out
+}
+
+// bindsAddress reports whether the serve flag name is an address the replica listens on.
+func bindsAddress(name string) bool {
+	return strings.HasSuffix(name, "-listen") || strings.HasSuffix(name, "-bind")
 }
 
 // podNamespace is the namespace the StatefulSet's pod runs in here.

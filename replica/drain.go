@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -115,8 +116,18 @@ func (r *Replica) handOverLeadership() {
 		r.log.Info("shutdown: no leadership to transfer (not the leader, or the only voter)")
 	default:
 		lid, _, _ := n.Leader()
-		r.log.Info("shutdown: leadership transferred", "leader", lid)
+		logHandedOver(r.log, lid)
 	}
+}
+
+// logHandedOver says where leadership went: to lid, or to no replica known yet (its
+// first heartbeat has not arrived, or every replica is stopping at once).
+func logHandedOver(log *slog.Logger, lid string) {
+	if lid == "" {
+		log.Info("shutdown: leadership handed over; no leader known yet (the others elect one, unless they are stopping too)")
+		return
+	}
+	log.Info("shutdown: leadership transferred", "leader", lid)
 }
 
 // closeWhileDraining makes every response of a stopping replica close its connection, so a

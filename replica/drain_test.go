@@ -283,3 +283,22 @@ func TestShutdownOfTheLeaderHandsOverLeadershipBeforeThePortCloses(t *testing.T)
 		return false, "no other replica leads"
 	})
 }
+
+func TestHandOverLogSaysWhenNoLeaderIsKnown(t *testing.T) {
+	cases := []struct {
+		leader      string
+		want, never string
+	}{
+		{leader: "r2", want: `msg="shutdown: leadership transferred" leader=r2`},
+		{leader: "", want: "no leader known yet", never: `leader=""`},
+	}
+	for _, tc := range cases {
+		t.Run(tc.leader, func(t *testing.T) {
+			var b bytes.Buffer
+			logHandedOver(slog.New(slog.NewTextHandler(&b, nil)), tc.leader)
+			if !strings.Contains(b.String(), tc.want) || tc.never != "" && strings.Contains(b.String(), tc.never) {
+				t.Fatalf("logged %q, want %q and never %q", b.String(), tc.want, tc.never)
+			}
+		})
+	}
+}

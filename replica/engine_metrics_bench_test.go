@@ -10,7 +10,6 @@ import (
 	"math"
 	"net"
 	"net/http"
-	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -27,11 +26,10 @@ import (
 
 // The replay behind the README's before/after figures for engine metrics.
 const (
-	extTracePath = "../../shared/traces/mooncake_synthetic_trace.jsonl" // ../shared beside the repo, else the bundled copy
-	extStart     = 2500                                                 // where sessions are in full swing, as the demo starts
-	extRequests  = 400
-	extSpeedup   = 5
-	extWorkers   = 4
+	extStart    = 2500 // where sessions are in full swing, as the demo starts
+	extRequests = 400
+	extSpeedup  = 5
+	extWorkers  = 4
 	// Each engine runs extSlots requests at once; a client the router does not see keeps
 	// some of w0's busy all the time, one long request after another.
 	extSlots = 12
@@ -48,11 +46,8 @@ const (
 //
 //	go test ./replica -run '^$' -bench ExternalLoadReplay -benchtime 1x
 func BenchmarkExternalLoadReplay(b *testing.B) {
-	path := extTracePath
-	if _, err := os.Stat(path); err != nil {
-		path = ""
-	}
-	reqs, err := trace.ForReplay(path, extStart)
+	reqs, err := trace.ForReplay("", extStart) // the bundled trace
+
 	if err != nil {
 		b.Fatal(err)
 	}

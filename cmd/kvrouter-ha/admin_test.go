@@ -132,6 +132,20 @@ func TestCtlOperatesSessionsWorkersAndCluster(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &view); err != nil || view.Self.State != "Leader" || view.Bindings != 1 || len(view.Servers) != 1 {
 		t.Fatalf("cluster status JSON: %v %+v", err, view)
 	}
+	// The table names Raft's applied index and the state machine's apart: Raft's counts its
+	// own no-op and barrier entries too, so it is never below the state machine's.
+	out, err = runCtl(t, rep, "cluster", "status")
+	if err != nil {
+		t.Fatalf("ctl cluster status: %v\n%s", err, out)
+	}
+	raftApplied := regexp.MustCompile(`(?m)^applied index \(Raft log\):\s+(\d+)$`).FindStringSubmatch(out)
+	fsmApplied := regexp.MustCompile(`(?m)^applied index \(state machine\):\s+(\d+)$`).FindStringSubmatch(out)
+	if raftApplied == nil || fsmApplied == nil || strings.Contains(out, "commit / applied") {
+		t.Fatalf("ctl cluster status does not name the two applied indexes apart:\n%s", out)
+	}
+	if r, _ := strconv.ParseUint(raftApplied[1], 10, 64); r == 0 || r < view.Self.AppliedIndex {
+		t.Fatalf("ctl cluster status: Raft's applied index %d, the state machine's %d a moment before:\n%s", r, view.Self.AppliedIndex, out)
+	}
 	out, err = runCtl(t, rep, "workers", "list")
 	if err != nil || !strings.Contains(out, "BINDINGS") || !strings.Contains(out, bound) ||
 		!strings.Contains(out, "SOURCE") || !strings.Contains(out, admin.SourceFlags) || !strings.Contains(out, admin.StateActive) {

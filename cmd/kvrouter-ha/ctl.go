@@ -309,7 +309,12 @@ func (c *ctlClient) clusterStatus(ctx context.Context, _ []string) error {
 		fmt.Fprintf(w, "replica:\t%s (%s)\n", v.Self.ID, v.Self.State)
 		fmt.Fprintf(w, "leader:\t%s\n", orNone(v.Self.LeaderID))
 		fmt.Fprintf(w, "cluster id:\t%s\n", orNone(v.Self.ClusterID))
-		fmt.Fprintf(w, "term / commit / applied:\t%d / %d / %d\n", v.Self.Term, v.Self.CommitIndex, v.Self.AppliedIndex)
+		fmt.Fprintf(w, "term / commit index:\t%d / %d\n", v.Self.Term, v.Self.CommitIndex)
+		// Two applied indexes that differ by design: Raft's counts every log entry (its own
+		// no-op and barrier entries too), the state machine's only commands and membership
+		// changes it was handed (self.applied_index in --json).
+		fmt.Fprintf(w, "applied index (Raft log):\t%s\n", orNone(v.Raft["applied_index"]))
+		fmt.Fprintf(w, "applied index (state machine):\t%d\n", v.Self.AppliedIndex)
 		fmt.Fprintf(w, "bindings:\t%d\n\n", v.Bindings)
 		fmt.Fprintln(w, "ID\tRAFT\tPEER\tSUFFRAGE\tLEADER")
 		for _, s := range v.Servers {

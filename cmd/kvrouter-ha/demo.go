@@ -5,7 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -21,7 +20,7 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs := flag.NewFlagSet("kvrouter-ha demo", flag.ContinueOnError)
 	var cfg demo.Config
 	scenario := fs.String("scenario", "ha", "ha: three replica processes behind HAProxy, the leader killed half-way (make demo); scale: three replicas find their workers in a fleet file (--discovery file:PATH) that grows by --scale-up at one third and shrinks by --scale-down at two thirds, beside a fixed fleet of the same average size (make demo-scale); compare: side-by-side runs of --policies x --replicas x --modes; capacity: each of --policies on the same slice at every --load-workers fleet size, --runs times, and the highest load each serves with TTFT p90 within --ttft-target (tables and JSON into --out)")
-	fs.StringVar(&cfg.HAProxyConfig, "haproxy-config", filepath.Join("deploy", "haproxy.cfg"), "ha: the HAProxy config (its addresses come from KVR_LISTEN and KVR_REPLICA0..2)")
+	fs.StringVar(&cfg.HAProxyConfig, "haproxy-config", "", "ha: the HAProxy config (its addresses come from KVR_LISTEN and KVR_REPLICA0..2; empty: the bundled deploy/haproxy.cfg, built into the binary)")
 	policies := fs.String("policies", "kv,round-robin", "comma-separated policies to compare ("+strings.Join(routing.Policies(), ", ")+")")
 	topologies := fs.String("replicas", "1", "router topologies to compare: N replicas behind a round-robin client, N-nogossip for N replicas that share nothing but bindings (e.g. 1,3,3-nogossip)")
 	modes := fs.String("modes", "approximate", "index modes to compare: approximate (the router learns from its own decisions) and/or precise (the workers publish vLLM KV events)")
@@ -61,7 +60,7 @@ func demoCommand(stdout, stderr io.Writer) *ffcli.Command {
 	return &ffcli.Command{
 		Name:       "demo",
 		ShortUsage: "kvrouter-ha demo [flags]",
-		ShortHelp:  "simulated workers and a router replaying a trace slice: kv routing against round-robin",
+		ShortHelp:  "a trace slice replayed over simulated workers: three replicas with the leader killed half-way (default), a fleet that grows and shrinks, policies side by side, or a capacity sweep",
 		FlagSet:    fs,
 		Exec: func(ctx context.Context, _ []string) error {
 			cfg.Policies = splitList(*policies)

@@ -108,7 +108,7 @@ func simWorkerCommand(stderr io.Writer) *ffcli.Command {
 			if err != nil {
 				return fmt.Errorf("listen: %w", err)
 			}
-			log.Info("sim-worker serving", "id", cfg.ID, "addr", ln.Addr().String(), "dp_size", *dpSize, "role", cfg.Role)
+			// The worker (or the data-parallel front) logs its one "serving" line itself.
 			return serve(ctx, ln)
 		},
 	}

@@ -137,3 +137,29 @@ func FindLeader(ctx context.Context, hc *http.Client, admins []string) (int, err
 	}
 	return -1, fmt.Errorf("%w: %w", ErrNoLeader, errors.Join(errs...))
 }
+
+// AwaitLeader asks FindLeader again, each ask bounded by ask, until a replica says it leads,
+// ctx ends or within has passed: a starved cluster may be between leaders, or slow to
+// answer. Its error says which of the last two ended the wait, with the last answer.
+func AwaitLeader(ctx context.Context, hc *http.Client, admins []string, within, ask time.Duration) (int, error) {
+	deadline := time.Now().Add(within)
+	tick := time.NewTicker(pollInterval)
+	defer tick.Stop()
+	for {
+		actx, cancel := context.WithTimeout(ctx, ask)
+		i, err := FindLeader(actx, hc, admins)
+		cancel()
+		switch {
+		case err == nil:
+			return i, nil
+		case ctx.Err() != nil:
+			return -1, fmt.Errorf("gave up waiting for a leader: %w (last answer: %w)", ctx.Err(), err)
+		case time.Now().After(deadline):
+			return -1, fmt.Errorf("no leader within %s: %w", within, err)
+		}
+		select {
+		case <-ctx.Done():
+		case <-tick.C:
+		}
+	}
+}

@@ -133,3 +133,60 @@ func TestGetStatus(t *testing.T) {
 		t.Fatalf("GetStatus of a 503: %v, want a *StatusError", err)
 	}
 }
+
+// electing serves GET /admin/cluster as a Candidate for its first asks answers, then as
+// the Leader.
+func electing(t *testing.T, asks int32) string {
+	t.Helper()
+	var n atomic.Int32
+	s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		state := "Leader"
+		if n.Add(1) <= asks {
+			state = "Candidate"
+		}
+		fmt.Fprintf(w, `{"self":{"id":"x","state":%q,"term":7},"bindings":0,"servers":[]}`, state)
+	}))
+	t.Cleanup(s.Close)
+	return strings.TrimPrefix(s.URL, "http://")
+}
+
+func TestAwaitLeader(t *testing.T) {
+	cases := []struct {
+		name    string
+		admins  func(t *testing.T) []string
+		within  time.Duration
+		cancel  bool
+		want    int    // -1: none
+		wantErr string // for want -1
+	}{
+		{name: "a leader at once", admins: func(t *testing.T) []string { return []string{admin(t, "Follower"), admin(t, "Leader")} },
+			within: 10 * time.Second, want: 1},
+		{name: "a leader after an election", admins: func(t *testing.T) []string { return []string{admin(t, "Follower"), electing(t, 5)} },
+			within: time.Minute, want: 1},
+		{name: "a leader after asks that time out", admins: func(t *testing.T) []string { return []string{admin(t, "hang"), electing(t, 3)} },
+			within: time.Minute, want: 1},
+		{name: "never a leader", admins: func(t *testing.T) []string { return []string{admin(t, "Candidate"), admin(t, "hang")} },
+			within: 300 * time.Millisecond, want: -1, wantErr: "no leader within 300ms"},
+		{name: "ctx ended", admins: func(t *testing.T) []string { return []string{admin(t, "Candidate")} },
+			within: time.Hour, cancel: true, want: -1, wantErr: "context canceled"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+			defer cancel()
+			if tc.cancel {
+				time.AfterFunc(100*time.Millisecond, cancel)
+			}
+			got, err := AwaitLeader(ctx, nil, tc.admins(t), tc.within, 200*time.Millisecond)
+			if tc.want < 0 {
+				if !errors.Is(err, ErrNoLeader) || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("AwaitLeader: %d %v, want ErrNoLeader and %q", got, err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil || got != tc.want {
+				t.Fatalf("AwaitLeader: %d %v, want %d", got, err, tc.want)
+			}
+		})
+	}
+}

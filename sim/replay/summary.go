@@ -260,8 +260,8 @@ func imbalance(xs []float64) float64 {
 	return ratio(top, sum/float64(len(xs)))
 }
 
-// errorList renders Errors sorted by cause, e.g. "http_503 2, timeout 1".
-func (s *Summary) errorList() string {
+// ErrorList renders Errors sorted by cause, e.g. "http_503 2, timeout 1".
+func (s *Summary) ErrorList() string {
 	if len(s.Errors) == 0 {
 		return "none"
 	}
@@ -293,7 +293,7 @@ func (s *Summary) WriteText(w io.Writer) {
 	}
 	fmt.Fprintf(tw, "%s: %d of %d requests in %.1f s%s\n", s.name(), s.Requests, s.Planned, s.DurationSeconds, state)
 	fmt.Fprintf(tw, "  ok\t%d\n", s.OK)
-	fmt.Fprintf(tw, "  errors\t%d (%s)\n", s.Failed, s.errorList())
+	fmt.Fprintf(tw, "  errors\t%d (%s)\n", s.Failed, s.ErrorList())
 	fmt.Fprintf(tw, "  prompt tokens\t%d, cached %d\n", s.PromptTokens, s.CachedTokens)
 	fmt.Fprintf(tw, "  hit rate\t%.1f%%\n", 100*s.HitRate)
 	fmt.Fprintf(tw, "  TTFT ms\tp50 %.1f  p90 %.1f  p99 %.1f  (%d samples)\n", s.TTFTP50Ms, s.TTFTP90Ms, s.TTFTP99Ms, s.TTFTSamples)

@@ -4,23 +4,18 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"testing"
 
 	"github.com/kvrouter-ha/kvrouter-ha/sim/replay"
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
 
-const realTrace = "../../../shared/traces/mooncake_synthetic_trace.jsonl" // ../shared beside the repo
-
+// loadReal is the first n requests of the bundled Mooncake trace, with sessions assigned.
 func loadReal(tb testing.TB, n int) []trace.Request {
 	tb.Helper()
-	if _, err := os.Stat(realTrace); err != nil {
-		tb.Skipf("real trace not available: %v", err)
-	}
-	reqs, err := trace.Load(realTrace)
+	reqs, err := trace.Bundled()
 	if err != nil {
-		tb.Fatalf("Load: %v", err)
+		tb.Fatalf("Bundled: %v", err)
 	}
 	reqs = reqs[:min(n, len(reqs))]
 	trace.AssignSessions(reqs)

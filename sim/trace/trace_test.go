@@ -11,7 +11,9 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/sim/trace"
 )
 
-const realTrace = "../../../shared/traces/mooncake_synthetic_trace.jsonl" // ../shared beside the repo
+// realTrace is the bundled Mooncake trace, the file trace.Bundled embeds (in the repository:
+// a test never reads outside it).
+const realTrace = "data/mooncake_synthetic_trace.jsonl"
 
 func TestReadParsesGoodLines(t *testing.T) {
 	in := `{"timestamp": 0, "input_length": 1000, "output_length": 6, "hash_ids": [0, 1]}
@@ -335,14 +337,12 @@ func TestCeilingOnHandMadeTrace(t *testing.T) {
 	}
 }
 
+// loadReal is the bundled Mooncake trace.
 func loadReal(tb testing.TB) []trace.Request {
 	tb.Helper()
-	if _, err := os.Stat(realTrace); err != nil {
-		tb.Skipf("real trace not available: %v", err)
-	}
-	reqs, err := trace.Load(realTrace)
+	reqs, err := trace.Bundled()
 	if err != nil {
-		tb.Fatalf("Load: %v", err)
+		tb.Fatalf("Bundled: %v", err)
 	}
 	return reqs
 }

@@ -92,7 +92,7 @@ type Status struct {
 	LeaderPeerAddr string `json:"leader_peer_addr"`
 	Term           uint64 `json:"term"`
 	CommitIndex    uint64 `json:"commit_index"`
-	AppliedIndex   uint64 `json:"applied_index"`
+	AppliedIndex   uint64 `json:"applied_index"`   // the state machine's: commands and membership changes only (Raft's, with its no-ops and barriers, is in the admin API's raft.applied_index)
 	LastContactMs  int64  `json:"last_contact_ms"` // 0 on the leader
 	ClusterID      string `json:"cluster_id"`
 	Version        string `json:"version"`
