@@ -124,7 +124,7 @@ func (r *Replica) handOverLeadership() {
 // first heartbeat has not arrived, or every replica is stopping at once).
 func logHandedOver(log *slog.Logger, lid string) {
 	if lid == "" {
-		log.Info("shutdown: leadership handed over; no leader known yet (the others elect one, unless they are stopping too)")
+		log.Info("shutdown: leadership transferred; no leader known yet (the others elect one, unless they are stopping too)")
 		return
 	}
 	log.Info("shutdown: leadership transferred", "leader", lid)
