@@ -39,7 +39,8 @@ FUZZ_TARGETS := \
 	./sim:FuzzDecodePullRequest \
 	./transport/extproc:FuzzProcessStream \
 	./transport/openai:FuzzParseAPIs \
-	./sim:FuzzDecodeAPIs
+	./sim:FuzzDecodeAPIs \
+	./internal/proc:FuzzParseHAProxyLogLine
 
 .PHONY: all build test unit fuzz demo demo-scale bench bench-report lint clean jepsen jepsen-ci
 

@@ -67,11 +67,15 @@ func DeployEnv(listen string, replicas []Replica) ([]string, error) {
 // harness's availability figures assume. deploy/haproxy.cfg deliberately retries only
 // connection failures (a request a replica has read may already run on a worker), and checks
 // less often (inter 1s against 300ms here). Like it, it checks /readyz, so an unready
-// replica (no quorum) is drained.
+// replica (no quorum) is drained. It logs one line per request to its standard output, in
+// the form HAProxyLogLine reads: the request's X-Jepsen-Op header, the server that answered
+// last, how many times HAProxy retried the request, the status and the termination state, so
+// the harness can tell which requests the balancer retried.
 func HAProxyConfig(listen string, replicas []Replica) string {
 	var b strings.Builder
 	b.WriteString(`global
     maxconn 2048
+    log stdout format raw local0 info
 
 defaults
     mode http
@@ -86,6 +90,9 @@ defaults
 
 frontend kvrouter
     bind ` + listen + `
+    log global
+    http-request capture req.hdr(` + HeaderOpTag + `) len 40
+    log-format "` + haproxyLogPrefix + ` %[capture.req.hdr(0)] %s %rc %ST %ts"
     default_backend replicas
 
 backend replicas

@@ -92,6 +92,8 @@ func TestHAProxyRunsInFrontOfReplicas(t *testing.T) {
 	cases := []struct {
 		name  string
 		setup func(t *testing.T, listen string) HAProxy
+		// logsTags: the balancer logs each request with its X-Jepsen-Op tag.
+		logsTags bool
 	}{
 		{name: "deploy/haproxy.cfg", setup: func(t *testing.T, listen string) HAProxy {
 			env, err := DeployEnv(listen, rs)
@@ -106,7 +108,7 @@ func TestHAProxyRunsInFrontOfReplicas(t *testing.T) {
 				t.Fatal(err)
 			}
 			return HAProxy{Config: path} // haproxy from PATH
-		}},
+		}, logsTags: true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -129,8 +131,39 @@ func TestHAProxyRunsInFrontOfReplicas(t *testing.T) {
 				b, _ := os.ReadFile(spec.LogPath)
 				t.Fatalf("%v\nhaproxy log:\n%s", err, b)
 			}
+			if tc.logsTags {
+				req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+listen+"/readyz", nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set(HeaderOpTag, "tagged-1")
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+			}
 			if err := p.Stop(t.Context(), syscall.SIGTERM, 10*time.Second); err != nil {
 				t.Fatal(err)
+			}
+			if tc.logsTags {
+				b, err := os.ReadFile(spec.LogPath)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var got []HAProxyRequest
+				for line := range strings.Lines(string(b)) {
+					req, ok, err := ParseHAProxyLogLine(line)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if ok && req.Tag == "tagged-1" {
+						got = append(got, req)
+					}
+				}
+				if len(got) != 1 || !strings.HasPrefix(got[0].Server, "r") || got[0].Status != 200 || got[0].Retries != 0 || got[0].Termination != "--" {
+					t.Fatalf("tagged request in the log: %+v\nhaproxy log:\n%s", got, b)
+				}
 			}
 		})
 	}
