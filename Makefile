@@ -41,7 +41,8 @@ FUZZ_TARGETS := \
 	./transport/extproc:FuzzProcessStream \
 	./transport/openai:FuzzParseAPIs \
 	./sim:FuzzDecodeAPIs \
-	./transport/openai:FuzzMigrationRelay
+	./transport/openai:FuzzMigrationRelay \
+	./internal/proc:FuzzParseHAProxyLogLine
 
 .PHONY: all build test unit fuzz demo demo-scale bench bench-report lint clean jepsen jepsen-ci
 

@@ -136,6 +136,10 @@ type Analysis struct {
 	Durability   DurabilityStats `json:"durability"`
 	Probes       ProbeStats      `json:"stale_probes"`
 	Availability []Availability  `json:"availability"`
+	// Failures counts the failed and unknown requests by cause, phase and the fault on their
+	// replica; Balancer what the load balancer retried.
+	Failures []FailureCount `json:"failures"`
+	Balancer BalancerStats  `json:"balancer"`
 	// NoNewBinding is the longest stretch with no successful first binding of a session.
 	NoNewBinding Window      `json:"longest_without_new_binding"`
 	Violations   []Violation `json:"violations"`
@@ -172,6 +176,7 @@ func Check(h *History, cfg CheckConfig) *Analysis {
 			Message: fmt.Sprintf("replica %s exited on its own at %s", c.Replica, fmtDur(c.At))})
 	}
 	a.Availability = availability(h)
+	a.Failures, a.Balancer = failures(h)
 	a.NoNewBinding = longestWithoutNewBinding(h, sessions)
 	return a
 }

@@ -62,6 +62,9 @@ func TestRealClusterUnderKillStopRestartAndWorkerFaultsKeepsItsPromises(t *testi
 		Binary: bin, Replicas: 3, Workers: 3, Clients: 6, Duration: 55 * time.Second, Seed: 8,
 		Faults: kinds, OutDir: out, Netns: "off", SessionTTL: 30 * time.Second,
 	}
+	// With HAProxy on PATH half the requests go through it, and its log says which it retried.
+	_, err := exec.LookPath("haproxy")
+	cfg.HAProxy = err == nil
 	rep := runLogged(t, cfg)
 	if !rep.Valid() {
 		for _, r := range []string{"r0", "r1", "r2"} {
@@ -89,6 +92,24 @@ func TestRealClusterUnderKillStopRestartAndWorkerFaultsKeepsItsPromises(t *testi
 	a := rep.Analysis
 	if a.Ops.Observed < 100 || a.Register.Sessions < 10 || a.Durability.Restarts != 1 || a.Durability.Checked == 0 {
 		t.Errorf("the run proved little: %+v %+v %+v", a.Ops, a.Register, a.Durability)
+	}
+	failed := 0
+	for _, f := range a.Failures {
+		failed += f.Ops
+	}
+	if failed != a.Ops.Fail+a.Ops.Unknown {
+		t.Errorf("failures by cause count %d requests, the run %d failed and %d unknown", failed, a.Ops.Fail, a.Ops.Unknown)
+	}
+	if cfg.HAProxy {
+		// HAProxy logs a request when it ends: every one it answered is in its log.
+		for _, op := range rep.ops {
+			if op.Target == "lb" && op.Status != 0 && !op.LBLogged {
+				t.Errorf("the balancer answered op %d (%d) and did not log it", op.ID, op.Status)
+			}
+		}
+		if a.Balancer.Ops == 0 || a.Balancer.Logged == 0 {
+			t.Errorf("the balancer logged %d of the %d requests sent through it", a.Balancer.Logged, a.Balancer.Ops)
+		}
 	}
 	for _, f := range []string{"summary.txt", "report.json", "history.json"} {
 		if _, err := os.Stat(filepath.Join(out, f)); err != nil {

@@ -6,7 +6,9 @@ import (
 	"io"
 	"os"
 	"sort"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -49,6 +51,18 @@ type Op struct {
 	Revision uint64 `json:"revision,omitempty"`
 	Replica  string `json:"replica,omitempty"`
 	Error    string `json:"error,omitempty"`
+	// Refused reports that the answer carried X-Kvrouter-Refused: the replica refused the
+	// request itself, before sending it to any worker.
+	Refused bool `json:"refused,omitempty"`
+	// Tag names the request in the load balancer's log (its X-Jepsen-Op header).
+	Tag string `json:"tag,omitempty"`
+	// LBLogged reports that the balancer logged the request; LBServer is the replica it
+	// went to last, LBRetries how often the balancer sent it again after a failed attempt,
+	// LBRedispatched whether a retry went to another replica.
+	LBLogged       bool   `json:"lb_logged,omitempty"`
+	LBServer       string `json:"lb_server,omitempty"`
+	LBRetries      int    `json:"lb_retries,omitempty"`
+	LBRedispatched bool   `json:"lb_redispatched,omitempty"`
 	// Nemesis marks the stale fault's own requests: "rebind" (a new binding on a named worker,
 	// through the leader) or "probe" (asking the replica back from the fault); "" for clients.
 	Nemesis string `json:"nemesis,omitempty"`
@@ -215,6 +229,7 @@ func ReadHistoryFile(path string) (*History, error) {
 // recorder appends to a History from many goroutines against one monotonic clock.
 type recorder struct {
 	start time.Time
+	tags  atomic.Uint64
 	mu    sync.Mutex
 	h     History
 }
@@ -225,6 +240,9 @@ func newRecorder() *recorder {
 
 // now is the monotonic offset from the start of the run.
 func (r *recorder) now() time.Duration { return time.Since(r.start) }
+
+// tag returns a new request tag, unique in the run.
+func (r *recorder) tag() string { return strconv.FormatUint(r.tags.Add(1), 10) }
 
 func (r *recorder) addOp(op Op) {
 	r.mu.Lock()

@@ -1,6 +1,7 @@
 package jepsen
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -126,6 +127,7 @@ func (r *Report) WriteText(w io.Writer) error {
 		}
 		b.WriteString("\n")
 	}
+	writeFailures(&b, a.Failures, a.Balancer)
 	nb := a.NoNewBinding
 	fmt.Fprintf(&b, "new sessions: longest stretch without a new binding %s (%s - %s)", nb.Length.Round(time.Millisecond), fmtDur(nb.From), fmtDur(nb.To))
 	if len(nb.Faults) > 0 {
@@ -273,4 +275,24 @@ func visualizeSession(path string, ops []*Op, h *History, cc CheckConfig) error 
 		return fmt.Errorf("visualize: %w", err)
 	}
 	return nil
+}
+
+// writeFailures writes the failed requests by cause and phase, and what the balancer retried.
+func writeFailures(b *strings.Builder, fs []FailureCount, bal BalancerStats) {
+	total := 0
+	for _, f := range fs {
+		total += f.Ops
+	}
+	fmt.Fprintf(b, "failures:    %d requests failed or went unanswered, by cause and phase (the fault on their replica)\n", total)
+	for _, f := range fs {
+		fmt.Fprintf(b, "  %-16s %-13s %-10s %5d", f.Cause, f.Phase, cmp.Or(string(f.Fault), "-"), f.Ops)
+		if f.ViaBalancer > 0 {
+			fmt.Fprintf(b, "  (%d through the balancer, %d of them retried by it)", f.ViaBalancer, f.Retried)
+		}
+		b.WriteString("\n")
+	}
+	if bal.Ops > 0 {
+		fmt.Fprintf(b, "lb retries:  %d requests sent through the balancer, %d in its log: %d retried by it (%d then succeeded), %d of them on another replica\n",
+			bal.Ops, bal.Logged, bal.Retried, bal.RetriedOK, bal.Redispatched)
+	}
 }

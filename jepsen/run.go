@@ -255,6 +255,13 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	h := rec.snapshot()
 	h.Crashes = mon.crashes()
 	stopFleet()
+	if cfg.HAProxy {
+		// Stopped, HAProxy has written every request line: mark what it retried.
+		if err := readBalancerLogFile(filepath.Join(dir, "logs", "haproxy.log"), h.Ops); err != nil {
+			log.Warn("load balancer log", "err", err)
+			h.Notes = append(h.Notes, Note{At: h.End, Text: "load balancer log: " + err.Error()})
+		}
+	}
 
 	log.Info("checking history", "ops", len(h.Ops), "faults", len(h.Faults))
 	rep := &Report{

@@ -16,6 +16,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 )
 
 // Shapes of the workload.
@@ -213,8 +215,8 @@ func (f *fleet) clientAddr(target string) string {
 // new binding must take (X-Target-Worker). It draws nothing from the client's random
 // source, so raced lanes may run it at once.
 func (c *client) send(ctx context.Context, s *session, target, pin string, lane int, first, stream bool, body []byte) Op {
-	op := Op{Client: c.id, Session: s.name, Lane: lane, Stream: stream, First: first, Target: target}
 	rec := c.w.rec
+	op := Op{Client: c.id, Session: s.name, Lane: lane, Stream: stream, First: first, Target: target, Tag: rec.tag()}
 	ctx, cancel := context.WithTimeout(ctx, c.w.cfg.RequestTimeout)
 	defer cancel()
 	var wrote atomic.Bool
@@ -228,6 +230,7 @@ func (c *client) send(ctx context.Context, s *session, target, pin string, lane 
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set(headerSession, s.name)
+	req.Header.Set(proc.HeaderOpTag, op.Tag)
 	if pin != "" {
 		req.Header.Set(headerTargetWorker, pin)
 	}
@@ -245,6 +248,7 @@ func (c *client) send(ctx context.Context, s *session, target, pin string, lane 
 	op.Headers = rec.now()
 	op.Status = resp.StatusCode
 	op.Replica = resp.Header.Get(headerReplica)
+	op.Refused = resp.Header.Get(headerRefused) != ""
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		op.Complete, op.Result, op.Error = rec.now(), ResultFail, errorMessage(resp.StatusCode, b)

@@ -66,12 +66,17 @@ func DeployEnv(listen string, replicas []Replica) ([]string, error) {
 // answer or a 503, so the balancer hides a replica killed or cut off mid-request, as the
 // harness's availability figures assume. deploy/haproxy.cfg deliberately retries only
 // connection failures and 503s, a replica's refusals before any worker (an empty answer may
-// come from a replica that died with the request on a worker), and checks less often (inter 1s against 300ms here). Like it, it checks /readyz, so an unready
-// replica (no quorum) is drained.
+// come from a replica that died with the request on a worker), and checks less often (inter 1s
+// against 300ms here). Like it, it checks /readyz, so an unready replica (no quorum) is
+// drained. It logs one line per request to its standard output, in the form HAProxyLogLine
+// reads: the request's X-Jepsen-Op header, the server that answered last, how many times
+// HAProxy retried the request, the status and the termination state, so the harness can tell
+// which requests the balancer retried.
 func HAProxyConfig(listen string, replicas []Replica) string {
 	var b strings.Builder
 	b.WriteString(`global
     maxconn 2048
+    log stdout format raw local0 info
 
 defaults
     mode http
@@ -86,6 +91,9 @@ defaults
 
 frontend kvrouter
     bind ` + listen + `
+    log global
+    http-request capture req.hdr(` + HeaderOpTag + `) len 40
+    log-format "` + haproxyLogPrefix + ` %[capture.req.hdr(0)] %s %rc %ST %ts"
     default_backend replicas
 
 backend replicas

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loopback"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // deployConfig is deploy/haproxy.cfg, relative to this package.
@@ -92,6 +93,8 @@ func TestHAProxyRunsInFrontOfReplicas(t *testing.T) {
 	cases := []struct {
 		name  string
 		setup func(t *testing.T, listen string) HAProxy
+		// logsTags: the balancer logs each request with its X-Jepsen-Op tag.
+		logsTags bool
 	}{
 		{name: "deploy/haproxy.cfg", setup: func(t *testing.T, listen string) HAProxy {
 			env, err := DeployEnv(listen, rs)
@@ -106,7 +109,7 @@ func TestHAProxyRunsInFrontOfReplicas(t *testing.T) {
 				t.Fatal(err)
 			}
 			return HAProxy{Config: path} // haproxy from PATH
-		}},
+		}, logsTags: true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -128,6 +131,40 @@ func TestHAProxyRunsInFrontOfReplicas(t *testing.T) {
 			if err := WaitReady(t.Context(), nil, "http://"+listen+"/readyz", 30*time.Second); err != nil {
 				b, _ := os.ReadFile(spec.LogPath)
 				t.Fatalf("%v\nhaproxy log:\n%s", err, b)
+			}
+			if tc.logsTags {
+				// HAProxy logs a request when its transaction ends; the log is read until the
+				// tagged line is there, before HAProxy stops.
+				req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+listen+"/readyz", nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set(HeaderOpTag, "tagged-1")
+				req.Close = true
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+				poll.Until(t, 10*time.Second, func() error {
+					b, err := os.ReadFile(spec.LogPath)
+					if err != nil {
+						return err
+					}
+					for line := range strings.Lines(string(b)) {
+						req, ok, err := ParseHAProxyLogLine(line)
+						if err != nil {
+							t.Fatal(err)
+						}
+						if ok && req.Tag == "tagged-1" {
+							if !strings.HasPrefix(req.Server, "r") || req.Status != 200 || req.Retries != 0 || req.Termination != "--" {
+								t.Fatalf("tagged request in the log: %+v", req)
+							}
+							return nil
+						}
+					}
+					return fmt.Errorf("no line of the tagged request in haproxy's log:\n%s", b)
+				})
 			}
 			if err := p.Stop(t.Context(), syscall.SIGTERM, 10*time.Second); err != nil {
 				t.Fatal(err)
