@@ -135,6 +135,11 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
+	// Every outcome is exported from the start, at 0: a dashboard's query of a migration
+	// that has not happened yet finds the series, and rate() sees the first one.
+	for _, o := range []string{migrationMoved, migrationDisabled, migrationExhausted, migrationUnsupported, migrationNoWorker, migrationFinished} {
+		m.migrations.WithLabelValues(o)
+	}
 	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.migrations, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,
 		m.disagg, m.prefillSelection, m.prefillLeg, m.decodeFirstToken, m.transfer, m.reservations, m.tokenizeFallbacks, m.clientLimited, m.models, c} {
 		if err := reg.Register(col); err != nil {
