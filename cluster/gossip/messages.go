@@ -3,6 +3,8 @@ package gossip
 import (
 	"context"
 	"fmt"
+	"net"
+	"strconv"
 
 	"github.com/hashicorp/memberlist"
 )
@@ -70,17 +72,31 @@ func (g *Gossip) broadcast(kind Kind, key string, payload []byte) error {
 	return nil
 }
 
-// target finds an alive member's memberlist node.
+// target is a node for memberlist to send to: an alive member's name and gossip address as
+// this replica recorded them from memberlist's events. It is a copy of its own: the nodes
+// Members returns are memberlist's, which it rewrites in place when a member comes back at
+// another address, so reading one while a send goroutine runs was a data race.
 func (g *Gossip) target(to string) (*memberlist.Node, error) {
-	if !g.IsAlive(to) {
+	g.mu.Lock()
+	m, ok := g.members[to]
+	addr := ""
+	if ok && (m.State == Alive || m.State == Suspect) {
+		addr = m.Addr
+	}
+	g.mu.Unlock()
+	if addr == "" {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownMember, to)
 	}
-	for _, n := range g.ml.Members() {
-		if n.Name == to {
-			return n, nil
-		}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, fmt.Errorf("gossip: member %q at %q: %w", to, addr, err)
 	}
-	return nil, fmt.Errorf("%w: %q", ErrUnknownMember, to)
+	p, err := strconv.ParseUint(port, 10, 16)
+	ip := net.ParseIP(host)
+	if err != nil || ip == nil {
+		return nil, fmt.Errorf("gossip: member %q at %q: not an IP address and port", to, addr)
+	}
+	return &memberlist.Node{Name: to, Addr: ip, Port: uint16(p)}, nil
 }
 
 // SendReliable sends payload to one member over TCP (up to MaxReliablePayload, and within
