@@ -21,6 +21,7 @@ FUZZ_TARGETS := \
 	./transport/kvevents:FuzzDecode \
 	./transport/kvevents:FuzzGuardFraming \
 	./fsm:FuzzDecode \
+	./internal/proc:FuzzReadHAProxyPolicy \
 	./fsm:FuzzRestore \
 	./workers:FuzzParseSpecs \
 	./discovery:FuzzDecodePool \

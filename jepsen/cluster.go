@@ -241,10 +241,11 @@ func newFleet(cfg *Config, nw network, dir string) (*fleet, error) {
 		if err != nil {
 			return nil, err
 		}
-		// Not deploy/haproxy.cfg: the harness runs up to nine replicas and wants the balancer
-		// to retry an empty answer or a 503 (see proc.HAProxyConfig).
+		// Not deploy/haproxy.cfg itself: the harness runs up to nine replicas and logs what
+		// the balancer retried; its retries and checks are the harness's own or, with
+		// --lb-config, deploy/haproxy.cfg's (see proc.HAProxyConfig).
 		cfgPath := filepath.Join(dir, "haproxy.cfg")
-		if err := os.WriteFile(cfgPath, []byte(proc.HAProxyConfig(addr, members)), 0o644); err != nil {
+		if err := os.WriteFile(cfgPath, []byte(proc.HAProxyConfig(addr, members, cfg.LBPolicy)), 0o644); err != nil {
 			return nil, fmt.Errorf("haproxy config: %w", err)
 		}
 		f.lbAddr = addr

@@ -60,6 +60,9 @@ type FailureCount struct {
 	// Fault is the kind of the fault on the request's replica ("" when none was).
 	Fault FaultKind `json:"fault,omitempty"`
 	Ops   int       `json:"ops"`
+	// Struck of them were already in flight on their replica when its fault began (sent
+	// before it); the rest were sent while it lasted.
+	Struck int `json:"struck,omitempty"`
 	// ViaBalancer of them went through the load balancer; Retried were sent again by it
 	// (to the same or another replica) before they failed.
 	ViaBalancer int `json:"via_balancer,omitempty"`
@@ -116,11 +119,12 @@ func (o *Op) servedBy() string {
 }
 
 // replicaFault returns the kind of a replica fault on the operation's replica while it was in
-// flight ("" when none was).
-func replicaFault(o *Op, faults []Fault, end time.Duration) FaultKind {
+// flight ("" when none was), and whether the operation was already in flight when that fault
+// began.
+func replicaFault(o *Op, faults []Fault, end time.Duration) (kind FaultKind, struck bool) {
 	r := o.servedBy()
 	if r == "" {
-		return ""
+		return "", false
 	}
 	complete := max(o.Complete, o.Invoke)
 	for i := range faults {
@@ -129,15 +133,16 @@ func replicaFault(o *Op, faults []Fault, end time.Duration) FaultKind {
 			continue
 		}
 		if f.Start <= complete && o.Invoke <= f.Until(end) {
-			return f.Kind
+			return f.Kind, o.Invoke < f.Start
 		}
 	}
-	return ""
+	return "", false
 }
 
-// classifyFailure returns a failed operation's cause, phase and the replica fault it met.
-func classifyFailure(o *Op, faults []Fault, end time.Duration) (cause, phase string, fault FaultKind) {
-	fault = replicaFault(o, faults, end)
+// classifyFailure returns a failed operation's cause, phase and the replica fault it met, and
+// whether it was in flight on its replica when that fault began.
+func classifyFailure(o *Op, faults []Fault, end time.Duration) (cause, phase string, fault FaultKind, struck bool) {
+	fault, struck = replicaFault(o, faults, end)
 	switch {
 	case o.refused():
 		cause = CauseRefused
@@ -148,7 +153,7 @@ func classifyFailure(o *Op, faults []Fault, end time.Duration) (cause, phase str
 	default:
 		cause = CauseOther
 	}
-	return cause, o.phase(), fault
+	return cause, o.phase(), fault, struck
 }
 
 // failures counts the failed operations by cause, phase and fault, and what the balancer did.
@@ -176,7 +181,7 @@ func failures(h *History) ([]FailureCount, BalancerStats) {
 		if op.Result == ResultOK {
 			continue
 		}
-		cause, phase, fault := classifyFailure(op, h.Faults, h.End)
+		cause, phase, fault, struck := classifyFailure(op, h.Faults, h.End)
 		key := FailureCount{Cause: cause, Phase: phase, Fault: fault}
 		c := counts[key]
 		if c == nil {
@@ -184,6 +189,9 @@ func failures(h *History) ([]FailureCount, BalancerStats) {
 			counts[key] = c
 		}
 		c.Ops++
+		if struck {
+			c.Struck++
+		}
 		if lb {
 			c.ViaBalancer++
 			if op.LBRetries > 0 {

@@ -20,22 +20,23 @@ func TestClassifyFailure(t *testing.T) {
 		cause     string
 		phase     string
 		faultKind FaultKind
+		struck    bool // in flight on its replica when the fault began
 	}{
 		{name: "in flight on the killed replica, no answer",
 			op:    Op{Target: "r0", Invoke: 90 * ms, Complete: 110 * ms, Result: ResultUnknown, Error: "EOF"},
-			cause: CauseFaultedReplica, phase: PhaseNoAnswer, faultKind: FaultKill},
+			cause: CauseFaultedReplica, phase: PhaseNoAnswer, faultKind: FaultKill, struck: true},
 		{name: "stream cut by the kill",
 			op:    Op{Target: "r0", Invoke: 50 * ms, Headers: 60 * ms, Complete: 100 * ms, Status: 200, Result: ResultUnknown, Error: "body: unexpected EOF"},
-			cause: CauseFaultedReplica, phase: PhaseTruncated, faultKind: FaultKill},
+			cause: CauseFaultedReplica, phase: PhaseTruncated, faultKind: FaultKill, struck: true},
 		{name: "sent to the dead replica: connection refused",
 			op:    Op{Target: "r0", Invoke: 150 * ms, Complete: 151 * ms, Result: ResultFail, Error: "connection refused"},
 			cause: CauseFaultedReplica, phase: PhaseConnect, faultKind: FaultKill},
 		{name: "through the balancer to the killed replica",
 			op:    Op{Target: "lb", LBServer: "r0", Invoke: 90 * ms, Complete: 110 * ms, Result: ResultUnknown},
-			cause: CauseFaultedReplica, phase: PhaseNoAnswer, faultKind: FaultKill},
+			cause: CauseFaultedReplica, phase: PhaseNoAnswer, faultKind: FaultKill, struck: true},
 		{name: "through the balancer, answered by the faulted replica",
 			op:    Op{Target: "lb", Replica: "r0", Invoke: 90 * ms, Headers: 95 * ms, Complete: 110 * ms, Status: 200, Result: ResultUnknown},
-			cause: CauseFaultedReplica, phase: PhaseTruncated, faultKind: FaultKill},
+			cause: CauseFaultedReplica, phase: PhaseTruncated, faultKind: FaultKill, struck: true},
 		{name: "refusal marked by the header, on the cut-off replica",
 			op:    Op{Target: "r1", Invoke: 1100 * ms, Headers: 1101 * ms, Complete: 1101 * ms, Status: 503, Refused: true, Result: ResultFail, Error: "503: busy"},
 			cause: CauseRefused, phase: PhaseError, faultKind: FaultPartition},
@@ -72,9 +73,9 @@ func TestClassifyFailure(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			cause, phase, kind := classifyFailure(&tc.op, faults, end)
-			if cause != tc.cause || phase != tc.phase || kind != tc.faultKind {
-				t.Fatalf("got %s/%s/%q, want %s/%s/%q", cause, phase, kind, tc.cause, tc.phase, tc.faultKind)
+			cause, phase, kind, struck := classifyFailure(&tc.op, faults, end)
+			if cause != tc.cause || phase != tc.phase || kind != tc.faultKind || struck != tc.struck {
+				t.Fatalf("got %s/%s/%q struck %v, want %s/%s/%q struck %v", cause, phase, kind, struck, tc.cause, tc.phase, tc.faultKind, tc.struck)
 			}
 		})
 	}
@@ -108,7 +109,7 @@ func TestFailuresCountWhatTheBalancerRetried(t *testing.T) {
 	if bal != wantBal {
 		t.Errorf("balancer %+v, want %+v", bal, wantBal)
 	}
-	want := []FailureCount{{Cause: CauseFaultedReplica, Phase: PhaseNoAnswer, Fault: FaultKill, Ops: 2, ViaBalancer: 1}}
+	want := []FailureCount{{Cause: CauseFaultedReplica, Phase: PhaseNoAnswer, Fault: FaultKill, Ops: 2, Struck: 2, ViaBalancer: 1}}
 	if len(fs) != 1 || fs[0] != want[0] {
 		t.Fatalf("failures %+v, want %+v", fs, want)
 	}
@@ -117,7 +118,7 @@ func TestFailuresCountWhatTheBalancerRetried(t *testing.T) {
 	if err := rep.WriteText(&text); err != nil {
 		t.Fatal(err)
 	}
-	for _, line := range []string{"failures:    2 requests", "faulted-replica  no-answer     kill", "4 requests sent through the balancer, 4 in its log: 2 retried by it (2 then succeeded), 1 of them on another replica"} {
+	for _, line := range []string{"failures:    2 requests", "faulted-replica  no-answer     kill           2  (2 in flight on it when the fault began)", "4 requests sent through the balancer, 4 in its log: 2 retried by it (2 then succeeded), 1 of them on another replica"} {
 		if !strings.Contains(text.String(), line) {
 			t.Errorf("summary lacks %q:\n%s", line, text.String())
 		}

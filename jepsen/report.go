@@ -286,6 +286,9 @@ func writeFailures(b *strings.Builder, fs []FailureCount, bal BalancerStats) {
 	fmt.Fprintf(b, "failures:    %d requests failed or went unanswered, by cause and phase (the fault on their replica)\n", total)
 	for _, f := range fs {
 		fmt.Fprintf(b, "  %-16s %-13s %-10s %5d", f.Cause, f.Phase, cmp.Or(string(f.Fault), "-"), f.Ops)
+		if f.Fault != "" {
+			fmt.Fprintf(b, "  (%d in flight on it when the fault began)", f.Struck)
+		}
 		if f.ViaBalancer > 0 {
 			fmt.Fprintf(b, "  (%d through the balancer, %d of them retried by it)", f.ViaBalancer, f.Retried)
 		}

@@ -15,6 +15,8 @@ import (
 	"sort"
 	"sync"
 	"time"
+
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 )
 
 // Config describes one run of the harness.
@@ -31,8 +33,15 @@ type Config struct {
 	Faults []FaultKind
 	// OutDir receives the history, the report, the logs and porcupine's visualisations.
 	OutDir string
-	// HAProxy puts a real HAProxy in front of the replicas; half the requests go through it.
+	// HAProxy puts a real HAProxy in front of the replicas; LBShare of the requests (half
+	// when 0) go through it, the rest straight to a random replica. A session's first
+	// request raced on several replicas goes to them directly whatever the share.
 	HAProxy bool
+	LBShare float64
+	// LBPolicy is the balancer's retries and health checks (proc.HarnessPolicy when empty);
+	// LBPolicySource says where it came from, for the report.
+	LBPolicy       proc.HAProxyPolicy
+	LBPolicySource string
 	// Netns is "auto" (namespaces when partitions are asked for and can be made), "on" or "off".
 	Netns string
 	// Consistency, StaleBound, BindWait, SessionTTL and HealthInterval go to every replica, and
@@ -67,6 +76,12 @@ func (c *Config) defaults() {
 	}
 	if c.Duration == 0 {
 		c.Duration = 2 * time.Minute
+	}
+	if len(c.LBPolicy.Defaults)+len(c.LBPolicy.Backend) == 0 {
+		c.LBPolicy, c.LBPolicySource = proc.HarnessPolicy(), "the harness's own (retries an empty answer too)"
+	}
+	if c.LBShare == 0 {
+		c.LBShare = 0.5
 	}
 	if c.Netns == "" {
 		c.Netns = "auto"
@@ -115,6 +130,9 @@ func (c *Config) validate() error {
 	}
 	if c.Duration < warmup+cooldown+5*time.Second {
 		errs = append(errs, fmt.Errorf("duration %s: want at least %s", c.Duration, warmup+cooldown+5*time.Second))
+	}
+	if c.LBShare < 0 || c.LBShare > 1 {
+		errs = append(errs, fmt.Errorf("lb share %g: want 0 to 1", c.LBShare))
 	}
 	if !slices.Contains([]string{"auto", "on", "off"}, c.Netns) {
 		errs = append(errs, fmt.Errorf("netns %q: want auto, on or off", c.Netns))
@@ -278,7 +296,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		rep.Partitions = "not asked for"
 	}
 	if cfg.HAProxy {
-		rep.LoadBalancer = "haproxy at " + f.lbAddr
+		rep.LoadBalancer = fmt.Sprintf("haproxy at %s, retries and health checks from %s", f.lbAddr, cfg.LBPolicySource)
 	}
 	rep.Analysis = Check(h, cfg.CheckConfig())
 	rep.Elapsed = time.Since(began)

@@ -29,7 +29,6 @@ const (
 	streamShare       = 0.3  // share of requests that stream
 	longShare         = 0.05 // share of requests that decode long enough to span a fault
 	parkShare         = 0.02 // share of operations after which a session idles past its TTL
-	lbShare           = 0.5  // with a load balancer: share of requests sent through it
 )
 
 // sharedPrefixes give sessions common prompt prefixes, as system prompts do, so KV-aware
@@ -155,10 +154,11 @@ func (c *client) first(ctx context.Context, s *session) {
 	s.turns++
 }
 
-// target picks where a request goes: a random replica, or the load balancer.
+// target picks where a request goes: a random replica, or the load balancer (a share
+// --lb-share of the requests).
 func (c *client) target() string {
 	f := c.w.f
-	if f.lbAddr != "" && c.rng.Float64() < lbShare {
+	if f.lbAddr != "" && c.rng.Float64() < c.w.cfg.LBShare {
 		return "lb"
 	}
 	return f.replicas[c.rng.IntN(len(f.replicas))].ID

@@ -12,6 +12,8 @@ import (
 
 	"github.com/peterbourgon/ff/v3/ffcli"
 
+	"github.com/kvrouter-ha/kvrouter-ha/deploy"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/proc"
 	"github.com/kvrouter-ha/kvrouter-ha/jepsen"
 )
 
@@ -36,7 +38,9 @@ func jepsenCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.Int64Var(&cfg.Seed, "seed", 1, "seed of the fault schedule and the clients' choices")
 	faults := fs.String("faults", "kill,stop,restart,partition,worker,stale", "fault kinds: kill, stop, restart, partition, worker, stale, discovery (a new worker listed in a discovery file, then taken out), or all")
 	fs.StringVar(&cfg.OutDir, "out", "jepsen-out", "directory for summary.txt, report.json, history.json, logs and porcupine pages")
-	fs.BoolVar(&cfg.HAProxy, "haproxy", false, "put HAProxy (from PATH) in front of the replicas; half the requests go through it")
+	fs.BoolVar(&cfg.HAProxy, "haproxy", false, "put HAProxy (from PATH) in front of the replicas; --lb-share of the requests go through it")
+	fs.Float64Var(&cfg.LBShare, "lb-share", 0.5, "with --haproxy: share of the requests sent through it (above 0, at most 1; the rest go straight to a random replica)")
+	lbConfig := fs.String("lb-config", "harness", "where HAProxy's retries and health checks come from: harness (its own, which also retries an empty answer), deploy (deploy/haproxy.cfg, built in) or the path of an HAProxy config file")
 	fs.StringVar(&cfg.Netns, "netns", "auto", "network namespaces (needed for partitions; root on Linux): auto, on or off")
 	fs.StringVar(&cfg.Consistency, "consistency", "bounded", "replicas' --consistency, and what the checker holds them to")
 	fs.DurationVar(&cfg.StaleBound, "stale-bound", time.Second, "replicas' --stale-bound")
@@ -70,6 +74,9 @@ restart, and availability under each kind of fault. It exits non-zero on any vio
 			cfg.ServeArgs = serveArgs
 			if *recheck != "" {
 				return jepsenRecheck(stdout, *recheck, &cfg)
+			}
+			if cfg.LBPolicy, cfg.LBPolicySource, err = jepsenLBPolicy(*lbConfig); err != nil {
+				return err
 			}
 			if cfg.Faults, err = jepsen.ParseFaults(*faults); err != nil {
 				return err
@@ -113,4 +120,27 @@ func jepsenRecheck(stdout io.Writer, path string, cfg *jepsen.Config) error {
 		return errors.New("jepsen: violations in the history")
 	}
 	return nil
+}
+
+// jepsenLBPolicy reads --lb-config: the harness's own retries and checks, deploy/haproxy.cfg's
+// (the copy built into this binary), or those of the HAProxy config file it names.
+func jepsenLBPolicy(from string) (proc.HAProxyPolicy, string, error) {
+	var text, source string
+	switch from {
+	case "harness":
+		return proc.HAProxyPolicy{}, "", nil // the harness's default
+	case "deploy":
+		text, source = deploy.HAProxyConfig, "deploy/haproxy.cfg (built in)"
+	default:
+		b, err := os.ReadFile(from)
+		if err != nil {
+			return proc.HAProxyPolicy{}, "", fmt.Errorf("--lb-config: %w", err)
+		}
+		text, source = string(b), from
+	}
+	p, err := proc.ReadHAProxyPolicy(text)
+	if err != nil {
+		return proc.HAProxyPolicy{}, "", fmt.Errorf("--lb-config %s: %w", from, err)
+	}
+	return p, source, nil
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -72,7 +73,7 @@ func TestDeployEnvNamesExactlyThreeReplicas(t *testing.T) {
 
 func TestHAProxyConfigNamesEveryReplica(t *testing.T) {
 	rs := fakeReplicas(t, 9)
-	cfg := HAProxyConfig("127.0.0.1:1", rs)
+	cfg := HAProxyConfig("127.0.0.1:1", rs, HarnessPolicy())
 	for _, want := range []string{"bind 127.0.0.1:1\n", "retry-on conn-failure empty-response 503\n", "option httpchk GET /readyz\n"} {
 		if !strings.Contains(cfg, want) {
 			t.Errorf("config misses %q:\n%s", want, cfg)
@@ -105,10 +106,18 @@ func TestHAProxyRunsInFrontOfReplicas(t *testing.T) {
 		}},
 		{name: "HAProxyConfig", setup: func(t *testing.T, listen string) HAProxy {
 			path := filepath.Join(t.TempDir(), "haproxy.cfg")
-			if err := os.WriteFile(path, []byte(HAProxyConfig(listen, rs)), 0o644); err != nil {
+			if err := os.WriteFile(path, []byte(HAProxyConfig(listen, rs, HarnessPolicy())), 0o644); err != nil {
 				t.Fatal(err)
 			}
 			return HAProxy{Config: path} // haproxy from PATH
+		}, logsTags: true},
+		{name: "HAProxyConfig with deploy/haproxy.cfg's policy", setup: func(t *testing.T, listen string) HAProxy {
+			policy := deployPolicy(t)
+			path := filepath.Join(t.TempDir(), "haproxy.cfg")
+			if err := os.WriteFile(path, []byte(HAProxyConfig(listen, rs, policy)), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			return HAProxy{Config: path}
 		}, logsTags: true},
 	}
 	for _, tc := range cases {
@@ -182,4 +191,70 @@ func TestHAProxyCheckRefusesABadConfig(t *testing.T) {
 	if err := (HAProxy{Config: path}).Check(t.Context()); err == nil {
 		t.Fatal("haproxy -c accepted a broken config")
 	}
+}
+
+// deployPolicy is deploy/haproxy.cfg's policy.
+func deployPolicy(t *testing.T) HAProxyPolicy {
+	t.Helper()
+	b, err := os.ReadFile(deployConfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := ReadHAProxyPolicy(string(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestReadHAProxyPolicyTakesDeploysRetriesAndChecks(t *testing.T) {
+	p := deployPolicy(t)
+	// deploy/haproxy.cfg's own lines, as the harness must run them.
+	want := HAProxyPolicy{
+		Defaults: []string{"timeout connect 1s", "timeout check 2s", "retries 3", "option redispatch 1", "retry-on conn-failure 503"},
+		Backend:  []string{"balance leastconn", "option httpchk GET /readyz", "http-check expect status 200", "default-server inter 1s fastinter 250ms fall 2 rise 2"},
+	}
+	if !slices.Equal(p.Defaults, want.Defaults) || !slices.Equal(p.Backend, want.Backend) {
+		t.Fatalf("policy of %s:\n%q\n%q\nwant\n%q\n%q", deployConfig, p.Defaults, p.Backend, want.Defaults, want.Backend)
+	}
+}
+
+func TestReadHAProxyPolicyRefusesAFileWithoutOne(t *testing.T) {
+	const backend = "backend b\n  option httpchk GET /readyz\n  default-server inter 1s\n"
+	cases := []struct{ name, cfg, want string }{
+		{"empty", "", "0 defaults sections"},
+		{"no retry-on", "defaults\n  retries 3\n" + backend, "no retry-on line"},
+		{"retry-on commented out", "defaults\n  # retry-on 503\n" + backend, "no retry-on line"},
+		{"retry-on in the backend only", "defaults\n  retries 3\nbackend b\n  retry-on 503\n  option httpchk\n  default-server inter 1s\n", "no retry-on line"},
+		{"no health check", "defaults\n  retry-on 503\nbackend b\n  default-server inter 1s\n", "no option httpchk line"},
+		{"two backends", "defaults\n  retry-on 503\n" + backend + backend, "2 backend sections"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := ReadHAProxyPolicy(tc.cfg)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("ReadHAProxyPolicy: %v (%+v), want an error about %q", err, p, tc.want)
+			}
+		})
+	}
+}
+
+// FuzzReadHAProxyPolicy: any text is read without a panic, and a policy read from it holds
+// only the directives a policy takes, one line each.
+func FuzzReadHAProxyPolicy(f *testing.F) {
+	if b, err := os.ReadFile(deployConfig); err == nil {
+		f.Add(string(b))
+	}
+	f.Add("defaults\n retry-on 503 # x\nbackend b\n option httpchk\n default-server inter 1s\n")
+	f.Fuzz(func(t *testing.T, cfg string) {
+		p, err := ReadHAProxyPolicy(cfg)
+		if err != nil {
+			return
+		}
+		for _, l := range append(slices.Clone(p.Defaults), p.Backend...) {
+			if l == "" || strings.ContainsAny(l, "\n#") || !policyDirective("defaults", l) && !policyDirective("backend", l) {
+				t.Fatalf("policy line %q", l)
+			}
+		}
+	})
 }
