@@ -104,7 +104,7 @@ func TestTouchedSessionOutlivesQuickLeaderChanges(t *testing.T) {
 	}
 }
 
-// idleAndCheckpoint lets session "s" idle until at most 1.5s of its TTL is left, has the
+// idleAndCheckpoint lets session "s" idle until at most 2s of its TTL is left, has the
 // leader (never node fi) checkpoint that, and returns the leader's index. A leader that
 // changes meanwhile (a loaded machine) is followed.
 func idleAndCheckpoint(t *testing.T, c *testCluster, fi int) int {
@@ -113,23 +113,28 @@ func idleAndCheckpoint(t *testing.T, c *testCluster, fi int) int {
 	poll.Until(t, 20*time.Second, func() error {
 		li = -1
 		for i, n := range c.nodes {
-			if i != fi && n != nil && n.IsLeader() && n.lead.isEstablished() {
+			if n != nil && n.IsLeader() && n.lead.isEstablished() {
 				li = i
 			}
 		}
 		if li < 0 {
-			return errors.New("no established leader other than the touching replica")
+			return errors.New("no established leader")
+		}
+		if li == fi {
+			// A loaded machine moved the leadership to the touching replica: move it on.
+			err := c.nodes[fi].raft.LeadershipTransfer().Error()
+			return fmt.Errorf("the touching replica leads; handing over: %v", err)
 		}
 		ln := c.nodes[li]
 		if _, ok := ln.FSM().Get("s"); !ok {
 			t.Fatal("the binding expired before it was checkpointed (the test was starved for over a second)")
 		}
-		if d, ok := timerDeadline(ln, "s"); !ok || time.Until(d) > 1500*time.Millisecond {
+		if d, ok := timerDeadline(ln, "s"); !ok || time.Until(d) > 2*time.Second {
 			return fmt.Errorf("binding not idle enough yet (timer %v, %v left)", ok, time.Until(d))
 		}
 		ln.lead.checkpoint(context.Background())
-		if got, ok := ln.FSM().Get("s"); !ok || got.Remaining <= 0 || got.Remaining > 1500*time.Millisecond || !ln.IsLeader() {
-			return fmt.Errorf("checkpointed binding %+v (found %v): want at most 1.5s remaining, and the leader still leading", got, ok)
+		if got, ok := ln.FSM().Get("s"); !ok || got.Remaining <= 0 || got.Remaining > 2*time.Second || !ln.IsLeader() {
+			return fmt.Errorf("checkpointed binding %+v (found %v): want at most 2s remaining, and the leader still leading", got, ok)
 		}
 		return nil
 	})
@@ -140,7 +145,7 @@ func idleAndCheckpoint(t *testing.T, c *testCluster, fi int) int {
 func waitTouched(t *testing.T, n *Node, ttl time.Duration) {
 	t.Helper()
 	poll.Until(t, 10*time.Second, func() error {
-		if d, ok := timerDeadline(n, "s"); !ok || time.Until(d) < ttl-1500*time.Millisecond {
+		if d, ok := timerDeadline(n, "s"); !ok || time.Until(d) < ttl-time.Second {
 			return errors.New("the touch has not reached the leader")
 		}
 		return nil
