@@ -27,9 +27,20 @@ type Affinity struct {
 	mu    sync.Mutex
 	local map[string]*localSession
 
-	tmu     sync.Mutex
-	touches []peer.Touch
-	wake    chan struct{}
+	tmu sync.Mutex
+	// recent is every session this replica touched within its TTL, with its last touch:
+	// the leader's idle timers live in its memory alone, so a new leader (or one whose touch
+	// never arrived) learns them again from here, with their age.
+	recent map[string]recentTouch
+	// unsent lists the sessions of recent the current leader has not acknowledged.
+	unsent map[string]struct{}
+	wake   chan struct{}
+}
+
+// recentTouch is this replica's last touch of a session.
+type recentTouch struct {
+	revision uint64
+	at       time.Time
 }
 
 // localSession is this replica's in-flight view of one session.
@@ -47,7 +58,8 @@ type localSession struct {
 
 // NewAffinity returns the store over n; it runs until n closes.
 func NewAffinity(n *Node) *Affinity {
-	a := &Affinity{n: n, log: n.log, local: make(map[string]*localSession), wake: make(chan struct{}, 1)}
+	a := &Affinity{n: n, log: n.log, local: make(map[string]*localSession), wake: make(chan struct{}, 1),
+		recent: make(map[string]recentTouch), unsent: make(map[string]struct{})}
 	n.wg.Add(2)
 	go a.flushTouches()
 	go a.keepAlive()
@@ -283,78 +295,146 @@ func (a *Affinity) bind(ctx context.Context, session string, w indexer.Worker, m
 	return res, nil
 }
 
-// touch tells the leader a session is in use (its idle timer restarts).
+// touch tells the leader a session is in use (its idle timer restarts). The touch is
+// remembered for the TTL: a touch the leader has not acknowledged is sent again until it
+// is, and every remembered touch goes again, with its age, to each new leader (a leader
+// keeps its timers in memory, so what it was told dies with its term).
 func (a *Affinity) touch(session string, revision uint64) {
 	if revision == 0 {
 		return
 	}
-	if a.n.IsLeader() {
-		a.n.lead.touch(session, revision)
+	a.tmu.Lock()
+	a.recent[session] = recentTouch{revision: revision, at: time.Now()}
+	a.tmu.Unlock()
+	if a.n.IsLeader() && a.n.lead.touch(session, revision, 0) == nil {
 		return
 	}
 	a.tmu.Lock()
-	a.touches = append(a.touches, peer.Touch{Session: session, Revision: revision})
-	n := len(a.touches)
+	a.unsent[session] = struct{}{}
 	a.tmu.Unlock()
-	if n == 1 {
-		select {
-		case a.wake <- struct{}{}:
-		default:
-		}
+	select {
+	case a.wake <- struct{}{}:
+	default:
 	}
 }
 
-// flushTouches sends coalesced touches to the leader; they are hints, so a failed send
-// is dropped (the next touch or the ttl/3 keep-alive repeats it).
+// flushTouches sends coalesced touches to the leader, each with its age. A failed send is
+// kept and tried again (at the latest every quarter of an election timeout), and a new term
+// makes every touch made within its TTL unsent again, so a touch survives changes of leader
+// and the times without one: a binding touched within its TTL by a replica that stays up is
+// never expired as idle.
 func (a *Affinity) flushTouches() {
 	defer a.n.wg.Done()
+	tick := time.NewTicker(max(a.n.cfg.ElectionTimeout/4, a.n.cfg.TouchFlush, 10*time.Millisecond))
+	defer tick.Stop()
+	var term uint64
+	pruned := time.Now()
 	for {
 		select {
 		case <-a.n.ctx.Done():
 			return
 		case <-a.wake:
+		case <-tick.C:
+		}
+		if now := time.Now(); now.Sub(pruned) >= a.n.cfg.SessionTTL/2 {
+			a.pruneTouches(now)
+			pruned = now
+		}
+		if cur := a.n.raft.CurrentTerm(); cur != term {
+			term = cur
+			a.tmu.Lock()
+			for s := range a.recent {
+				a.unsent[s] = struct{}{}
+			}
+			a.tmu.Unlock()
+		}
+		if !a.pendingTouches() {
+			continue
 		}
 		select {
 		case <-a.n.ctx.Done():
 			return
 		case <-time.After(a.n.cfg.TouchFlush):
 		}
-		a.tmu.Lock()
-		batch := a.touches
-		a.touches = nil
-		a.tmu.Unlock()
+		batch := a.takeUnsent(time.Now())
 		if len(batch) == 0 {
 			continue
 		}
-		if a.n.IsLeader() {
+		if err := a.deliver(batch); err != nil {
+			a.log.Debug("touch flush failed; kept for the next try", "touches", len(batch), "err", err)
+			a.tmu.Lock()
 			for _, t := range batch {
-				a.n.lead.touch(t.Session, t.Revision)
+				if r, ok := a.recent[t.Session]; ok && r.revision == t.Revision {
+					a.unsent[t.Session] = struct{}{}
+				}
 			}
-			continue
+			a.tmu.Unlock()
 		}
-		if a.n.cfg.Remote == nil {
-			continue
-		}
-		ctx, cancel := context.WithTimeout(a.n.ctx, time.Second)
-		if err := a.n.cfg.Remote.Touch(ctx, dedupe(batch)); err != nil {
-			a.log.Debug("touch flush failed", "touches", len(batch), "err", err)
-		}
-		cancel()
 	}
 }
 
-func dedupe(ts []peer.Touch) []peer.Touch {
-	seen := make(map[peer.Touch]struct{}, len(ts))
-	out := ts[:0]
-	for _, t := range ts {
-		if _, ok := seen[t]; ok {
-			continue
-		}
-		seen[t] = struct{}{}
-		out = append(out, t)
-	}
-	return out
+func (a *Affinity) pendingTouches() bool {
+	a.tmu.Lock()
+	defer a.tmu.Unlock()
+	return len(a.unsent) > 0
 }
+
+// pruneTouches forgets every touch older than the session TTL: the leader's timer has run
+// out since, or it holds a newer touch. (Run every TTL/2, so a touch is kept at most 1.5 TTL.)
+func (a *Affinity) pruneTouches(now time.Time) {
+	a.tmu.Lock()
+	defer a.tmu.Unlock()
+	for s, r := range a.recent {
+		if now.Sub(r.at) >= a.n.cfg.SessionTTL {
+			delete(a.recent, s)
+			delete(a.unsent, s)
+		}
+	}
+}
+
+// takeUnsent returns the unsent touches made within the session TTL, with their ages at now.
+func (a *Affinity) takeUnsent(now time.Time) []peer.Touch {
+	a.tmu.Lock()
+	defer a.tmu.Unlock()
+	batch := make([]peer.Touch, 0, len(a.unsent))
+	for s := range a.unsent {
+		if r, ok := a.recent[s]; ok && now.Sub(r.at) < a.n.cfg.SessionTTL {
+			batch = append(batch, peer.Touch{Session: s, Revision: r.revision, Age: max(now.Sub(r.at), 0)})
+		}
+	}
+	clear(a.unsent)
+	return batch
+}
+
+// deliver hands touches to the leader: this node's own timers when it leads, else the
+// leader's over the peer port.
+func (a *Affinity) deliver(batch []peer.Touch) error {
+	if a.n.IsLeader() {
+		for _, t := range batch {
+			if err := a.n.lead.touch(t.Session, t.Revision, t.Age); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	if a.n.cfg.Remote == nil {
+		return ErrNoLeader
+	}
+	// A new term sends every touch of the last TTL: in calls of touchChunk, each well
+	// under the peer port's message limit.
+	for i := 0; i < len(batch); i += touchChunk {
+		ctx, cancel := context.WithTimeout(a.n.ctx, time.Second)
+		err := a.n.cfg.Remote.Touch(ctx, batch[i:min(i+touchChunk, len(batch))])
+		cancel()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// touchChunk bounds the touches of one Touch call.
+const touchChunk = 4096
 
 // keepAlive touches every session with a request in flight here every ttl/3, so a long
 // stream does not idle its binding out.

@@ -25,10 +25,14 @@ type memNet struct {
 	// noReads makes the read-index calls of the node at a peer address fail, while its
 	// Raft traffic (heartbeats included) flows on.
 	noReads map[string]bool
+	// noTouches makes the touch calls of the node at a peer address fail; refusedTouches
+	// counts those calls.
+	noTouches      map[string]bool
+	refusedTouches int
 }
 
 func newMemNet() *memNet {
-	return &memNet{nodes: map[string]*Node{}, down: map[string]bool{}, trans: map[string]*raft.InmemTransport{}, forwarded: map[string]int{}, noReads: map[string]bool{}}
+	return &memNet{nodes: map[string]*Node{}, down: map[string]bool{}, trans: map[string]*raft.InmemTransport{}, forwarded: map[string]int{}, noReads: map[string]bool{}, noTouches: map[string]bool{}}
 }
 
 func (m *memNet) handler(addr string) (peer.Handler, error) {
@@ -102,6 +106,15 @@ func (r memRemote) ReadIndex(ctx context.Context) (uint64, error) {
 }
 
 func (r memRemote) Touch(ctx context.Context, ts []peer.Touch) error {
+	r.net.mu.Lock()
+	blocked := r.net.noTouches[r.addr]
+	if blocked {
+		r.net.refusedTouches++
+	}
+	r.net.mu.Unlock()
+	if blocked {
+		return fmt.Errorf("touch from %s: blocked by the test", r.addr)
+	}
 	h, _, err := r.leaderHandler(ctx)
 	if err != nil {
 		return err

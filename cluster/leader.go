@@ -160,18 +160,31 @@ func (l *leader) poke() {
 	}
 }
 
-// touch pushes a binding's idle deadline to now + its TTL (a request started or ended, or
-// a long stream is still running).
-func (l *leader) touch(session string, revision uint64) {
+// errNotEstablished answers a touch that reached a leader whose term is not established
+// yet: its timers are not armed, so the touch must be sent again.
+var errNotEstablished = errors.New("leadership not established yet")
+
+// touch pushes a binding's idle deadline to the touch's time + its TTL: now - age, where age
+// is how long ago the touch was made (a request started or ended, or a long stream is still
+// running). A touch sent again to a new leader carries its age, so the TTL counts from the
+// touch; the deadline is never later than now + the TTL, so a touch cannot extend a binding
+// beyond what it promised. A touch of a binding that is gone or replaced does nothing; one
+// that reaches the leader before its term is established is refused (errNotEstablished).
+func (l *leader) touch(session string, revision uint64, age time.Duration) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if !l.established {
+		return errNotEstablished
+	}
 	t := l.timers[session]
 	if t == nil || t.revision != revision {
-		return
+		return nil
 	}
-	if at := time.Now().Add(t.ttl); at.After(t.deadline) {
+	age = min(max(age, 0), t.ttl)
+	if at := time.Now().Add(t.ttl - age); at.After(t.deadline) {
 		t.deadline = at
 	}
+	return nil
 }
 
 // duty is work that runs only while this node leads (Node.AddDuty).

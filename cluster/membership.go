@@ -322,7 +322,10 @@ func (h handler) Touch(_ context.Context, touches []peer.Touch) error {
 		return h.notLeader()
 	}
 	for _, t := range touches {
-		h.n.lead.touch(t.Session, t.Revision)
+		if err := h.n.lead.touch(t.Session, t.Revision, t.Age); err != nil {
+			// The sender keeps its touches and sends them again (peer.Forwarder retries).
+			return fmt.Errorf("%w: %w", peer.ErrUnavailable, err)
+		}
 	}
 	return nil
 }

@@ -141,3 +141,26 @@ func TestPartitionSidesKeepAMajorityConnected(t *testing.T) {
 		}
 	}
 }
+
+func TestRebindRefusedAsGoneIsUnknownNotFailed(t *testing.T) {
+	cases := []struct {
+		name   string
+		status int
+		body   string
+		want   Result
+	}{
+		{"the binding is gone (maybe by this very call, retried across a leader change)", 409,
+			`{"error": "session \"c1-s57\" not invalidated: not found (current revision 0)"}`, ResultUnknown},
+		{"the binding is another revision", 409, `{"error": "session \"s\" not invalidated: conflict (current revision 12)"}`, ResultFail},
+		{"the replica had no binding to invalidate", 404, `{"error": "session \"s\" has no binding"}`, ResultFail},
+		{"no leader", 503, `{"error": "not found (current revision 0)"}`, ResultFail},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, msg := refusedRebind(tc.status, []byte(tc.body))
+			if got != tc.want || !strings.Contains(msg, tc.body) {
+				t.Fatalf("refusedRebind(%d, %s) = %v, %q; want %v with the answer quoted", tc.status, tc.body, got, msg, tc.want)
+			}
+		})
+	}
+}

@@ -200,7 +200,7 @@ func (n *nemesis) invalidate(ctx context.Context, fault int, r *replica, session
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 	if resp.StatusCode != http.StatusOK {
-		rb.Result, rb.Error = ResultFail, fmt.Sprintf("%d: %s", resp.StatusCode, strings.TrimSpace(string(body)))
+		rb.Result, rb.Error = refusedRebind(resp.StatusCode, body)
 		return rb
 	}
 	var v struct {
@@ -212,4 +212,20 @@ func (n *nemesis) invalidate(ctx context.Context, fault int, r *replica, session
 	}
 	rb.Result = ResultOK
 	return rb
+}
+
+// refusedRebind classifies an invalidation the admin API did not acknowledge. A 409 saying
+// the session has no binding at all may answer this very DELETE: the replica applied it as
+// leader, lost the leadership before the entry committed, and its retry on the next leader
+// (which committed the first attempt with its own log) found nothing left. Its effect is
+// then unknown, not failed. (Issue 29's one unexplained churn was such a rebind, recorded
+// as failed: r2 appended the invalidation in term 23, stepped down, won term 24, committed
+// it, and answered the retry "not found (current revision 0)".) Any other refusal failed:
+// the binding was another revision, or the replica had none to send.
+func refusedRebind(status int, body []byte) (Result, string) {
+	msg := fmt.Sprintf("%d: %s", status, strings.TrimSpace(string(body)))
+	if status == http.StatusConflict && strings.Contains(string(body), "not found (current revision 0)") {
+		return ResultUnknown, msg + " (gone: this invalidation may have removed it across a change of leader)"
+	}
+	return ResultFail, msg
 }

@@ -128,7 +128,7 @@ func (c *Client) ReadIndex(ctx context.Context) (uint64, error) {
 func (c *Client) Touch(ctx context.Context, touches []Touch) error {
 	req := &peerpb.TouchRequest{Touches: make([]*peerpb.Touch, len(touches))}
 	for i, t := range touches {
-		req.Touches[i] = &peerpb.Touch{Session: t.Session, Revision: t.Revision, End: t.End}
+		req.Touches[i] = &peerpb.Touch{Session: t.Session, Revision: t.Revision, End: t.End, AgeNanos: int64(t.Age)}
 	}
 	_, err := c.rpc.Touch(ctx, req)
 	return fromStatus(c.addr, "Touch", err)

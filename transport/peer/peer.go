@@ -80,6 +80,9 @@ type Touch struct {
 	// End is true when a request of the session ended, false when one started or is
 	// still streaming.
 	End bool
+	// Age is how long ago the touch was made (0: now): a touch sent again to a new leader
+	// carries its age, so the TTL counts from the touch, not from its delivery.
+	Age time.Duration
 }
 
 // Status describes one replica, as the Status call reports it.

@@ -233,7 +233,7 @@ func (s *service) ReadIndex(ctx context.Context, _ *peerpb.ReadIndexRequest) (*p
 func (s *service) Touch(ctx context.Context, req *peerpb.TouchRequest) (*peerpb.TouchResponse, error) {
 	ts := make([]Touch, 0, len(req.GetTouches()))
 	for _, t := range req.GetTouches() {
-		ts = append(ts, Touch{Session: t.GetSession(), Revision: t.GetRevision(), End: t.GetEnd()})
+		ts = append(ts, Touch{Session: t.GetSession(), Revision: t.GetRevision(), End: t.GetEnd(), Age: time.Duration(max(t.GetAgeNanos(), 0))})
 	}
 	if err := s.h.Touch(ctx, ts); err != nil {
 		return nil, toStatus(err)

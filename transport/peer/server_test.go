@@ -35,8 +35,10 @@ func TestEveryCallRoundTripsThroughTheHandler(t *testing.T) {
 	if ri, err := c.ReadIndex(ctx); err != nil || ri != 101 {
 		t.Fatalf("ReadIndex = %d, %v; want 101", ri, err)
 	}
-	touches := []Touch{{Session: "s1", Revision: 5}, {Session: "s2", Revision: 9, End: true}}
-	if err := c.Touch(ctx, touches); err != nil {
+	// A touch's age travels; a negative one (a sender's bug) arrives as 0, now.
+	sent := []Touch{{Session: "s1", Revision: 5}, {Session: "s2", Revision: 9, End: true, Age: 1500 * time.Millisecond}, {Session: "s3", Revision: 2, Age: -time.Second}}
+	touches := []Touch{sent[0], sent[1], {Session: "s3", Revision: 2}}
+	if err := c.Touch(ctx, sent); err != nil {
 		t.Fatal(err)
 	}
 	got, err := c.Status(ctx)

@@ -270,7 +270,11 @@ type Touch struct {
 	// The binding revision the touch refers to; a stale revision touches nothing.
 	Revision uint64 `protobuf:"varint,2,opt,name=revision,proto3" json:"revision,omitempty"`
 	// True when a request of the session ended; false when one started or is streaming.
-	End           bool `protobuf:"varint,3,opt,name=end,proto3" json:"end,omitempty"`
+	End bool `protobuf:"varint,3,opt,name=end,proto3" json:"end,omitempty"`
+	// How long ago the touch was made, on the sender's clock: a touch kept through a change
+	// of leader is sent again with its age, and the leader counts the TTL from then. 0 (also
+	// from a sender that does not know the field): now. Negative ages are taken as 0.
+	AgeNanos      int64 `protobuf:"varint,4,opt,name=age_nanos,json=ageNanos,proto3" json:"age_nanos,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -324,6 +328,13 @@ func (x *Touch) GetEnd() bool {
 		return x.End
 	}
 	return false
+}
+
+func (x *Touch) GetAgeNanos() int64 {
+	if x != nil {
+		return x.AgeNanos
+	}
+	return 0
 }
 
 type TouchRequest struct {
@@ -1053,11 +1064,12 @@ const file_peer_proto_rawDesc = "" +
 	"\x05index\x18\x02 \x01(\x04R\x05index\"\x12\n" +
 	"\x10ReadIndexRequest\")\n" +
 	"\x11ReadIndexResponse\x12\x14\n" +
-	"\x05index\x18\x01 \x01(\x04R\x05index\"O\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\"l\n" +
 	"\x05Touch\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x1a\n" +
 	"\brevision\x18\x02 \x01(\x04R\brevision\x12\x10\n" +
-	"\x03end\x18\x03 \x01(\bR\x03end\"7\n" +
+	"\x03end\x18\x03 \x01(\bR\x03end\x12\x1b\n" +
+	"\tage_nanos\x18\x04 \x01(\x03R\bageNanos\"7\n" +
 	"\fTouchRequest\x12'\n" +
 	"\atouches\x18\x01 \x03(\v2\r.peerpb.TouchR\atouches\"\x0f\n" +
 	"\rTouchResponse\"\x0f\n" +
