@@ -69,7 +69,7 @@ bin/testreport: internal/testreport/*.go
 	$(GO) build -o $@ ./internal/testreport
 
 unit: $(TESTREPORT)
-	$(REPORT) $(GO) test -race -count=1 -timeout 20m $(PKGS)
+	$(REPORT) $(GO) test -race -count=1 -timeout 35m $(PKGS)
 
 # Every Fuzz function in the tree must be listed, and every listed one must exist: a target
 # that moved to another package would otherwise "pass" by fuzzing nothing.
