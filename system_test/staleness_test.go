@@ -2,6 +2,7 @@ package system_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -22,11 +23,17 @@ func (r *replica) invalidate(session string) error {
 		return err
 	}
 	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("DELETE /admin/sessions/%s on %s: status %d", session, r.ID, resp.StatusCode)
+	switch resp.StatusCode {
+	case http.StatusOK:
+		return nil
+	case http.StatusNotFound:
+		return fmt.Errorf("DELETE /admin/sessions/%s on %s: %w", session, r.ID, errNoBinding)
 	}
-	return nil
+	return fmt.Errorf("DELETE /admin/sessions/%s on %s: status %d", session, r.ID, resp.StatusCode)
 }
+
+// errNoBinding is invalidate's answer for a session with no binding (404).
+var errNoBinding = errors.New("no binding (404)")
 
 // chatTo sends one non-streaming chat request for session to r, optionally naming a worker
 // (X-Target-Worker), with its own client so a request can wait out a stopped replica.
@@ -47,7 +54,10 @@ func chatTo(ctx context.Context, hc *http.Client, r *replica, session, target, p
 // rebind moves session to another worker than from, through r (which must have applied the
 // invalidation it asks for: the leader does before it answers), and returns the new binding.
 func rebind(ctx context.Context, r *replica, session string, from answer, workers []string) (answer, error) {
-	if err := r.invalidate(session); err != nil {
+	// A session with no binding is what the invalidation is for: a retried rebind finds it
+	// so when its first try invalidated the binding and its turn then failed (an election).
+	// The turn below must still bind it anew, at a higher revision.
+	if err := r.invalidate(session); err != nil && !errors.Is(err, errNoBinding) {
 		return answer{}, err
 	}
 	to := workers[0]
