@@ -65,7 +65,10 @@ func TestAliasSplitsSessionsByWeightAndEachKeepsItsTarget(t *testing.T) {
 	const v2, v3 = "llama-v2", "llama-v3"
 	fl := startFleetOf(t, sim.Config{Model: v2}, sim.Config{Model: v2}, sim.Config{Model: v3}, sim.Config{Model: v3})
 	serves := map[string]string{"w0": v2, "w1": v2, "w2": v3, "w3": v3}
-	c := startCluster(t, 3, fl)
+	// One client opens thousands of sessions as fast as the machine allows: the per-client
+	// rate of new sessions (a limit of its own, tested elsewhere) is off, or a fast run
+	// meets it and a slow one does not.
+	c := startCluster(t, 3, fl, "--client-session-rate", "0")
 	ctx, cancel := context.WithTimeout(t.Context(), 8*time.Minute)
 	defer cancel()
 	servingModels(ctx, t, c, v2, v3)
