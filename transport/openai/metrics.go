@@ -137,7 +137,7 @@ func newMetrics() *metrics {
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
 	// Every outcome is exported from the start, at 0: a dashboard's query of a migration
 	// that has not happened yet finds the series, and rate() sees the first one.
-	for _, o := range []string{migrationMoved, migrationDisabled, migrationExhausted, migrationUnsupported, migrationNoWorker, migrationFinished} {
+	for _, o := range migrationOutcomes() {
 		m.migrations.WithLabelValues(o)
 	}
 	for _, col := range []prometheus.Collector{m.requests, m.errors, m.retries, m.migrations, m.dispatches, m.ttft, m.selection, m.kvHit, m.predError,

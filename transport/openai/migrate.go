@@ -37,6 +37,11 @@ const (
 	migrationFinished    = "finished"    // the answer was whole but for its end, which the router sent
 )
 
+// migrationOutcomes lists every outcome, so that each is exported from the start.
+func migrationOutcomes() []string {
+	return []string{migrationMoved, migrationDisabled, migrationExhausted, migrationUnsupported, migrationNoWorker, migrationFinished}
+}
+
 // maxMigrationText bounds the text a stream keeps for its continuation; past it the stream
 // can no longer move (it would be a prompt no worker takes anyway).
 const maxMigrationText = 4 << 20
