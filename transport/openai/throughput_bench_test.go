@@ -18,6 +18,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loadgen"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/h1"
 )
 
 // BenchmarkServeThroughput is the front's saturation cost per request in one process: the
@@ -28,10 +29,21 @@ import (
 // the front's (net/http's server included); ns/op is the whole process's time per request
 // on this machine's cores. system_test's BenchmarkThroughputVsHAProxy measures the release
 // binary against HAProxy; this is the quick loop for the allocations and the CPU profile.
+//
+// Each runs on both client-port servers (--http-server): net (net/http's) and fast
+// (transport/h1).
 func BenchmarkServeThroughput(b *testing.B) {
-	for _, stream := range []bool{false, true} {
-		name := map[bool]string{false: "json", true: "sse"}[stream]
-		b.Run(name, func(b *testing.B) {
+	for _, kind := range []string{"net", "fast"} {
+		for _, stream := range []bool{false, true} {
+			name := map[bool]string{false: "json", true: "sse"}[stream]
+			b.Run(kind+"/"+name, func(b *testing.B) { benchServe(b, kind, stream) })
+		}
+	}
+}
+
+func benchServe(b *testing.B, kind string, stream bool) {
+	{
+		{
 			workers := []string{staticWorker(b), staticWorker(b)}
 			reg, err := routing.NewRegistry([]routing.WorkerSpec{spec("w0", "http://"+workers[0]), spec("w1", "http://"+workers[1])})
 			if err != nil {
@@ -53,10 +65,9 @@ func BenchmarkServeThroughput(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
-			go func() { _ = hs.Serve(ln) }()
+			stop := serveFront(b, kind, srv.Handler(), ln)
 			b.Cleanup(func() {
-				_ = hs.Close()
+				stop()
 				srv.Close()
 			})
 			req := loadgen.Request("m", stream)
@@ -66,8 +77,28 @@ func BenchmarkServeThroughput(b *testing.B) {
 			b.ReportAllocs()
 			b.ResetTimer()
 			runLoad(b, ln.Addr().String(), req, conns, int64(b.N))
-		})
+		}
 	}
+}
+
+// serveFront serves h on ln with the client-port server named kind (net or fast) and
+// returns what stops it.
+func serveFront(tb testing.TB, kind string, h http.Handler, ln net.Listener) func() {
+	switch kind {
+	case "net":
+		hs := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		go func() { _ = hs.Serve(ln) }()
+		return func() { _ = hs.Close() }
+	case "fast":
+		fs, err := h1.New(h1.Config{Handler: h})
+		if err != nil {
+			tb.Fatal(err)
+		}
+		go func() { _ = fs.Serve(ln) }()
+		return func() { _ = fs.Close() }
+	}
+	tb.Fatalf("no server %q", kind)
+	return nil
 }
 
 // staticWorker serves every request on a loopback port with a fixed answer (SSE for chat
