@@ -34,6 +34,8 @@ type response struct {
 	minor              int
 	// done: the handler returned.
 	done bool
+	// reqBody is the request's body (nil: none); one left unread ends the connection.
+	reqBody *body
 }
 
 // newResponse is the writer of req's answer (req and h nil: a refusal's).
@@ -177,7 +179,7 @@ func (w *response) sendHead(final bool) {
 	if httpguts.HeaderValuesContainsToken(h["Connection"], "close") {
 		w.closeAfter = true
 	}
-	if w.c.srv.shutting.Load() || (w.req != nil && w.req.Close) {
+	if w.c.srv.shutting.Load() || (w.req != nil && w.req.Close) || (w.reqBody != nil && !w.reqBody.done) {
 		w.closeAfter = true
 	}
 	if w.closeAfter {

@@ -360,6 +360,7 @@ func (c *conn) serveOne() bool {
 	}
 	req = req.WithContext(ctx)
 	w := c.newResponse(req, h)
+	w.reqBody = b
 	s.cfg.Handler.ServeHTTP(w, req)
 	w.finish()
 	if c.broken || w.closeAfter || h.close {
@@ -367,10 +368,35 @@ func (c *conn) serveOne() bool {
 	}
 	if b != nil && !b.done {
 		// The handler left part of the body unread: what follows on the connection is not a
-		// request's head, so the connection ends.
+		// request's head, so the connection ends, gracefully: a close with unread bytes
+		// would reset it, and the client, still sending, might lose the answer.
+		c.lingerClose()
 		return false
 	}
 	return true
+}
+
+// Bounds of lingerClose: what it reads of a body the handler left, and for how long.
+const (
+	lingerBytes = 256 << 10
+	lingerFor   = 500 * time.Millisecond
+)
+
+// lingerClose ends the connection's sending side and reads (and drops) what the client
+// still sends, within bounds, so that the close that follows does not reset the answer
+// away (net/http's server does the same).
+func (c *conn) lingerClose() {
+	if c.broken {
+		return
+	}
+	type closeWriter interface{ CloseWrite() error }
+	cw, ok := c.rwc.(closeWriter)
+	if !ok {
+		return
+	}
+	_ = cw.CloseWrite()
+	_ = c.rwc.SetReadDeadline(time.Now().Add(lingerFor))
+	_, _ = io.CopyN(io.Discard, c.rwc, lingerBytes)
 }
 
 // refuse answers a request the parser refused, and the connection ends.
