@@ -122,8 +122,14 @@ func readHead(br *bufio.Reader, maxBytes int) (*head, error) {
 	if err := h.requestLine(line); err != nil {
 		return nil, err
 	}
-	h.header = make(http.Header, 8)
-	var lengths, encodings, hosts int
+	// The values are gathered in one buffer and made one string, which the header's
+	// values slice: two allocations for all of them (as net/textproto does).
+	var (
+		fields                    [32]headField
+		list                      = fields[:0]
+		values                    = make([]byte, 0, 512)
+		lengths, encodings, hosts int
+	)
 	for {
 		line, err := lr.line()
 		if err != nil {
@@ -136,11 +142,10 @@ func readHead(br *bufio.Reader, maxBytes int) (*head, error) {
 		if err != nil {
 			return nil, err
 		}
-		v := string(value)
 		switch key {
 		case "Content-Length":
 			lengths++
-			n, ok := parseLength(v)
+			n, ok := parseLength(value)
 			if !ok {
 				return nil, bad(http.StatusBadRequest, "invalid Content-Length")
 			}
@@ -153,9 +158,28 @@ func readHead(br *bufio.Reader, maxBytes int) (*head, error) {
 		case "Host":
 			hosts++
 		}
-		h.header[key] = append(h.header[key], v)
+		list = append(list, headField{key: key, start: len(values), end: len(values) + len(value)})
+		values = append(values, value...)
+	}
+	all := string(values)
+	vals := make([]string, len(list))
+	h.header = make(http.Header, len(list))
+	for i, f := range list {
+		vals[i] = all[f.start:f.end]
+		if prev, ok := h.header[f.key]; ok {
+			h.header[f.key] = append(prev, vals[i])
+		} else {
+			h.header[f.key] = vals[i : i+1 : i+1]
+		}
 	}
 	return h, h.check(lengths, encodings, hosts)
+}
+
+// headField is one header line's canonical name and where its value lies in the head's
+// values.
+type headField struct {
+	key        string
+	start, end int
 }
 
 // field splits a header (or trailer) line into its canonical name and its value, refusing
@@ -280,8 +304,8 @@ func (h *head) check(lengths, encodings, hosts int) error {
 }
 
 // parseLength reads a Content-Length: digits only, no sign, within int64.
-func parseLength(v string) (int64, bool) {
-	if v == "" || len(v) > 18 {
+func parseLength[T string | []byte](v T) (int64, bool) {
+	if len(v) == 0 || len(v) > 18 {
 		return 0, false
 	}
 	var n int64

@@ -209,7 +209,10 @@ type readResult struct {
 // answer, under the idle timeout). So the wait for the next request is the hang-up watch:
 // no goroutine per request and no read to abort after each answer.
 type conn struct {
-	srv    *Server
+	srv *Server
+	// ctx is the connection's, its requests' parent: a request's context registers with
+	// it, not with the server's, which every connection's request would contend on.
+	ctx    context.Context
 	rwc    net.Conn
 	remote string
 	tls    *tls.ConnectionState
@@ -270,6 +273,9 @@ func (c *conn) startWatch(deadline time.Time) {
 
 func (c *conn) serve() {
 	s := c.srv
+	ctx, cancel := context.WithCancel(s.base)
+	defer cancel()
+	c.ctx = ctx
 	c.br = bufio.NewReaderSize(c, 4096)
 	c.bw = bufio.NewWriterSize(c.rwc, 4096)
 	go c.watch()
@@ -336,7 +342,7 @@ func (c *conn) serveOne() bool {
 		}
 		return false
 	}
-	ctx, cancel := context.WithCancel(s.base)
+	ctx, cancel := context.WithCancel(c.ctx)
 	defer cancel()
 	c.cancel = cancel
 	req := &http.Request{
@@ -349,7 +355,13 @@ func (c *conn) serveOne() bool {
 	}
 	var b *body
 	if h.chunked || h.length > 0 {
-		b = &body{c: c, expect100: h.expect100, r: newBodyReader(c.br, h, s.cfg.MaxHeaderBytes)}
+		b = &body{c: c, expect100: h.expect100}
+		if h.chunked {
+			b.r = newBodyReader(c.br, h, s.cfg.MaxHeaderBytes)
+		} else {
+			b.sized = lengthBody{br: c.br, left: h.length}
+			b.r = &b.sized
+		}
 		if h.chunked {
 			req.TransferEncoding = []string{"chunked"}
 		}
@@ -415,6 +427,7 @@ func (c *conn) refuse(br *badRequest) {
 type body struct {
 	c         *conn
 	r         io.Reader
+	sized     lengthBody // r's, for a Content-Length
 	expect100 bool
 	done      bool
 	closed    bool

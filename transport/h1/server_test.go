@@ -29,7 +29,7 @@ func start(t *testing.T, kind string, h http.Handler, timeouts ...time.Duration)
 	if len(timeouts) == 2 {
 		header, idle = timeouts[0], timeouts[1]
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := listenLoopback()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -52,6 +52,8 @@ func start(t *testing.T, kind string, h http.Handler, timeouts ...time.Duration)
 	t.Cleanup(func() { _ = stop() })
 	return ln.Addr().String()
 }
+
+func listenLoopback() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") }
 
 // rawClient is one connection that sends bytes as given and reads answers.
 type rawClient struct {

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -75,10 +76,24 @@ func benchServe(b *testing.B, kind string, stream bool) {
 			// Warm every connection and the router's state.
 			runLoad(b, ln.Addr().String(), req, conns, 4*conns)
 			b.ReportAllocs()
+			before := processCPU(b)
 			b.ResetTimer()
 			runLoad(b, ln.Addr().String(), req, conns, int64(b.N))
+			b.StopTimer()
+			// The whole process's CPU (the client's and the workers' are the same for both
+			// servers), per request: the figure to compare --http-server's two with.
+			b.ReportMetric(float64(processCPU(b)-before)/float64(b.N), "cpu-ns/op")
 		}
 	}
+}
+
+// processCPU is the CPU time (user and system, every thread) this process has used.
+func processCPU(tb testing.TB) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		tb.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // serveFront serves h on ln with the client-port server named kind (net or fast) and
