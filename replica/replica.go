@@ -327,11 +327,12 @@ func (r *Replica) openRouting(context.Context) error {
 	front := r.closeWhileDraining(bodyDeadline(r.server.Handler(), cp.BodyTimeout))
 	if cp.Server == ServerFast {
 		fast, err := h1.New(h1.Config{Handler: front, HeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
-			Logger: r.log.With("part", "client-port")})
+			Logger: r.log.With("part", "client-port"), Refusal: openai.RefusalBody})
 		if err != nil {
 			return err
 		}
 		r.http = fast
+		r.log.Info("client port: the router's own HTTP/1.1 server (--http-server fast)")
 	} else {
 		r.http = &http.Server{Handler: front, ReadHeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
 			ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}

@@ -3,9 +3,6 @@ package h1
 import (
 	"io"
 	"net/http"
-	"sync"
-	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -66,33 +63,16 @@ func startBench(b *testing.B, kind string, h http.Handler) string {
 
 // load sends req over conns keep-alive connections until total answers are in.
 func load(b *testing.B, addr string, req []byte, conns int, total int64) {
-	var left atomic.Int64
-	left.Store(total)
-	var wg sync.WaitGroup
-	for range conns {
-		wg.Go(func() {
-			lc, err := loadgen.Dial(addr)
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			defer lc.Close()
-			for left.Add(-1) >= 0 {
-				if err := lc.Do(req); err != nil {
-					b.Error(err)
-					return
-				}
-			}
-		})
+	if err := loadgen.Drive(addr, req, conns, total); err != nil {
+		b.Error(err)
 	}
-	wg.Wait()
 }
 
-// cpuTime is the CPU time (user and system, every thread) this process has used.
+// cpuTime is the CPU time this process has used.
 func cpuTime(tb testing.TB) time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+	d, err := loadgen.ProcessCPU()
+	if err != nil {
 		tb.Fatal(err)
 	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	return d
 }

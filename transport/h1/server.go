@@ -37,6 +37,9 @@ type Config struct {
 	MaxHeaderBytes int
 	// Logger receives the server's own complaints (nil: discarded).
 	Logger *slog.Logger
+	// Refusal, when set, is the JSON body of the answer to a request refused before any
+	// handler (its status and why); nil answers plain text.
+	Refusal func(status int, why string) []byte
 }
 
 // Server serves HTTP/1.1 on the listeners given to Serve, until Shutdown or Close.
@@ -220,7 +223,7 @@ type conn struct {
 	bw     *bufio.Writer
 	// pending are bytes the watcher read that serve has not consumed.
 	pending []byte
-	wbuf    [4096]byte
+	wbuf    [1024]byte
 	// watchStart starts one watching read; watchDone receives its result. cancel is the
 	// request's the watcher ends on a hang-up: set by serve before it starts a watch and
 	// not changed until its result is received.
@@ -415,9 +418,15 @@ func (c *conn) lingerClose() {
 func (c *conn) refuse(br *badRequest) {
 	w := c.newResponse(nil, nil)
 	w.closeAfter = true
-	w.header.Set("Content-Type", "text/plain; charset=utf-8")
-	w.WriteHeader(br.status)
-	_, _ = io.WriteString(w, br.why)
+	if c.srv.cfg.Refusal != nil {
+		w.header.Set("Content-Type", "application/json")
+		w.WriteHeader(br.status)
+		_, _ = w.Write(c.srv.cfg.Refusal(br.status, br.why))
+	} else {
+		w.header.Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(br.status)
+		_, _ = io.WriteString(w, br.why)
+	}
 	w.finish()
 }
 

@@ -8,9 +8,6 @@ import (
 	"net"
 	"net/http"
 	"strconv"
-	"sync"
-	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -87,13 +84,13 @@ func benchServe(b *testing.B, kind string, stream bool) {
 	}
 }
 
-// processCPU is the CPU time (user and system, every thread) this process has used.
+// processCPU is the CPU time this process has used.
 func processCPU(tb testing.TB) time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+	d, err := loadgen.ProcessCPU()
+	if err != nil {
 		tb.Fatal(err)
 	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	return d
 }
 
 // serveFront serves h on ln with the client-port server named kind (net or fast) and
@@ -184,26 +181,7 @@ func staticWorker(b *testing.B) string {
 // runLoad sends req over conns keep-alive connections until total answers are in; each
 // answer must be a whole 200 (Content-Length or chunked).
 func runLoad(b *testing.B, addr string, req []byte, conns int, total int64) {
-	var left atomic.Int64
-	left.Store(total)
-	var wg sync.WaitGroup
-	for range conns {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			lc, err := loadgen.Dial(addr)
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			defer lc.Close()
-			for left.Add(-1) >= 0 {
-				if err := lc.Do(req); err != nil {
-					b.Error(err)
-					return
-				}
-			}
-		}()
+	if err := loadgen.Drive(addr, req, conns, total); err != nil {
+		b.Error(err)
 	}
-	wg.Wait()
 }
