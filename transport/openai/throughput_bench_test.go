@@ -20,11 +20,11 @@ import (
 )
 
 // BenchmarkServeThroughput is the front's saturation cost per request in one process: the
-// Server behind a net/http server on loopback, as a replica serves it, over two workers that
+// Server behind an HTTP server on loopback, as a replica serves it, over two workers that
 // answer every request with a static completion from a raw socket loop, driven by 32
 // keep-alive connections of a raw HTTP/1.1 client, each sending its next request when its
 // answer is in. Worker and client allocate nothing per request, so allocs/op and B/op are
-// the front's (net/http's server included); ns/op is the whole process's time per request
+// the front's (its HTTP server's included); ns/op is the whole process's time per request
 // on this machine's cores. system_test's BenchmarkThroughputVsHAProxy measures the release
 // binary against HAProxy; this is the quick loop for the allocations and the CPU profile.
 //
