@@ -534,3 +534,70 @@ func TestClientsThatLeaveBetweenRequests(t *testing.T) {
 		t.Fatal("no answer after clients left")
 	}
 }
+
+// TestEdgesOfTheProtocolOnBothServers: pipelined requests answered in order, HTTP/1.0 answered
+// in HTTP/1.0 with the connection closed after, and a handler's header value with CR or LF
+// sent as one line (no answer splitting).
+func TestEdgesOfTheProtocolOnBothServers(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.Handle("/echo/", &echo{})
+	mux.HandleFunc("/split", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-A", "a\r\nX-Injected: yes")
+		_, _ = io.WriteString(w, "ok")
+	})
+	for _, kind := range servers {
+		t.Run(kind, func(t *testing.T) {
+			addr := start(t, kind, mux)
+			c := dial(t, addr)
+			c.send(t, "GET /echo/1 HTTP/1.1\r\nHost: a\r\n\r\nPOST /echo/2 HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\nxGET /echo/3 HTTP/1.1\r\nHost: a\r\n\r\n")
+			for i, want := range []string{`GET /echo/1 ""`, `POST /echo/2 "x"`, `GET /echo/3 ""`} {
+				if resp, body := c.answer(t); resp == nil || body != want {
+					t.Fatalf("pipelined answer %d: %v %q; want %q", i, resp, body, want)
+				}
+			}
+
+			c = dial(t, addr)
+			c.send(t, "GET /echo/old HTTP/1.0\r\n\r\n")
+			resp, body := c.answer(t)
+			if resp == nil || resp.Proto != "HTTP/1.0" || body != `GET /echo/old ""` {
+				t.Fatalf("HTTP/1.0: %v %q", resp, body)
+			}
+			if r, _ := c.answer(t); r != nil {
+				t.Fatal("an HTTP/1.0 connection stayed open")
+			}
+
+			c = dial(t, addr)
+			c.send(t, "GET /split HTTP/1.1\r\nHost: a\r\n\r\n")
+			resp, body = c.answer(t)
+			if resp == nil || body != "ok" || resp.Header.Get("X-Injected") != "" {
+				t.Fatalf("a header value with CRLF split the answer: %v %q", resp, body)
+			}
+		})
+	}
+}
+
+// TestAWriteAfterTheHandlerReturnedFails: a handler's goroutine that writes after its
+// handler returned gets an error and writes nothing into the next answer.
+func TestAWriteAfterTheHandlerReturnedFails(t *testing.T) {
+	late := make(chan http.ResponseWriter, 1)
+	addr := start(t, "fast", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, r.URL.Path)
+		if r.URL.Path == "/first" {
+			// Flushed: the answer is chunked, so a stray write would find room after it.
+			_ = http.NewResponseController(w).Flush()
+			late <- w
+		}
+	}))
+	c := dial(t, addr)
+	c.send(t, "GET /first HTTP/1.1\r\nHost: a\r\n\r\n")
+	if resp, body := c.answer(t); resp == nil || body != "/first" {
+		t.Fatalf("first: %v %q", resp, body)
+	}
+	if _, err := (<-late).Write([]byte("stray")); err == nil {
+		t.Fatal("a write after the handler returned succeeded")
+	}
+	c.send(t, "GET /second HTTP/1.1\r\nHost: a\r\n\r\n")
+	if resp, body := c.answer(t); resp == nil || body != "/second" {
+		t.Fatalf("second: %v %q", resp, body)
+	}
+}
