@@ -10,6 +10,7 @@ FUZZTIME ?= 20000x
 # package:target pairs that `make fuzz` runs.
 FUZZ_TARGETS := \
 	./transport/openai:FuzzParse \
+	./transport/h1:FuzzReadHead \
 	./transport/openai:FuzzDecodeModelList \
 	./transport/openai:FuzzReadCommonHead \
 	./transport/openai:FuzzScanUsage \

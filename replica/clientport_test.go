@@ -23,12 +23,18 @@ func readAll(conn net.Conn, within time.Duration) ([]byte, bool) {
 // TestClientPortCutsSlowSendersNotLongAnswers: a chunked body that trickles past the body
 // timeout is answered 408 in the API's error shape and its connection closed; a keep-alive
 // connection quiet past the idle timeout is closed; an answer streaming for several times
-// the body timeout streams to its end.
+// the body timeout streams to its end. On both HTTP servers (--http-server).
 func TestClientPortCutsSlowSendersNotLongAnswers(t *testing.T) {
+	for _, server := range []string{ServerNet, ServerFast} {
+		t.Run(server, func(t *testing.T) { clientPortCuts(t, server) })
+	}
+}
+
+func clientPortCuts(t *testing.T, server string) {
 	const limit = 200 * time.Millisecond
 	fleet := startWorkers(t, 1, simConfig(50*time.Millisecond))
 	rep := startTestReplica(t, fleet, func(c *Config) {
-		c.ClientPort = ClientPortConfig{IdleTimeout: limit, HeaderTimeout: limit, BodyTimeout: limit}
+		c.ClientPort = ClientPortConfig{IdleTimeout: limit, HeaderTimeout: limit, BodyTimeout: limit, Server: server}
 	})
 	dial := func(t *testing.T, send string) net.Conn {
 		conn, err := net.Dial("tcp", rep.Addr())

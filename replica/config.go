@@ -122,7 +122,16 @@ type ClientPortConfig struct {
 	// BodyTimeout bounds reading a request's whole body, from its headers on; a body not
 	// complete by then is answered 408 (60s).
 	BodyTimeout time.Duration
+	// Server is the HTTP server of the client port: ServerNet (net/http's, the default) or
+	// ServerFast (transport/h1's: HTTP/1.1 only, the same handlers).
+	Server string
 }
+
+// The client port's HTTP servers (--http-server).
+const (
+	ServerNet  = "net"
+	ServerFast = "fast"
+)
 
 // The client port's defaults.
 const (
@@ -221,6 +230,11 @@ func (c *Config) check() error {
 	}
 	if cp := c.ClientPort; cp.IdleTimeout < 0 || cp.HeaderTimeout < 0 || cp.BodyTimeout < 0 {
 		errs = append(errs, errors.New("--client-idle-timeout, --client-header-timeout and --client-body-timeout must not be negative"))
+	}
+	switch c.ClientPort.Server {
+	case "", ServerNet, ServerFast:
+	default:
+		errs = append(errs, fmt.Errorf("--http-server %q: want %s or %s", c.ClientPort.Server, ServerNet, ServerFast))
 	}
 	if em := c.EngineMetrics; em.Interval < 0 || em.Timeout < 0 || em.StaleAfter < 0 || em.MaxBodyBytes < 0 || c.EngineRequestTokens < 0 {
 		errs = append(errs, errors.New("--engine-metrics-interval, -timeout, -stale-after, -max-bytes and -request-tokens must not be negative"))

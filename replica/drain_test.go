@@ -84,7 +84,7 @@ func (g *gatedWorker) spec() routing.WorkerSpec {
 
 // startGatedReplica starts a lone replica in front of gate; the tests check what Close
 // returns themselves, so the cleanup only makes sure it ran, without the delay.
-func startGatedReplica(t *testing.T, gate *gatedWorker, delay, timeout time.Duration) *Replica {
+func startGatedReplica(t *testing.T, gate *gatedWorker, server string, delay, timeout time.Duration) *Replica {
 	t.Helper()
 	cfg := Config{
 		Listen: "127.0.0.1:0", AdminListen: "127.0.0.1:0", ID: "drain-replica",
@@ -96,6 +96,7 @@ func startGatedReplica(t *testing.T, gate *gatedWorker, delay, timeout time.Dura
 		Cluster:       testClusterConfig(t),
 		Logger:        slog.New(slog.DiscardHandler),
 		ShutdownDelay: delay, ShutdownTimeout: timeout,
+		ClientPort: ClientPortConfig{Server: server},
 	}
 	rep, err := Start(t.Context(), cfg)
 	if err != nil {
@@ -139,10 +140,16 @@ func waitClosed(t *testing.T, closed <-chan error) error {
 }
 
 func TestDrainFailsReadyzFirstThenFinishesTheInFlightStream(t *testing.T) {
+	for _, server := range []string{ServerNet, ServerFast} {
+		t.Run(server, func(t *testing.T) { drainFailsReadyzFirstThenFinishesTheInFlightStream(t, server) })
+	}
+}
+
+func drainFailsReadyzFirstThenFinishesTheInFlightStream(t *testing.T, server string) {
 	gate := startGatedWorker(t)
 	// The delay is far longer than the test: the test ends it through skip once it has seen
 	// what must happen during it, so nothing depends on how fast the machine is.
-	rep := startGatedReplica(t, gate, time.Hour, 4*pollTimeout)
+	rep := startGatedReplica(t, gate, server, time.Hour, 4*pollTimeout)
 	c := newRouterClient(t, rep)
 	waitReady(t, c, http.StatusOK)
 
@@ -228,8 +235,14 @@ func TestDrainFailsReadyzFirstThenFinishesTheInFlightStream(t *testing.T) {
 }
 
 func TestShutdownTimeoutCutsAStuckStream(t *testing.T) {
+	for _, server := range []string{ServerNet, ServerFast} {
+		t.Run(server, func(t *testing.T) { shutdownTimeoutCutsAStuckStream(t, server) })
+	}
+}
+
+func shutdownTimeoutCutsAStuckStream(t *testing.T, server string) {
 	gate := startGatedWorker(t)
-	rep := startGatedReplica(t, gate, 0, 200*time.Millisecond)
+	rep := startGatedReplica(t, gate, server, 0, 200*time.Millisecond)
 	c := newRouterClient(t, rep)
 	waitReady(t, c, http.StatusOK)
 	stream := c.openStream(promptTokens(3, 64), 8, nil)

@@ -31,6 +31,7 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/enginemetrics"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/extproc"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/h1"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/openai"
 	"github.com/kvrouter-ha/kvrouter-ha/transport/peer"
 	"github.com/kvrouter-ha/kvrouter-ha/workers"
@@ -61,7 +62,7 @@ type Replica struct {
 	router    *routing.Router
 	server    *openai.Server
 	picker    *extproc.Picker // nil without ExtProcListen
-	http      *http.Server
+	http      httpServer      // the client port's: net/http's or transport/h1's (--http-server)
 	admin     *http.Server
 
 	// engineLoad and scraper fold the workers' engine metrics into the router's load; nil
@@ -323,9 +324,19 @@ func (r *Replica) openRouting(context.Context) error {
 	// connection holds the port only while it sends: quiet keep-alive connections, slow
 	// headers and slow bodies are cut; answers, however long they stream, are not.
 	cp := cfg.ClientPort.withDefaults()
-	r.http = &http.Server{Handler: r.closeWhileDraining(bodyDeadline(r.server.Handler(), cp.BodyTimeout)),
-		ReadHeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
-		ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
+	front := r.closeWhileDraining(bodyDeadline(r.server.Handler(), cp.BodyTimeout))
+	if cp.Server == ServerFast {
+		fast, err := h1.New(h1.Config{Handler: front, HeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
+			Logger: r.log.With("part", "client-port"), Refusal: openai.RefusalBody})
+		if err != nil {
+			return err
+		}
+		r.http = fast
+		r.log.Info("client port: the router's own HTTP/1.1 server (--http-server fast)")
+	} else {
+		r.http = &http.Server{Handler: front, ReadHeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
+			ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
+	}
 	var disc admin.Discovery
 	if r.discovery != nil {
 		disc = discoveryStatus{d: r.discovery, node: r.node}
@@ -431,7 +442,7 @@ func (r *Replica) startServing(ctx context.Context) error {
 	r.goRun(func() { r.expireIndex(bg) })
 	r.goRun(func() { r.lifecycle.Run(bg) })
 	for _, s := range []struct {
-		srv  *http.Server
+		srv  httpServer
 		ln   net.Listener
 		what string
 	}{{r.http, r.ln, "client"}, {r.admin, r.aln, "admin"}} {
@@ -451,6 +462,13 @@ func (r *Replica) startServing(ctx context.Context) error {
 		r.onClose(r.picker.Close)
 	}
 	return nil
+}
+
+// httpServer is what a replica needs of an HTTP server: net/http's and transport/h1's.
+type httpServer interface {
+	Serve(net.Listener) error
+	Shutdown(context.Context) error
+	Close() error
 }
 
 func (r *Replica) goRun(fn func()) {

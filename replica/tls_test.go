@@ -268,13 +268,21 @@ func requireNoAdminRoutes(t *testing.T, c *routerClient) {
 	}
 }
 
+// TestClientPortServesTLS, on both HTTP servers (--http-server).
 func TestClientPortServesTLS(t *testing.T) {
+	for _, server := range []string{ServerNet, ServerFast} {
+		t.Run(server, func(t *testing.T) { clientPortServesTLS(t, server) })
+	}
+}
+
+func clientPortServesTLS(t *testing.T, server string) {
 	ca := testpki.NewCA(t, "client CA")
 	cert, key := ca.IssueFiles("router", testpki.ServerOnly, "127.0.0.1")
 	fleet := startWorkers(t, 2, simConfig(0))
 	rep := startTestReplica(t, fleet, func(cfg *Config) {
 		cfg.TLS = TLSFiles{CertFile: cert, KeyFile: key}
 		cfg.AdminToken = "tok"
+		cfg.ClientPort.Server = server
 	})
 	c := httpsClient(t, rep, ca.Pool)
 	waitReady(t, c, http.StatusOK)

@@ -26,8 +26,9 @@ import (
 // load generator in the same run. The backends are an HAProxy answering a static completion
 // (`http-request return`), so they are never what limits either path; one `kvrouter-ha serve`
 // (the release build, default flags but its addresses and data directory) has them as its two
-// workers, and a second HAProxy balances them round-robin with no other work (no log line per
-// request, X-Forwarded-For as the router sets it); and, as the Go anchor, httputil.ReverseProxy
+// workers (and another, router-fast, the same on --http-server fast), and a second HAProxy
+// balances them round-robin with no other work (no log line per request, X-Forwarded-For as
+// the router sets it); and, as the Go anchor, httputil.ReverseProxy
 // round-robin over them (testdata/goproxy: Go's HTTP server and client with no routing work).
 // The load generator is 32 keep-alive
 // connections in this process, each sending its next request as soon as its answer is in, over a
@@ -100,12 +101,13 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 		pid   int
 		pprof string // the pprof listener, when profiled
 	}
-	router := func(name, bin string) contender {
+	router := func(name, bin string, extra ...string) contender {
 		addr := loopbacktest.Addr(b)
 		args := []string{"serve", "--listen", addr, "--admin-listen", loopbacktest.Addr(b),
 			"--raft-listen", loopbacktest.Addr(b), "--peer-listen", loopbacktest.Addr(b),
 			"--gossip-listen", loopbacktest.Addr(b), "--data-dir", b.TempDir(),
 			"--worker", "w0=http://" + backends[0], "--worker", "w1=http://" + backends[1]}
+		args = append(args, extra...)
 		spec := proc.Spec{Name: name, Argv: append([]string{bin}, args...), Wrap: on("1")}
 		pprof := ""
 		if pprofDir != "" {
@@ -124,7 +126,10 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 		}
 		return contender{name: name, addr: addr, pid: p.PID(), pprof: pprof}
 	}
-	contenders := []contender{router("router", bin), {name: "haproxy", addr: lbAddr, pid: lb.PID()}}
+	// The router on each client-port server (--http-server): net/http's, and its own
+	// (router-fast), in the same alternation.
+	contenders := []contender{router("router", bin, "--http-server", "net"), {name: "haproxy", addr: lbAddr, pid: lb.PID()},
+		router("router-fast", bin, "--http-server", "fast")}
 	// The Go anchor: httputil.ReverseProxy round-robin, what Go's HTTP server and client cost
 	// on this path before any routing work.
 	goAddr := loopbacktest.Addr(b)
@@ -202,6 +207,10 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 			b.ReportMetric(median(rr), "ratio-median")
 			b.ReportMetric(median(cpu("router")), "router-cpu-us/req")
 			b.ReportMetric(median(cpu("haproxy")), "haproxy-cpu-us/req")
+			fr := ratios("router-fast")
+			b.Logf("router-fast/haproxy per round %s, median %.2fx", fmtRatios(fr), median(fr))
+			b.ReportMetric(median(fr), "router-fast-ratio-median")
+			b.ReportMetric(median(cpu("router-fast")), "router-fast-cpu-us/req")
 			gr := ratios("go-revproxy")
 			b.Logf("go-revproxy/haproxy per round %s, median %.2fx", fmtRatios(gr), median(gr))
 			b.ReportMetric(median(gr), "go-revproxy-ratio-median")

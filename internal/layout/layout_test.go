@@ -25,7 +25,9 @@ var allowed = map[string][]string{
 	// The endpoint picker holds decisions through the OpenAI front: one code for both paths.
 	"transport/extproc": {"indexer", "routing", "transport/openai"},
 	"transport/peer":    {"transport/peer/peerpb"},
-	"workers":           {"fsm", "routing"},
+	// The client port's HTTP/1.1 server knows handlers only as http.Handler.
+	"transport/h1": {},
+	"workers":      {"fsm", "routing"},
 	// Discovery writes the worker registry through the cluster's interface, not its package.
 	"discovery": {"fsm", "routing", "workers"},
 	"admin":     {"cluster", "fsm", "routing", "transport/peer", "workers"},

@@ -10,6 +10,10 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
 )
 
 // Prompt is the text prompt of Request's completions: a short question, as a chat user asks.
@@ -128,4 +132,41 @@ func (lc *Conn) Do(req []byte) error {
 
 func hasPrefixFold(s, prefix []byte) bool {
 	return len(s) >= len(prefix) && bytes.EqualFold(s[:len(prefix)], prefix)
+}
+
+// Drive sends req over conns keep-alive connections to addr until total answers are in, each
+// connection sending its next request when its answer is in; it returns the first error.
+func Drive(addr string, req []byte, conns int, total int64) error {
+	var left atomic.Int64
+	left.Store(total)
+	errs := make(chan error, conns)
+	var wg sync.WaitGroup
+	for range conns {
+		wg.Go(func() {
+			lc, err := Dial(addr)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer lc.Close()
+			for left.Add(-1) >= 0 {
+				if err := lc.Do(req); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs
+}
+
+// ProcessCPU is the CPU time (user and system, every thread) this process has used.
+func ProcessCPU() (time.Duration, error) {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0, err
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), nil
 }

@@ -64,6 +64,13 @@ func (e *Error) Body() []byte {
 	return append(body, '\n')
 }
 
+// RefusalBody is the answer to a request the HTTP server refused before any handler saw it
+// (a malformed or ambiguous head: transport/h1's Config.Refusal), in the API's error shape.
+func RefusalBody(status int, why string) []byte {
+	return (&Error{Status: status, Message: "malformed request: " + why, Type: TypeInvalidRequest,
+		Code: "malformed_request"}).Body()
+}
+
 // anthropicBody is e in Anthropic's error shape, {"type": "error", "error": {"type",
 // "message"}}, its type named as Anthropic names it.
 func (e *Error) anthropicBody() []byte {

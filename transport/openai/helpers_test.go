@@ -75,7 +75,7 @@ func (m *mapIndex) FindMatches(seq []uint64, dst []indexer.Match) []indexer.Matc
 type rig struct {
 	t        testing.TB
 	srv      *Server
-	front    *httptest.Server
+	front    *frontServer
 	workers  *routing.Registry
 	tracker  *routing.Tracker
 	affinity *routing.MemoryAffinity
@@ -91,6 +91,47 @@ type rigOptions struct {
 	realIndex bool
 	// affinity, when set, wraps the rig's in-memory affinity store.
 	affinity func(*routing.MemoryAffinity) routing.AffinityStore
+	// server is the HTTP server the front is served with: "net" (the default) or "fast"
+	// (transport/h1), as --http-server chooses.
+	server string
+}
+
+// forEachServer runs test on each of the client port's HTTP servers (--http-server): the
+// handlers' semantics must not depend on which serves them.
+func forEachServer(t *testing.T, test func(t *testing.T, server string)) {
+	for _, server := range []string{"net", "fast"} {
+		t.Run(server, func(t *testing.T) { test(t, server) })
+	}
+}
+
+// frontServer is the rig's front on loopback: its URL and a client for it.
+type frontServer struct {
+	URL    string
+	client *http.Client
+	stop   func()
+}
+
+// Client is a client for the front (keep-alive, no proxy).
+func (f *frontServer) Client() *http.Client { return f.client }
+
+// Close stops the front and closes the client's idle connections.
+func (f *frontServer) Close() {
+	f.stop()
+	f.client.CloseIdleConnections()
+}
+
+// serveRig serves h with the HTTP server named kind on a loopback port.
+func serveRig(tb testing.TB, kind string, h http.Handler) *frontServer {
+	if kind == "" || kind == "net" {
+		hs := httptest.NewServer(h)
+		return &frontServer{URL: hs.URL, client: hs.Client(), stop: hs.Close}
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return &frontServer{URL: "http://" + ln.Addr().String(),
+		client: &http.Client{Transport: &http.Transport{}}, stop: serveFront(tb, kind, h, ln)}
 }
 
 // newRig serves a front over the given worker specs.
@@ -131,7 +172,7 @@ func newRig(t testing.TB, specs []routing.WorkerSpec, opts rigOptions) *rig {
 	if err != nil {
 		t.Fatalf("NewServer: %v", err)
 	}
-	front := httptest.NewServer(srv.Handler())
+	front := serveRig(t, opts.server, srv.Handler())
 	t.Cleanup(func() {
 		front.Close()
 		srv.Close()

@@ -120,100 +120,104 @@ func TestClientLimitsRefuseBadConfig(t *testing.T) {
 // nothing recorded, loaded or dispatched; the client's bound session and its requests
 // without a session still pass, and another client is not limited.
 func TestNewSessionsPastTheClientRateAre429(t *testing.T) {
-	w0 := newFakeWorker(t, okJSON)
-	rg := newRig(t, specsOf(w0), rigOptions{front: func(c *Config) {
-		c.ClientLimits = ClientLimits{SessionRate: 0.001, SessionBurst: 2, KeyHeader: "X-Api-Key"}
-	}})
-	for i := range 2 {
-		if resp, body := rg.post("/v1/completions", completionBody, map[string]string{"X-Session-ID": fmt.Sprint("s", i)}); resp.StatusCode != http.StatusOK {
-			t.Fatalf("session %d: %d %s", i, resp.StatusCode, body)
+	forEachServer(t, func(t *testing.T, server string) {
+		w0 := newFakeWorker(t, okJSON)
+		rg := newRig(t, specsOf(w0), rigOptions{server: server, front: func(c *Config) {
+			c.ClientLimits = ClientLimits{SessionRate: 0.001, SessionBurst: 2, KeyHeader: "X-Api-Key"}
+		}})
+		for i := range 2 {
+			if resp, body := rg.post("/v1/completions", completionBody, map[string]string{"X-Session-ID": fmt.Sprint("s", i)}); resp.StatusCode != http.StatusOK {
+				t.Fatalf("session %d: %d %s", i, resp.StatusCode, body)
+			}
 		}
-	}
-	dispatched, held := w0.requests(), rg.index.held(indexer.Worker{ID: "w0"})
-	refused := `{"model":"m","prompt":"a prompt nobody else sent, refused"}`
-	resp, body := rg.post("/v1/completions", refused, map[string]string{"X-Session-ID": "s2"})
-	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") == "" {
-		t.Fatalf("third new session: %d (Retry-After %q) %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
-	}
-	if e := errorOf(t, body); e.Type != TypeRateLimit || e.Code != "client_rate_limited" {
-		t.Fatalf("third new session's error: %+v", e)
-	}
-	if _, ok, _ := rg.affinity.Peek(t.Context(), "s2"); ok {
-		t.Fatal("a refused session was bound")
-	}
-	if w0.requests() != dispatched || rg.index.held(indexer.Worker{ID: "w0"}) != held || !rg.idle() {
-		t.Fatal("a refused session was dispatched, recorded or left load")
-	}
-	resp, body = rg.post("/v1/messages", `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"q"}]}`, map[string]string{"X-Session-ID": "s3"})
-	var anth struct {
-		Type  string `json:"type"`
-		Error struct {
-			Type string `json:"type"`
-		} `json:"error"`
-	}
-	if resp.StatusCode != http.StatusTooManyRequests || json.Unmarshal([]byte(body), &anth) != nil || anth.Type != "error" || anth.Error.Type != "rate_limit_error" {
-		t.Fatalf("new Messages session: %d %s, want Anthropic's rate_limit_error", resp.StatusCode, body)
-	}
-	for _, hdr := range []map[string]string{{"X-Session-ID": "s0"}, nil, {"X-Session-ID": "other", "X-Api-Key": "team-b"}} {
-		if resp, body := rg.post("/v1/completions", completionBody, hdr); resp.StatusCode != http.StatusOK {
-			t.Fatalf("request %v: %d %s", hdr, resp.StatusCode, body)
+		dispatched, held := w0.requests(), rg.index.held(indexer.Worker{ID: "w0"})
+		refused := `{"model":"m","prompt":"a prompt nobody else sent, refused"}`
+		resp, body := rg.post("/v1/completions", refused, map[string]string{"X-Session-ID": "s2"})
+		if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") == "" {
+			t.Fatalf("third new session: %d (Retry-After %q) %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
 		}
-	}
-	if got := rg.metric("kvrouter_client_limited_total", map[string]string{"what": "session"}); got != 2 {
-		t.Fatalf("limited sessions counted %v, want 2", got)
-	}
+		if e := errorOf(t, body); e.Type != TypeRateLimit || e.Code != "client_rate_limited" {
+			t.Fatalf("third new session's error: %+v", e)
+		}
+		if _, ok, _ := rg.affinity.Peek(t.Context(), "s2"); ok {
+			t.Fatal("a refused session was bound")
+		}
+		if w0.requests() != dispatched || rg.index.held(indexer.Worker{ID: "w0"}) != held || !rg.idle() {
+			t.Fatal("a refused session was dispatched, recorded or left load")
+		}
+		resp, body = rg.post("/v1/messages", `{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"q"}]}`, map[string]string{"X-Session-ID": "s3"})
+		var anth struct {
+			Type  string `json:"type"`
+			Error struct {
+				Type string `json:"type"`
+			} `json:"error"`
+		}
+		if resp.StatusCode != http.StatusTooManyRequests || json.Unmarshal([]byte(body), &anth) != nil || anth.Type != "error" || anth.Error.Type != "rate_limit_error" {
+			t.Fatalf("new Messages session: %d %s, want Anthropic's rate_limit_error", resp.StatusCode, body)
+		}
+		for _, hdr := range []map[string]string{{"X-Session-ID": "s0"}, nil, {"X-Session-ID": "other", "X-Api-Key": "team-b"}} {
+			if resp, body := rg.post("/v1/completions", completionBody, hdr); resp.StatusCode != http.StatusOK {
+				t.Fatalf("request %v: %d %s", hdr, resp.StatusCode, body)
+			}
+		}
+		if got := rg.metric("kvrouter_client_limited_total", map[string]string{"what": "session"}); got != 2 {
+			t.Fatalf("limited sessions counted %v, want 2", got)
+		}
+	})
 }
 
 // TestReservationsPerClientAreLimited: a client past its open reservations, or past its
 // rate of reservations, gets 429; releasing one lets it reserve again, and another client
 // is not limited by it.
 func TestReservationsPerClientAreLimited(t *testing.T) {
-	rg := newRig(t, specsOf(newFakeWorker(t, okJSON)), rigOptions{front: func(c *Config) {
-		c.ClientLimits = ClientLimits{MaxReservations: 2, KeyHeader: "X-Api-Key"}
-	}})
-	a := map[string]string{"X-Api-Key": "a"}
-	var first reserveAnswer
-	for i := range 2 {
-		resp, ans := rg.reserve(completionBody, a)
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("reservation %d: %d", i, resp.StatusCode)
+	forEachServer(t, func(t *testing.T, server string) {
+		rg := newRig(t, specsOf(newFakeWorker(t, okJSON)), rigOptions{server: server, front: func(c *Config) {
+			c.ClientLimits = ClientLimits{MaxReservations: 2, KeyHeader: "X-Api-Key"}
+		}})
+		a := map[string]string{"X-Api-Key": "a"}
+		var first reserveAnswer
+		for i := range 2 {
+			resp, ans := rg.reserve(completionBody, a)
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("reservation %d: %d", i, resp.StatusCode)
+			}
+			first = ans
 		}
-		first = ans
-	}
-	before := fmt.Sprint(rg.tracker.Snapshot())
-	resp, body := rg.post("/v1/reserve", completionBody, a)
-	if resp.StatusCode != http.StatusTooManyRequests || errorOf(t, body).Code != "client_reservations_full" || resp.Header.Get("Retry-After") == "" {
-		t.Fatalf("third open reservation: %d %s", resp.StatusCode, body)
-	}
-	if after := fmt.Sprint(rg.tracker.Snapshot()); after != before {
-		t.Fatalf("a refused reservation changed the load: %s -> %s", before, after)
-	}
-	if resp, _ := rg.reserve(completionBody, map[string]string{"X-Api-Key": "b"}); resp.StatusCode != http.StatusOK {
-		t.Fatalf("another client's reservation: %d", resp.StatusCode)
-	}
-	if resp, _ := rg.do(t.Context(), http.MethodDelete, "/v1/reservations/"+first.Reservation, "", nil); resp.StatusCode != http.StatusNoContent {
-		t.Fatalf("release: %d", resp.StatusCode)
-	}
-	if resp, _ := rg.reserve(completionBody, a); resp.StatusCode != http.StatusOK {
-		t.Fatalf("reservation after a release: %d", resp.StatusCode)
-	}
-	if got := rg.metric("kvrouter_client_limited_total", map[string]string{"what": "open_reservations"}); got != 1 {
-		t.Fatalf("limited reservations counted %v, want 1", got)
-	}
+		before := fmt.Sprint(rg.tracker.Snapshot())
+		resp, body := rg.post("/v1/reserve", completionBody, a)
+		if resp.StatusCode != http.StatusTooManyRequests || errorOf(t, body).Code != "client_reservations_full" || resp.Header.Get("Retry-After") == "" {
+			t.Fatalf("third open reservation: %d %s", resp.StatusCode, body)
+		}
+		if after := fmt.Sprint(rg.tracker.Snapshot()); after != before {
+			t.Fatalf("a refused reservation changed the load: %s -> %s", before, after)
+		}
+		if resp, _ := rg.reserve(completionBody, map[string]string{"X-Api-Key": "b"}); resp.StatusCode != http.StatusOK {
+			t.Fatalf("another client's reservation: %d", resp.StatusCode)
+		}
+		if resp, _ := rg.do(t.Context(), http.MethodDelete, "/v1/reservations/"+first.Reservation, "", nil); resp.StatusCode != http.StatusNoContent {
+			t.Fatalf("release: %d", resp.StatusCode)
+		}
+		if resp, _ := rg.reserve(completionBody, a); resp.StatusCode != http.StatusOK {
+			t.Fatalf("reservation after a release: %d", resp.StatusCode)
+		}
+		if got := rg.metric("kvrouter_client_limited_total", map[string]string{"what": "open_reservations"}); got != 1 {
+			t.Fatalf("limited reservations counted %v, want 1", got)
+		}
 
-	rated := newRig(t, specsOf(newFakeWorker(t, okJSON)), rigOptions{front: func(c *Config) {
-		c.ClientLimits = ClientLimits{ReservationRate: 0.001, ReservationBurst: 1}
-	}})
-	if resp, _ := rated.reserve(completionBody, nil); resp.StatusCode != http.StatusOK {
-		t.Fatalf("first reservation: %d", resp.StatusCode)
-	}
-	resp, body = rated.post("/v1/reserve", completionBody, nil)
-	if resp.StatusCode != http.StatusTooManyRequests || errorOf(t, body).Code != "client_rate_limited" {
-		t.Fatalf("reservation past the rate: %d %s", resp.StatusCode, body)
-	}
-	if got := rated.metric("kvrouter_client_limited_total", map[string]string{"what": "reservation"}); got != 1 {
-		t.Fatalf("limited reservations counted %v, want 1", got)
-	}
+		rated := newRig(t, specsOf(newFakeWorker(t, okJSON)), rigOptions{server: server, front: func(c *Config) {
+			c.ClientLimits = ClientLimits{ReservationRate: 0.001, ReservationBurst: 1}
+		}})
+		if resp, _ := rated.reserve(completionBody, nil); resp.StatusCode != http.StatusOK {
+			t.Fatalf("first reservation: %d", resp.StatusCode)
+		}
+		resp, body = rated.post("/v1/reserve", completionBody, nil)
+		if resp.StatusCode != http.StatusTooManyRequests || errorOf(t, body).Code != "client_rate_limited" {
+			t.Fatalf("reservation past the rate: %d %s", resp.StatusCode, body)
+		}
+		if got := rated.metric("kvrouter_client_limited_total", map[string]string{"what": "reservation"}); got != 1 {
+			t.Fatalf("limited reservations counted %v, want 1", got)
+		}
+	})
 }
 
 // FuzzClientKey: whatever a client sends in the key header, from a trusted peer or not, the
@@ -252,54 +256,56 @@ func FuzzClientKey(f *testing.F) {
 // 429 for a new session, and may open one again once one of them ends; a replaced binding
 // still counts, and another client is not limited by it.
 func TestLiveSessionsPerClientAreCapped(t *testing.T) {
-	rg := newRig(t, specsOf(newFakeWorker(t, okJSON)), rigOptions{front: func(c *Config) {
-		c.ClientLimits = ClientLimits{MaxSessions: 2, KeyHeader: "X-Api-Key"}
-	}})
-	a := map[string]string{"X-Api-Key": "a"}
-	session := func(s string, hdr map[string]string) (*http.Response, string) {
-		h := map[string]string{"X-Session-ID": s}
-		for k, v := range hdr {
-			h[k] = v
+	forEachServer(t, func(t *testing.T, server string) {
+		rg := newRig(t, specsOf(newFakeWorker(t, okJSON)), rigOptions{server: server, front: func(c *Config) {
+			c.ClientLimits = ClientLimits{MaxSessions: 2, KeyHeader: "X-Api-Key"}
+		}})
+		a := map[string]string{"X-Api-Key": "a"}
+		session := func(s string, hdr map[string]string) (*http.Response, string) {
+			h := map[string]string{"X-Session-ID": s}
+			for k, v := range hdr {
+				h[k] = v
+			}
+			return rg.post("/v1/completions", completionBody, h)
 		}
-		return rg.post("/v1/completions", completionBody, h)
-	}
-	for _, s := range []string{"s0", "s1"} {
-		if resp, body := session(s, a); resp.StatusCode != http.StatusOK {
-			t.Fatalf("%s: %d %s", s, resp.StatusCode, body)
+		for _, s := range []string{"s0", "s1"} {
+			if resp, body := session(s, a); resp.StatusCode != http.StatusOK {
+				t.Fatalf("%s: %d %s", s, resp.StatusCode, body)
+			}
 		}
-	}
-	refused := func(what string) {
-		t.Helper()
-		resp, body := session("s9", a)
-		if resp.StatusCode != http.StatusTooManyRequests || errorOf(t, body).Code != "client_sessions_full" {
-			t.Fatalf("%s: %d %s", what, resp.StatusCode, body)
+		refused := func(what string) {
+			t.Helper()
+			resp, body := session("s9", a)
+			if resp.StatusCode != http.StatusTooManyRequests || errorOf(t, body).Code != "client_sessions_full" {
+				t.Fatalf("%s: %d %s", what, resp.StatusCode, body)
+			}
 		}
-	}
-	refused("a third live session")
-	if resp, _ := session("s0", a); resp.StatusCode != http.StatusOK {
-		t.Fatalf("a live session's next request: %d", resp.StatusCode)
-	}
-	if resp, _ := session("b0", map[string]string{"X-Api-Key": "b"}); resp.StatusCode != http.StatusOK {
-		t.Fatalf("another client's session: %d", resp.StatusCode)
-	}
-	b0, _, _ := rg.affinity.Peek(t.Context(), "s0")
-	b1, _, _ := rg.affinity.Peek(t.Context(), "s1")
-	rg.srv.BindingEnded("s1", b1.Revision, b1.Revision+100) // replaced: still the client's
-	rg.srv.BindingEnded("s0", b0.Revision+1, 0)             // another revision's end
-	refused("after a replacement and a stale end")
-	rg.srv.BindingEnded("s0", b0.Revision, 0)
-	if err := rg.affinity.Invalidate(t.Context(), "s0", b0.Revision); err != nil {
-		t.Fatal(err)
-	}
-	if resp, body := session("s2", a); resp.StatusCode != http.StatusOK {
-		t.Fatalf("a new session after one ended: %d %s", resp.StatusCode, body)
-	}
-	refused("at the cap again")
-	rg.srv.BindingsReset()
-	if resp, body := session("s3", a); resp.StatusCode != http.StatusOK {
-		t.Fatalf("a new session after a reset: %d %s", resp.StatusCode, body)
-	}
-	if got := rg.metric("kvrouter_client_limited_total", map[string]string{"what": "live_sessions"}); got != 3 {
-		t.Fatalf("limited live sessions counted %v, want 3", got)
-	}
+		refused("a third live session")
+		if resp, _ := session("s0", a); resp.StatusCode != http.StatusOK {
+			t.Fatalf("a live session's next request: %d", resp.StatusCode)
+		}
+		if resp, _ := session("b0", map[string]string{"X-Api-Key": "b"}); resp.StatusCode != http.StatusOK {
+			t.Fatalf("another client's session: %d", resp.StatusCode)
+		}
+		b0, _, _ := rg.affinity.Peek(t.Context(), "s0")
+		b1, _, _ := rg.affinity.Peek(t.Context(), "s1")
+		rg.srv.BindingEnded("s1", b1.Revision, b1.Revision+100) // replaced: still the client's
+		rg.srv.BindingEnded("s0", b0.Revision+1, 0)             // another revision's end
+		refused("after a replacement and a stale end")
+		rg.srv.BindingEnded("s0", b0.Revision, 0)
+		if err := rg.affinity.Invalidate(t.Context(), "s0", b0.Revision); err != nil {
+			t.Fatal(err)
+		}
+		if resp, body := session("s2", a); resp.StatusCode != http.StatusOK {
+			t.Fatalf("a new session after one ended: %d %s", resp.StatusCode, body)
+		}
+		refused("at the cap again")
+		rg.srv.BindingsReset()
+		if resp, body := session("s3", a); resp.StatusCode != http.StatusOK {
+			t.Fatalf("a new session after a reset: %d %s", resp.StatusCode, body)
+		}
+		if got := rg.metric("kvrouter_client_limited_total", map[string]string{"what": "live_sessions"}); got != 3 {
+			t.Fatalf("limited live sessions counted %v, want 3", got)
+		}
+	})
 }

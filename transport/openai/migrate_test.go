@@ -87,144 +87,146 @@ func streamWorker(w http.ResponseWriter, chat bool, id string, created int64, pi
 // moved tokens as generated; a session is bound to the new worker. Where the request cannot
 // be continued, or the stream has moved --migration-limit times, it ends with an error event.
 func TestStreamMovesToAnotherWorkerWhenItsWorkerBreaksOff(t *testing.T) {
-	tests := []struct {
-		name string
-		path string
-		body string
-		// limit is --migration-limit; breakAll makes every worker break off, refuse every
-		// worker refuse a continuation (400).
-		limit            int
-		breakAll, refuse bool
-		// want: the text the client reads; outcome the migration counted; cont what the
-		// continuation carries.
-		want    string
-		outcome string
-		cont    []string
-	}{
-		{"chat", "/v1/chat/completions", `{"model":"m","stream":true,"max_tokens":4,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"tell"}]}`,
-			1, false, false, "Once upon a time", migrationMoved,
-			[]string{`"continue_final_message":true`, `"add_generation_prompt":false`, `{"content":"Once upon","role":"assistant"}`, `"max_tokens":2`}},
-		{"completions", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"stream_options":{"include_usage":true},"prompt":"Start:"}`,
-			1, false, false, "Once upon a time", migrationMoved,
-			[]string{`"prompt":"Start:Once upon"`, `"max_tokens":2`}},
-		{"token prompt", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":[1,2,3]}`,
-			1, false, false, "Once upon", migrationUnsupported, nil},
-		{"limit reached", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
-			1, true, false, "Once upon a", migrationExhausted, nil},
-		{"continuation refused", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
-			1, false, true, "Once upon", migrationNoWorker, nil},
-		{"migration off", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
-			0, false, false, "Once upon", migrationDisabled, nil},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			chat := strings.Contains(tt.path, "chat")
-			var fws [2]*fakeWorker
-			for i := range fws {
-				fws[i] = newFakeWorker(t, func(w http.ResponseWriter, _ *http.Request) {
-					body, _, _ := fws[i].last()
-					switch {
-					case !strings.Contains(body, "Once upon"):
-						streamWorker(w, chat, fmt.Sprintf("first-%d", i), 111, []string{"Once", " upon"}, false)
-					case tt.refuse:
-						w.Header().Set("Content-Type", "application/json")
-						w.WriteHeader(http.StatusBadRequest)
-						_, _ = io.WriteString(w, `{"error":{"message":"no","type":"BadRequestError"}}`)
-					case tt.breakAll:
-						streamWorker(w, chat, "second", 222, []string{" a"}, false)
-					default:
-						streamWorker(w, chat, "second", 222, []string{" a", " time"}, true)
-					}
-				})
-			}
-			rg := newRig(t, []routing.WorkerSpec{spec("w0", fws[0].URL), spec("w1", fws[1].URL)},
-				rigOptions{front: func(c *Config) { c.MigrationLimit = tt.limit }})
-			resp, body := rg.post(tt.path, tt.body, map[string]string{"X-Session-ID": "s1"})
-			if resp.StatusCode != http.StatusOK {
-				t.Fatalf("status %d: %s", resp.StatusCode, body)
-			}
-			var text strings.Builder
-			var ids []string
-			roles, done := 0, false
-			var usage, last *migrationEvent
-			for ev := range strings.SplitSeq(strings.TrimSpace(body), "\n\n") {
-				data := strings.TrimPrefix(ev, "data: ")
-				if data == "[DONE]" {
-					done = true
-					continue
-				}
-				var e migrationEvent
-				if err := json.Unmarshal([]byte(data), &e); err != nil {
-					t.Fatalf("event %q: %v", ev, err)
-				}
-				last = &e
-				if e.Error != nil {
-					continue
-				}
-				ids = append(ids, fmt.Sprintf("%s@%d", e.ID, e.Created))
-				if e.Usage != nil {
-					usage = &e
-				}
-				for _, c := range e.Choices {
-					if c.Text != nil {
-						text.WriteString(*c.Text)
-					}
-					if d := c.Delta; d != nil {
-						if d.Role != nil {
-							roles++
+	forEachServer(t, func(t *testing.T, server string) {
+		tests := []struct {
+			name string
+			path string
+			body string
+			// limit is --migration-limit; breakAll makes every worker break off, refuse every
+			// worker refuse a continuation (400).
+			limit            int
+			breakAll, refuse bool
+			// want: the text the client reads; outcome the migration counted; cont what the
+			// continuation carries.
+			want    string
+			outcome string
+			cont    []string
+		}{
+			{"chat", "/v1/chat/completions", `{"model":"m","stream":true,"max_tokens":4,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"tell"}]}`,
+				1, false, false, "Once upon a time", migrationMoved,
+				[]string{`"continue_final_message":true`, `"add_generation_prompt":false`, `{"content":"Once upon","role":"assistant"}`, `"max_tokens":2`}},
+			{"completions", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"stream_options":{"include_usage":true},"prompt":"Start:"}`,
+				1, false, false, "Once upon a time", migrationMoved,
+				[]string{`"prompt":"Start:Once upon"`, `"max_tokens":2`}},
+			{"token prompt", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":[1,2,3]}`,
+				1, false, false, "Once upon", migrationUnsupported, nil},
+			{"limit reached", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
+				1, true, false, "Once upon a", migrationExhausted, nil},
+			{"continuation refused", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
+				1, false, true, "Once upon", migrationNoWorker, nil},
+			{"migration off", "/v1/completions", `{"model":"m","stream":true,"max_tokens":4,"prompt":"Start:"}`,
+				0, false, false, "Once upon", migrationDisabled, nil},
+		}
+		for _, tt := range tests {
+			t.Run(tt.name, func(t *testing.T) {
+				chat := strings.Contains(tt.path, "chat")
+				var fws [2]*fakeWorker
+				for i := range fws {
+					fws[i] = newFakeWorker(t, func(w http.ResponseWriter, _ *http.Request) {
+						body, _, _ := fws[i].last()
+						switch {
+						case !strings.Contains(body, "Once upon"):
+							streamWorker(w, chat, fmt.Sprintf("first-%d", i), 111, []string{"Once", " upon"}, false)
+						case tt.refuse:
+							w.Header().Set("Content-Type", "application/json")
+							w.WriteHeader(http.StatusBadRequest)
+							_, _ = io.WriteString(w, `{"error":{"message":"no","type":"BadRequestError"}}`)
+						case tt.breakAll:
+							streamWorker(w, chat, "second", 222, []string{" a"}, false)
+						default:
+							streamWorker(w, chat, "second", 222, []string{" a", " time"}, true)
 						}
-						if d.Content != nil {
-							text.WriteString(*d.Content)
+					})
+				}
+				rg := newRig(t, []routing.WorkerSpec{spec("w0", fws[0].URL), spec("w1", fws[1].URL)},
+					rigOptions{server: server, front: func(c *Config) { c.MigrationLimit = tt.limit }})
+				resp, body := rg.post(tt.path, tt.body, map[string]string{"X-Session-ID": "s1"})
+				if resp.StatusCode != http.StatusOK {
+					t.Fatalf("status %d: %s", resp.StatusCode, body)
+				}
+				var text strings.Builder
+				var ids []string
+				roles, done := 0, false
+				var usage, last *migrationEvent
+				for ev := range strings.SplitSeq(strings.TrimSpace(body), "\n\n") {
+					data := strings.TrimPrefix(ev, "data: ")
+					if data == "[DONE]" {
+						done = true
+						continue
+					}
+					var e migrationEvent
+					if err := json.Unmarshal([]byte(data), &e); err != nil {
+						t.Fatalf("event %q: %v", ev, err)
+					}
+					last = &e
+					if e.Error != nil {
+						continue
+					}
+					ids = append(ids, fmt.Sprintf("%s@%d", e.ID, e.Created))
+					if e.Usage != nil {
+						usage = &e
+					}
+					for _, c := range e.Choices {
+						if c.Text != nil {
+							text.WriteString(*c.Text)
+						}
+						if d := c.Delta; d != nil {
+							if d.Role != nil {
+								roles++
+							}
+							if d.Content != nil {
+								text.WriteString(*d.Content)
+							}
 						}
 					}
 				}
-			}
-			if text.String() != tt.want {
-				t.Errorf("client read %q, want %q; stream:\n%s", text.String(), tt.want, body)
-			}
-			for _, id := range ids {
-				if id != ids[0] {
-					t.Errorf("event ids %v: not all the stream's first (%s)", ids, ids[0])
-					break
+				if text.String() != tt.want {
+					t.Errorf("client read %q, want %q; stream:\n%s", text.String(), tt.want, body)
 				}
-			}
-			if got := rg.metric("kvrouter_migrations_total", map[string]string{"outcome": tt.outcome}); got != 1 {
-				t.Errorf("migrations{outcome=%s} = %v, want 1", tt.outcome, got)
-			}
-			if tt.outcome != migrationMoved {
-				code := "upstream_broken"
-				if tt.refuse {
-					code = "migration_failed"
+				for _, id := range ids {
+					if id != ids[0] {
+						t.Errorf("event ids %v: not all the stream's first (%s)", ids, ids[0])
+						break
+					}
 				}
-				if done || last == nil || last.Error == nil || last.Error.Code != code {
-					t.Fatalf("stream that could not move ends with %+v (done %v), want a %s error event:\n%s", last, done, code, body)
+				if got := rg.metric("kvrouter_migrations_total", map[string]string{"outcome": tt.outcome}); got != 1 {
+					t.Errorf("migrations{outcome=%s} = %v, want 1", tt.outcome, got)
+				}
+				if tt.outcome != migrationMoved {
+					code := "upstream_broken"
+					if tt.refuse {
+						code = "migration_failed"
+					}
+					if done || last == nil || last.Error == nil || last.Error.Code != code {
+						t.Fatalf("stream that could not move ends with %+v (done %v), want a %s error event:\n%s", last, done, code, body)
+					}
+					poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
+					return
+				}
+				if !done || (chat && roles != 1) {
+					t.Errorf("done %v, %d role events; want [DONE] and 1 for a chat:\n%s", done, roles, body)
+				}
+				if usage == nil || usage.Usage.Prompt != 10 || usage.Usage.Completion != 4 {
+					t.Errorf("usage %+v, want the 2 moved tokens counted as generated (10 prompt, 4 completion)", usage)
+				}
+				from, to := fws[0], fws[1]
+				if from.requests() != 1 || to.requests() != 1 {
+					from, to = to, from
+				}
+				cont, _, _ := to.last()
+				for _, want := range tt.cont {
+					if !strings.Contains(cont, want) {
+						t.Errorf("continuation %s lacks %s", cont, want)
+					}
+				}
+				b, ok, _ := rg.affinity.Peek(t.Context(), "s1")
+				if wantID := map[*fakeWorker]string{fws[0]: "w0", fws[1]: "w1"}[to]; !ok || b.Worker.ID != wantID {
+					t.Errorf("session bound to %+v (%v), want the worker the stream moved to, %s", b, ok, wantID)
 				}
 				poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
-				return
-			}
-			if !done || (chat && roles != 1) {
-				t.Errorf("done %v, %d role events; want [DONE] and 1 for a chat:\n%s", done, roles, body)
-			}
-			if usage == nil || usage.Usage.Prompt != 10 || usage.Usage.Completion != 4 {
-				t.Errorf("usage %+v, want the 2 moved tokens counted as generated (10 prompt, 4 completion)", usage)
-			}
-			from, to := fws[0], fws[1]
-			if from.requests() != 1 || to.requests() != 1 {
-				from, to = to, from
-			}
-			cont, _, _ := to.last()
-			for _, want := range tt.cont {
-				if !strings.Contains(cont, want) {
-					t.Errorf("continuation %s lacks %s", cont, want)
-				}
-			}
-			b, ok, _ := rg.affinity.Peek(t.Context(), "s1")
-			if wantID := map[*fakeWorker]string{fws[0]: "w0", fws[1]: "w1"}[to]; !ok || b.Worker.ID != wantID {
-				t.Errorf("session bound to %+v (%v), want the worker the stream moved to, %s", b, ok, wantID)
-			}
-			poll.Holds(t, 10*time.Second, "load to be released", rg.idle)
-		})
-	}
+			})
+		}
+	})
 }
 
 // TestNextEventCutsWholeEventsInEveryLineEnding: events end at a blank line in "\n", "\r\n"

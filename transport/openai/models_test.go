@@ -148,44 +148,46 @@ func TestModelsListIsTheUnionAndRetrieveAnswersOne(t *testing.T) {
 }
 
 func TestLearnedModelsRouteAndGarbageKeepsThem(t *testing.T) {
-	var answer atomic.Value
-	answer.Store(`{"object":"list","data":[{"id":"base","parent":null},{"id":"sql","parent":"base"}]}`)
-	w := newFakeWorker(t, func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == "/v1/models" {
-			_, _ = io.WriteString(w, answer.Load().(string))
-			return
+	forEachServer(t, func(t *testing.T, server string) {
+		var answer atomic.Value
+		answer.Store(`{"object":"list","data":[{"id":"base","parent":null},{"id":"sql","parent":"base"}]}`)
+		w := newFakeWorker(t, func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/models" {
+				_, _ = io.WriteString(w, answer.Load().(string))
+				return
+			}
+			okJSON(w, r)
+		})
+		other := newFakeWorker(t, okJSON)
+		o := spec("declared", other.URL)
+		o.Models = []string{"else"}
+		rg := newRig(t, []routing.WorkerSpec{spec("learner", w.URL), o}, rigOptions{server: server, router: roundRobin})
+		ctx := context.Background()
+		// Before anything is learned the worker takes any model.
+		if resp, _ := rg.post("/v1/completions", `{"model":"whatever","prompt":"hi"}`, nil); resp.StatusCode != http.StatusOK {
+			t.Fatalf("unknown models: %d, want 200 from the worker of unknown models", resp.StatusCode)
 		}
-		okJSON(w, r)
+		next := map[string]time.Time{}
+		rg.srv.learnDue(ctx, next, time.Now())
+		for _, model := range []string{"base", "sql"} {
+			resp, body := rg.post("/v1/completions", `{"model":"`+model+`","prompt":"hi"}`, nil)
+			if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderWorker) != "learner" {
+				t.Fatalf("%s: %d on %q: %s", model, resp.StatusCode, resp.Header.Get(HeaderWorker), body)
+			}
+		}
+		resp, body := rg.do(ctx, http.MethodGet, "/v1/models/sql", "", nil)
+		if resp.StatusCode != http.StatusOK || !strings.Contains(body, `"parent":"base"`) {
+			t.Fatalf("learned adapter: %d %s", resp.StatusCode, body)
+		}
+		if resp, _ := rg.post("/v1/completions", `{"model":"whatever","prompt":"hi"}`, nil); resp.StatusCode != http.StatusNotFound {
+			t.Fatalf("once learned, an unknown model: %d, want 404", resp.StatusCode)
+		}
+		answer.Store(`{"data":[{"id":"a b"}]}`)
+		rg.srv.learnDue(ctx, next, time.Now().Add(2*modelsTTL))
+		if !rg.workers.Catalog().Known("sql") {
+			t.Fatal("a garbage answer dropped what was learned")
+		}
 	})
-	other := newFakeWorker(t, okJSON)
-	o := spec("declared", other.URL)
-	o.Models = []string{"else"}
-	rg := newRig(t, []routing.WorkerSpec{spec("learner", w.URL), o}, rigOptions{router: roundRobin})
-	ctx := context.Background()
-	// Before anything is learned the worker takes any model.
-	if resp, _ := rg.post("/v1/completions", `{"model":"whatever","prompt":"hi"}`, nil); resp.StatusCode != http.StatusOK {
-		t.Fatalf("unknown models: %d, want 200 from the worker of unknown models", resp.StatusCode)
-	}
-	next := map[string]time.Time{}
-	rg.srv.learnDue(ctx, next, time.Now())
-	for _, model := range []string{"base", "sql"} {
-		resp, body := rg.post("/v1/completions", `{"model":"`+model+`","prompt":"hi"}`, nil)
-		if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderWorker) != "learner" {
-			t.Fatalf("%s: %d on %q: %s", model, resp.StatusCode, resp.Header.Get(HeaderWorker), body)
-		}
-	}
-	resp, body := rg.do(ctx, http.MethodGet, "/v1/models/sql", "", nil)
-	if resp.StatusCode != http.StatusOK || !strings.Contains(body, `"parent":"base"`) {
-		t.Fatalf("learned adapter: %d %s", resp.StatusCode, body)
-	}
-	if resp, _ := rg.post("/v1/completions", `{"model":"whatever","prompt":"hi"}`, nil); resp.StatusCode != http.StatusNotFound {
-		t.Fatalf("once learned, an unknown model: %d, want 404", resp.StatusCode)
-	}
-	answer.Store(`{"data":[{"id":"a b"}]}`)
-	rg.srv.learnDue(ctx, next, time.Now().Add(2*modelsTTL))
-	if !rg.workers.Catalog().Known("sql") {
-		t.Fatal("a garbage answer dropped what was learned")
-	}
 }
 
 func TestModelListDecoderRefusesBadLists(t *testing.T) {

@@ -23,58 +23,60 @@ func (refusingAffinity) Acquire(context.Context, string, *indexer.Worker) (routi
 // X-Kvrouter-Refused, and a worker's own 503 (it saw the request) goes out as a 502 without
 // the marker.
 func TestOnlyARequestNoWorkerSawIsAnswered503(t *testing.T) {
-	workerBody := `{"error":{"message":"engine overloaded","type":"ServiceUnavailable","code":503}}`
-	cases := []struct {
-		name       string
-		session    string
-		worker     http.HandlerFunc
-		refuse     bool
-		wantStatus int
-		wantMarker string
-		wantAsked  int
-	}{
-		{"refused by a cut-off replica", "s-1", okJSON, true, http.StatusServiceUnavailable, "cut_off", 0},
-		{"no healthy worker", "", okJSON, false, http.StatusServiceUnavailable, "no_worker", 0},
-		{"every worker answering 503", "", func(w http.ResponseWriter, _ *http.Request) {
-			w.Header().Set("Content-Type", "application/json")
-			w.WriteHeader(http.StatusServiceUnavailable)
-			_, _ = io.WriteString(w, workerBody)
-		}, false, http.StatusBadGateway, "", 2},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			w0, w1 := newFakeWorker(t, tc.worker), newFakeWorker(t, tc.worker)
-			opts := rigOptions{router: roundRobin}
-			if tc.refuse {
-				opts.affinity = func(m *routing.MemoryAffinity) routing.AffinityStore { return refusingAffinity{m} }
-			}
-			rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL), spec("w1", w1.URL)}, opts)
-			if tc.wantMarker == "no_worker" {
-				rg.workers.SetHealthy("w0", false, "test")
-				rg.workers.SetHealthy("w1", false, "test")
-			}
-			headers := map[string]string{}
-			if tc.session != "" {
-				headers[headerSession] = tc.session
-			}
-			resp, body := rg.post("/v1/completions", completionBody, headers)
-			if resp.StatusCode != tc.wantStatus || resp.Header.Get(HeaderRefused) != tc.wantMarker {
-				t.Fatalf("status %d %s %q, want %d and %q: %s", resp.StatusCode, HeaderRefused, resp.Header.Get(HeaderRefused),
-					tc.wantStatus, tc.wantMarker, body)
-			}
-			if asked := w0.requests() + w1.requests(); asked != tc.wantAsked {
-				t.Fatalf("workers asked %d times, want %d", asked, tc.wantAsked)
-			}
-			if tc.wantStatus == http.StatusServiceUnavailable {
-				if resp.Header.Get("Retry-After") == "" {
-					t.Fatal("a refusal without Retry-After")
+	forEachServer(t, func(t *testing.T, server string) {
+		workerBody := `{"error":{"message":"engine overloaded","type":"ServiceUnavailable","code":503}}`
+		cases := []struct {
+			name       string
+			session    string
+			worker     http.HandlerFunc
+			refuse     bool
+			wantStatus int
+			wantMarker string
+			wantAsked  int
+		}{
+			{"refused by a cut-off replica", "s-1", okJSON, true, http.StatusServiceUnavailable, "cut_off", 0},
+			{"no healthy worker", "", okJSON, false, http.StatusServiceUnavailable, "no_worker", 0},
+			{"every worker answering 503", "", func(w http.ResponseWriter, _ *http.Request) {
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusServiceUnavailable)
+				_, _ = io.WriteString(w, workerBody)
+			}, false, http.StatusBadGateway, "", 2},
+		}
+		for _, tc := range cases {
+			t.Run(tc.name, func(t *testing.T) {
+				w0, w1 := newFakeWorker(t, tc.worker), newFakeWorker(t, tc.worker)
+				opts := rigOptions{server: server, router: roundRobin}
+				if tc.refuse {
+					opts.affinity = func(m *routing.MemoryAffinity) routing.AffinityStore { return refusingAffinity{m} }
 				}
-				if e := errorOf(t, body); e.Type != TypeUnavailable {
-					t.Fatalf("refusal %+v, want type %s", e, TypeUnavailable)
+				rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL), spec("w1", w1.URL)}, opts)
+				if tc.wantMarker == "no_worker" {
+					rg.workers.SetHealthy("w0", false, "test")
+					rg.workers.SetHealthy("w1", false, "test")
 				}
-			} else if body != workerBody {
-				t.Fatalf("body %q, want the worker's own", body)
-			}
-		})
-	}
+				headers := map[string]string{}
+				if tc.session != "" {
+					headers[headerSession] = tc.session
+				}
+				resp, body := rg.post("/v1/completions", completionBody, headers)
+				if resp.StatusCode != tc.wantStatus || resp.Header.Get(HeaderRefused) != tc.wantMarker {
+					t.Fatalf("status %d %s %q, want %d and %q: %s", resp.StatusCode, HeaderRefused, resp.Header.Get(HeaderRefused),
+						tc.wantStatus, tc.wantMarker, body)
+				}
+				if asked := w0.requests() + w1.requests(); asked != tc.wantAsked {
+					t.Fatalf("workers asked %d times, want %d", asked, tc.wantAsked)
+				}
+				if tc.wantStatus == http.StatusServiceUnavailable {
+					if resp.Header.Get("Retry-After") == "" {
+						t.Fatal("a refusal without Retry-After")
+					}
+					if e := errorOf(t, body); e.Type != TypeUnavailable {
+						t.Fatalf("refusal %+v, want type %s", e, TypeUnavailable)
+					}
+				} else if body != workerBody {
+					t.Fatalf("body %q, want the worker's own", body)
+				}
+			})
+		}
+	})
 }

@@ -99,65 +99,67 @@ func responseID(t *testing.T, body string) string {
 // other answers 404); an answer stored with store false is not bound; a continued request
 // whose worker is busy is not retried on a worker that lacks its state.
 func TestAStoredResponseIsContinuedOnItsWorker(t *testing.T) {
-	var ws []*statefulWorker
-	var specs []routing.WorkerSpec
-	for i := range 4 {
-		w := newStatefulWorker(t, fmt.Sprintf("w%d", i))
-		ws = append(ws, w)
-		specs = append(specs, spec(fmt.Sprintf("w%d", i), w.URL))
-	}
-	r := newRig(t, specs, rigOptions{})
-	send := func(prev string, stream bool, extra string) (*http.Response, string) {
-		body := fmt.Sprintf(`{"model":"m","input":"turn","stream":%v%s`, stream, extra)
-		if prev != "" {
-			body += fmt.Sprintf(`,"previous_response_id":%q`, prev)
+	forEachServer(t, func(t *testing.T, server string) {
+		var ws []*statefulWorker
+		var specs []routing.WorkerSpec
+		for i := range 4 {
+			w := newStatefulWorker(t, fmt.Sprintf("w%d", i))
+			ws = append(ws, w)
+			specs = append(specs, spec(fmt.Sprintf("w%d", i), w.URL))
 		}
-		return r.post("/v1/responses", body+"}", nil)
-	}
-	resp, body := send("", false, "")
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("first turn: %d %s", resp.StatusCode, body)
-	}
-	worker, prev := resp.Header.Get(HeaderWorker), responseID(t, body)
-	for turn := 2; turn <= 6; turn++ {
-		resp, body := send(prev, turn%2 == 0, "")
-		if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderWorker) != worker {
-			t.Fatalf("turn %d on %s (%d %s), want %s, the worker that stored %s", turn, resp.Header.Get(HeaderWorker),
-				resp.StatusCode, body, worker, prev)
+		r := newRig(t, specs, rigOptions{server: server})
+		send := func(prev string, stream bool, extra string) (*http.Response, string) {
+			body := fmt.Sprintf(`{"model":"m","input":"turn","stream":%v%s`, stream, extra)
+			if prev != "" {
+				body += fmt.Sprintf(`,"previous_response_id":%q`, prev)
+			}
+			return r.post("/v1/responses", body+"}", nil)
 		}
-		prev = responseID(t, body)
-	}
+		resp, body := send("", false, "")
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("first turn: %d %s", resp.StatusCode, body)
+		}
+		worker, prev := resp.Header.Get(HeaderWorker), responseID(t, body)
+		for turn := 2; turn <= 6; turn++ {
+			resp, body := send(prev, turn%2 == 0, "")
+			if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderWorker) != worker {
+				t.Fatalf("turn %d on %s (%d %s), want %s, the worker that stored %s", turn, resp.Header.Get(HeaderWorker),
+					resp.StatusCode, body, worker, prev)
+			}
+			prev = responseID(t, body)
+		}
 
-	resp, body = send(prev, false, `,"store":false`)
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("unstored turn: %d %s", resp.StatusCode, body)
-	}
-	if b, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(responseID(t, body))); ok {
-		t.Errorf("an answer sent with store false is bound: %+v", b)
-	}
-
-	var held *statefulWorker
-	for i, w := range ws {
-		if specs[i].ID == worker {
-			held = w
+		resp, body = send(prev, false, `,"store":false`)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("unstored turn: %d %s", resp.StatusCode, body)
 		}
-	}
-	held.mu.Lock()
-	held.busy = true
-	held.mu.Unlock()
-	before := 0
-	for _, w := range ws {
-		before += w.requests()
-	}
-	resp, body = send(prev, false, "")
-	after := 0
-	for _, w := range ws {
-		after += w.requests()
-	}
-	if resp.StatusCode != http.StatusTooManyRequests || after-before != 1 {
-		t.Errorf("a continued request whose worker is busy: %d %s after %d dispatches, want its worker's 429 after 1",
-			resp.StatusCode, body, after-before)
-	}
+		if b, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(responseID(t, body))); ok {
+			t.Errorf("an answer sent with store false is bound: %+v", b)
+		}
+
+		var held *statefulWorker
+		for i, w := range ws {
+			if specs[i].ID == worker {
+				held = w
+			}
+		}
+		held.mu.Lock()
+		held.busy = true
+		held.mu.Unlock()
+		before := 0
+		for _, w := range ws {
+			before += w.requests()
+		}
+		resp, body = send(prev, false, "")
+		after := 0
+		for _, w := range ws {
+			after += w.requests()
+		}
+		if resp.StatusCode != http.StatusTooManyRequests || after-before != 1 {
+			t.Errorf("a continued request whose worker is busy: %d %s after %d dispatches, want its worker's 429 after 1",
+				resp.StatusCode, body, after-before)
+		}
+	})
 }
 
 // TestResponsesStateFieldsAreChecked: previous_response_id and store of the wrong type are
@@ -257,44 +259,48 @@ func TestOnlyAnswersTheWorkerKeepsAreBound(t *testing.T) {
 // of its client's; past the client's new-session rate the answer is still served, but not
 // bound (the router stores no more for one client than its sessions would).
 func TestStoredResponsesPastTheClientLimitsAreServedUnbound(t *testing.T) {
-	w := newStatefulWorker(t, "w0")
-	r := newRig(t, []routing.WorkerSpec{spec("w0", w.URL)}, rigOptions{front: func(c *Config) {
-		c.ClientLimits = ClientLimits{SessionRate: 1e-6, SessionBurst: 2}
-	}})
-	var bound []bool
-	for range 3 {
-		resp, body := r.post("/v1/responses", `{"model":"m","input":"hi"}`, nil)
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("%d %s", resp.StatusCode, body)
+	forEachServer(t, func(t *testing.T, server string) {
+		w := newStatefulWorker(t, "w0")
+		r := newRig(t, []routing.WorkerSpec{spec("w0", w.URL)}, rigOptions{server: server, front: func(c *Config) {
+			c.ClientLimits = ClientLimits{SessionRate: 1e-6, SessionBurst: 2}
+		}})
+		var bound []bool
+		for range 3 {
+			resp, body := r.post("/v1/responses", `{"model":"m","input":"hi"}`, nil)
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("%d %s", resp.StatusCode, body)
+			}
+			_, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(responseID(t, body)))
+			bound = append(bound, ok)
 		}
-		_, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(responseID(t, body)))
-		bound = append(bound, ok)
-	}
-	if !bound[0] || !bound[1] || bound[2] {
-		t.Errorf("bound %v, want the first two (the burst) and not the third", bound)
-	}
-	if n := r.metric("kvrouter_client_limited_total", map[string]string{"what": "session"}); n != 1 {
-		t.Errorf("kvrouter_client_limited_total{what=session} = %v, want 1", n)
-	}
+		if !bound[0] || !bound[1] || bound[2] {
+			t.Errorf("bound %v, want the first two (the burst) and not the third", bound)
+		}
+		if n := r.metric("kvrouter_client_limited_total", map[string]string{"what": "session"}); n != 1 {
+			t.Errorf("kvrouter_client_limited_total{what=session} = %v, want 1", n)
+		}
+	})
 }
 
 // TestNoResponsesAffinityBindsNothing: with the binding off, a stored answer is not bound and
 // a request continuing it is routed as any other (no session).
 func TestNoResponsesAffinityBindsNothing(t *testing.T) {
-	w := newStatefulWorker(t, "w0")
-	r := newRig(t, []routing.WorkerSpec{spec("w0", w.URL)}, rigOptions{front: func(c *Config) { c.NoResponsesAffinity = true }})
-	resp, body := r.post("/v1/responses", `{"model":"m","input":"hi"}`, nil)
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("%d %s", resp.StatusCode, body)
-	}
-	id := responseID(t, body)
-	if _, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(id)); ok {
-		t.Error("a stored answer is bound with the binding off")
-	}
-	resp, body = r.post("/v1/responses", `{"model":"m","input":"more","previous_response_id":"`+id+`"}`, nil)
-	if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderRevision) != "" {
-		t.Errorf("continued with the binding off: %d, revision %q: %s", resp.StatusCode, resp.Header.Get(HeaderRevision), body)
-	}
+	forEachServer(t, func(t *testing.T, server string) {
+		w := newStatefulWorker(t, "w0")
+		r := newRig(t, []routing.WorkerSpec{spec("w0", w.URL)}, rigOptions{server: server, front: func(c *Config) { c.NoResponsesAffinity = true }})
+		resp, body := r.post("/v1/responses", `{"model":"m","input":"hi"}`, nil)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+		id := responseID(t, body)
+		if _, ok, _ := r.affinity.Peek(t.Context(), routing.ResponseSession(id)); ok {
+			t.Error("a stored answer is bound with the binding off")
+		}
+		resp, body = r.post("/v1/responses", `{"model":"m","input":"more","previous_response_id":"`+id+`"}`, nil)
+		if resp.StatusCode != http.StatusOK || resp.Header.Get(HeaderRevision) != "" {
+			t.Errorf("continued with the binding off: %d, revision %q: %s", resp.StatusCode, resp.Header.Get(HeaderRevision), body)
+		}
+	})
 }
 
 // TestTheStreamWatchFindsTheEnd: where a stream's id and end are read from.

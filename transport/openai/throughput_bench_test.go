@@ -8,8 +8,6 @@ import (
 	"net"
 	"net/http"
 	"strconv"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,20 +16,32 @@ import (
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 	"github.com/kvrouter-ha/kvrouter-ha/internal/loadgen"
 	"github.com/kvrouter-ha/kvrouter-ha/routing"
+	"github.com/kvrouter-ha/kvrouter-ha/transport/h1"
 )
 
 // BenchmarkServeThroughput is the front's saturation cost per request in one process: the
-// Server behind a net/http server on loopback, as a replica serves it, over two workers that
+// Server behind an HTTP server on loopback, as a replica serves it, over two workers that
 // answer every request with a static completion from a raw socket loop, driven by 32
 // keep-alive connections of a raw HTTP/1.1 client, each sending its next request when its
 // answer is in. Worker and client allocate nothing per request, so allocs/op and B/op are
-// the front's (net/http's server included); ns/op is the whole process's time per request
+// the front's (its HTTP server's included); ns/op is the whole process's time per request
 // on this machine's cores. system_test's BenchmarkThroughputVsHAProxy measures the release
 // binary against HAProxy; this is the quick loop for the allocations and the CPU profile.
+//
+// Each runs on both client-port servers (--http-server): net (net/http's) and fast
+// (transport/h1).
 func BenchmarkServeThroughput(b *testing.B) {
-	for _, stream := range []bool{false, true} {
-		name := map[bool]string{false: "json", true: "sse"}[stream]
-		b.Run(name, func(b *testing.B) {
+	for _, kind := range []string{"net", "fast"} {
+		for _, stream := range []bool{false, true} {
+			name := map[bool]string{false: "json", true: "sse"}[stream]
+			b.Run(kind+"/"+name, func(b *testing.B) { benchServe(b, kind, stream) })
+		}
+	}
+}
+
+func benchServe(b *testing.B, kind string, stream bool) {
+	{
+		{
 			workers := []string{staticWorker(b), staticWorker(b)}
 			reg, err := routing.NewRegistry([]routing.WorkerSpec{spec("w0", "http://"+workers[0]), spec("w1", "http://"+workers[1])})
 			if err != nil {
@@ -53,10 +63,9 @@ func BenchmarkServeThroughput(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
-			go func() { _ = hs.Serve(ln) }()
+			stop := serveFront(b, kind, srv.Handler(), ln)
 			b.Cleanup(func() {
-				_ = hs.Close()
+				stop()
 				srv.Close()
 			})
 			req := loadgen.Request("m", stream)
@@ -64,10 +73,44 @@ func BenchmarkServeThroughput(b *testing.B) {
 			// Warm every connection and the router's state.
 			runLoad(b, ln.Addr().String(), req, conns, 4*conns)
 			b.ReportAllocs()
+			before := processCPU(b)
 			b.ResetTimer()
 			runLoad(b, ln.Addr().String(), req, conns, int64(b.N))
-		})
+			b.StopTimer()
+			// The whole process's CPU (the client's and the workers' are the same for both
+			// servers), per request: the figure to compare --http-server's two with.
+			b.ReportMetric(float64(processCPU(b)-before)/float64(b.N), "cpu-ns/op")
+		}
 	}
+}
+
+// processCPU is the CPU time this process has used.
+func processCPU(tb testing.TB) time.Duration {
+	d, err := loadgen.ProcessCPU()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return d
+}
+
+// serveFront serves h on ln with the client-port server named kind (net or fast) and
+// returns what stops it.
+func serveFront(tb testing.TB, kind string, h http.Handler, ln net.Listener) func() {
+	switch kind {
+	case "net":
+		hs := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+		go func() { _ = hs.Serve(ln) }()
+		return func() { _ = hs.Close() }
+	case "fast":
+		fs, err := h1.New(h1.Config{Handler: h})
+		if err != nil {
+			tb.Fatal(err)
+		}
+		go func() { _ = fs.Serve(ln) }()
+		return func() { _ = fs.Close() }
+	}
+	tb.Fatalf("no server %q", kind)
+	return nil
 }
 
 // staticWorker serves every request on a loopback port with a fixed answer (SSE for chat
@@ -138,26 +181,7 @@ func staticWorker(b *testing.B) string {
 // runLoad sends req over conns keep-alive connections until total answers are in; each
 // answer must be a whole 200 (Content-Length or chunked).
 func runLoad(b *testing.B, addr string, req []byte, conns int, total int64) {
-	var left atomic.Int64
-	left.Store(total)
-	var wg sync.WaitGroup
-	for range conns {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			lc, err := loadgen.Dial(addr)
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			defer lc.Close()
-			for left.Add(-1) >= 0 {
-				if err := lc.Do(req); err != nil {
-					b.Error(err)
-					return
-				}
-			}
-		}()
+	if err := loadgen.Drive(addr, req, conns, total); err != nil {
+		b.Error(err)
 	}
-	wg.Wait()
 }

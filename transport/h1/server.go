@@ -1,0 +1,517 @@
+// Package h1 is an HTTP/1.1 server for the client port's hot path that is not net/http's:
+// one goroutine per connection that reads a request head with a strict parser, hands the
+// handler an *http.Request and an http.ResponseWriter (the handlers are the same as under
+// net/http), and watches for the client's hang-up with one long-lived read per connection
+// rather than a goroutine per request. TLS works through the listener (HTTP/1.1 only);
+// HTTP/2, Hijack and trailers are not served. DESIGN.md says why it exists and what it
+// costs in correctness risk.
+package h1
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"os"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// Config tunes a Server. Zero durations and sizes take the defaults named.
+type Config struct {
+	// Handler answers every request.
+	Handler http.Handler
+	// HeaderTimeout bounds reading a request's head (10s), IdleTimeout the wait for the next
+	// request on a keep-alive connection (90s). A body's deadline is the handler's to set
+	// (http.ResponseController.SetReadDeadline); answers are not bounded.
+	HeaderTimeout, IdleTimeout time.Duration
+	// MaxHeaderBytes bounds a request head (1 MiB, as net/http's default).
+	MaxHeaderBytes int
+	// Logger receives the server's own complaints (nil: discarded).
+	Logger *slog.Logger
+	// Refusal, when set, is the JSON body of the answer to a request refused before any
+	// handler (its status and why); nil answers plain text.
+	Refusal func(status int, why string) []byte
+}
+
+// Server serves HTTP/1.1 on the listeners given to Serve, until Shutdown or Close.
+type Server struct {
+	cfg    Config
+	log    *slog.Logger
+	base   context.Context
+	cancel context.CancelFunc
+
+	mu        sync.Mutex
+	listeners map[net.Listener]struct{}
+	conns     map[*conn]struct{}
+	shutting  atomic.Bool
+	// dates caches the Date header's value for a second.
+	dates atomic.Pointer[dateCache]
+}
+
+// New returns a server for cfg.
+func New(cfg Config) (*Server, error) {
+	if cfg.Handler == nil {
+		return nil, errors.New("h1: a handler is required")
+	}
+	if cfg.HeaderTimeout < 0 || cfg.IdleTimeout < 0 || cfg.MaxHeaderBytes < 0 {
+		return nil, errors.New("h1: negative timeout or size")
+	}
+	if cfg.HeaderTimeout == 0 {
+		cfg.HeaderTimeout = 10 * time.Second
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = 90 * time.Second
+	}
+	if cfg.MaxHeaderBytes == 0 {
+		cfg.MaxHeaderBytes = 1 << 20
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Server{cfg: cfg, log: cfg.Logger, base: ctx, cancel: cancel,
+		listeners: map[net.Listener]struct{}{}, conns: map[*conn]struct{}{}}, nil
+}
+
+// Serve accepts connections on ln until Shutdown or Close, which make it return
+// http.ErrServerClosed; it closes ln.
+func (s *Server) Serve(ln net.Listener) error {
+	s.mu.Lock()
+	if s.shutting.Load() {
+		s.mu.Unlock()
+		_ = ln.Close()
+		return http.ErrServerClosed
+	}
+	s.listeners[ln] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.listeners, ln)
+		s.mu.Unlock()
+		_ = ln.Close()
+	}()
+	var backoff time.Duration
+	for {
+		rwc, err := ln.Accept()
+		if err != nil {
+			if s.shutting.Load() {
+				return http.ErrServerClosed
+			}
+			if ne, ok := err.(net.Error); ok && ne.Timeout() || errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				s.log.Debug("h1: accept failed; retrying", "err", err, "in", backoff)
+				t := time.NewTimer(backoff)
+				select {
+				case <-t.C:
+				case <-s.base.Done():
+					t.Stop()
+					return http.ErrServerClosed
+				}
+				continue
+			}
+			return err
+		}
+		backoff = 0
+		c := s.newConn(rwc)
+		if c == nil {
+			continue
+		}
+		go c.serve()
+	}
+}
+
+func (s *Server) newConn(rwc net.Conn) *conn {
+	c := &conn{srv: s, rwc: rwc, remote: rwc.RemoteAddr().String(),
+		watchStart: make(chan struct{}, 1), watchDone: make(chan readResult, 1)}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.shutting.Load() {
+		_ = rwc.Close()
+		return nil
+	}
+	s.conns[c] = struct{}{}
+	return c
+}
+
+func (s *Server) forget(c *conn) {
+	s.mu.Lock()
+	delete(s.conns, c)
+	s.mu.Unlock()
+}
+
+// Shutdown stops accepting, closes idle connections, lets each request in flight finish
+// (its connection closes after it) and returns when none is left, or with ctx's error.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.stopListening()
+	t := time.NewTicker(10 * time.Millisecond)
+	defer t.Stop()
+	for {
+		s.mu.Lock()
+		left := len(s.conns)
+		for c := range s.conns {
+			if c.idle.Load() {
+				// The connection's read waits for a next request: end it now.
+				_ = c.rwc.SetReadDeadline(aLongTimeAgo)
+			}
+		}
+		s.mu.Unlock()
+		if left == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// Close stops accepting, closes every connection and cancels every request in flight.
+func (s *Server) Close() error {
+	s.stopListening()
+	s.cancel()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for c := range s.conns {
+		_ = c.rwc.Close()
+	}
+	return nil
+}
+
+func (s *Server) stopListening() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.shutting.Store(true)
+	for ln := range s.listeners {
+		_ = ln.Close()
+	}
+}
+
+// aLongTimeAgo is a deadline that has passed: a read under it returns at once.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// readResult is what the connection's watching read got.
+type readResult struct {
+	n   int
+	err error
+}
+
+// conn is one client connection. Its serve goroutine reads requests and runs the handler;
+// its watcher goroutine, once a request's body is read, reads the connection on its behalf:
+// an error there is the client's hang-up (the request's context is cancelled at once),
+// bytes are the next request's first (kept for serve, which waits on them after the
+// answer, under the idle timeout). So the wait for the next request is the hang-up watch:
+// no goroutine per request and no read to abort after each answer.
+type conn struct {
+	srv *Server
+	// ctx is the connection's, its requests' parent: a request's context registers with
+	// it, not with the server's, which every connection's request would contend on.
+	ctx    context.Context
+	rwc    net.Conn
+	remote string
+	tls    *tls.ConnectionState
+	br     *bufio.Reader
+	bw     *bufio.Writer
+	// pending are bytes the watcher read that serve has not consumed.
+	pending []byte
+	wbuf    [1024]byte
+	// watchStart starts one watching read; watchDone receives its result. cancel is the
+	// request's the watcher ends on a hang-up: set by serve before it starts a watch and
+	// not changed until its result is received.
+	watchStart chan struct{}
+	watchDone  chan readResult
+	watching   bool
+	cancel     context.CancelFunc
+	// idle: between requests (Shutdown may close it).
+	idle atomic.Bool
+	// broken: a write failed; the connection ends after the handler.
+	broken bool
+	// hold is the buffer of an answer's held bytes, reused by the connection's answers.
+	hold []byte
+}
+
+// Read implements io.Reader for br: the watcher's bytes first, then the connection.
+func (c *conn) Read(p []byte) (int, error) {
+	if len(c.pending) > 0 {
+		n := copy(p, c.pending)
+		c.pending = c.pending[n:]
+		return n, nil
+	}
+	return c.rwc.Read(p)
+}
+
+func (c *conn) watch() {
+	for range c.watchStart {
+		n, err := c.rwc.Read(c.wbuf[:])
+		if n == 0 && err != nil {
+			if !isTimeout(err) && c.cancel != nil {
+				c.cancel()
+			}
+		}
+		c.watchDone <- readResult{n, err}
+	}
+}
+
+// startWatch hands the connection's reading to the watcher under deadline (zero during
+// an answer: a watch lasts as long as the answer, and the head's and body's deadlines end
+// here), unless bytes of a next request are already buffered (a pipelining client: those
+// are served next, unwatched, as net/http does).
+func (c *conn) startWatch(deadline time.Time) {
+	if c.watching || c.br.Buffered() > 0 || len(c.pending) > 0 {
+		return
+	}
+	_ = c.rwc.SetReadDeadline(deadline)
+	c.watching = true
+	c.watchStart <- struct{}{}
+}
+
+func (c *conn) serve() {
+	s := c.srv
+	ctx, cancel := context.WithCancel(s.base)
+	defer cancel()
+	c.ctx = ctx
+	c.br = bufio.NewReaderSize(c, 4096)
+	c.bw = bufio.NewWriterSize(c.rwc, 4096)
+	go c.watch()
+	defer func() {
+		if v := recover(); v != nil && v != http.ErrAbortHandler {
+			s.log.Error("h1: handler panic", "panic", v, "stack", string(debug.Stack()))
+		}
+		_ = c.rwc.Close()
+		close(c.watchStart)
+		s.forget(c)
+	}()
+	if tc, ok := c.rwc.(*tls.Conn); ok {
+		_ = tc.SetDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+		if err := tc.HandshakeContext(s.base); err != nil {
+			s.log.Debug("h1: TLS handshake failed", "remote", c.remote, "err", err)
+			return
+		}
+		_ = tc.SetWriteDeadline(time.Time{})
+		st := tc.ConnectionState()
+		c.tls = &st
+	}
+	// The first request waits for its first byte within the header timeout, later ones
+	// within the idle timeout (as net/http does).
+	c.idle.Store(true)
+	c.startWatch(time.Now().Add(s.cfg.HeaderTimeout))
+	for {
+		if c.watching {
+			r := <-c.watchDone
+			c.watching = false
+			if r.n == 0 {
+				return
+			}
+			c.pending = c.wbuf[:r.n]
+		}
+		c.idle.Store(false)
+		if !c.serveOne() {
+			return
+		}
+		if s.shutting.Load() {
+			return
+		}
+		c.idle.Store(true)
+		if c.watching {
+			// The watch of the answer goes on as the wait for the next request.
+			_ = c.rwc.SetReadDeadline(time.Now().Add(s.cfg.IdleTimeout))
+		} else {
+			c.startWatch(time.Now().Add(s.cfg.IdleTimeout))
+		}
+	}
+}
+
+// serveOne reads one request and answers it; false ends the connection.
+func (c *conn) serveOne() bool {
+	s := c.srv
+	_ = c.rwc.SetReadDeadline(time.Now().Add(s.cfg.HeaderTimeout))
+	h, err := readHead(c.br, s.cfg.MaxHeaderBytes)
+	if err != nil {
+		var br *badRequest
+		if errors.As(err, &br) {
+			s.log.Debug("h1: request refused", "remote", c.remote, "status", br.status, "why", br.why)
+			c.refuse(br)
+		} else if !errors.Is(err, io.EOF) {
+			s.log.Debug("h1: reading a request failed", "remote", c.remote, "err", err)
+		}
+		return false
+	}
+	ctx, cancel := context.WithCancel(c.ctx)
+	defer cancel()
+	c.cancel = cancel
+	req := &http.Request{
+		Method: h.method, URL: h.url, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: h.minor,
+		Header: h.header, ContentLength: h.length, Close: h.close, Host: h.host,
+		RemoteAddr: c.remote, RequestURI: h.target, TLS: c.tls,
+	}
+	if h.minor == 0 {
+		req.Proto = "HTTP/1.0"
+	}
+	var b *body
+	if h.chunked || h.length > 0 {
+		b = &body{c: c, expect100: h.expect100}
+		if h.chunked {
+			b.r = newBodyReader(c.br, h, s.cfg.MaxHeaderBytes)
+		} else {
+			b.sized = lengthBody{br: c.br, left: h.length}
+			b.r = &b.sized
+		}
+		if h.chunked {
+			req.TransferEncoding = []string{"chunked"}
+		}
+		req.Body = b
+	} else {
+		req.Body = http.NoBody
+		c.startWatch(time.Time{})
+	}
+	req = req.WithContext(ctx)
+	w := c.newResponse(req, h)
+	w.reqBody = b
+	s.cfg.Handler.ServeHTTP(w, req)
+	w.finish()
+	if c.broken || w.closeAfter || h.close {
+		return false
+	}
+	if b != nil && !b.done {
+		// The handler left part of the body unread: what follows on the connection is not a
+		// request's head, so the connection ends, gracefully: a close with unread bytes
+		// would reset it, and the client, still sending, might lose the answer.
+		c.lingerClose()
+		return false
+	}
+	return true
+}
+
+// Bounds of lingerClose: what it reads of a body the handler left, and for how long.
+const (
+	lingerBytes = 256 << 10
+	lingerFor   = 500 * time.Millisecond
+)
+
+// lingerClose ends the connection's sending side and reads (and drops) what the client
+// still sends, within bounds, so that the close that follows does not reset the answer
+// away (net/http's server does the same).
+func (c *conn) lingerClose() {
+	if c.broken {
+		return
+	}
+	type closeWriter interface{ CloseWrite() error }
+	cw, ok := c.rwc.(closeWriter)
+	if !ok {
+		return
+	}
+	_ = cw.CloseWrite()
+	_ = c.rwc.SetReadDeadline(time.Now().Add(lingerFor))
+	_, _ = io.CopyN(io.Discard, c.rwc, lingerBytes)
+}
+
+// refuse answers a request the parser refused, and the connection ends.
+func (c *conn) refuse(br *badRequest) {
+	w := c.newResponse(nil, nil)
+	w.closeAfter = true
+	if c.srv.cfg.Refusal != nil {
+		w.header.Set("Content-Type", "application/json")
+		w.WriteHeader(br.status)
+		_, _ = w.Write(c.srv.cfg.Refusal(br.status, br.why))
+	} else {
+		w.header.Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(br.status)
+		_, _ = io.WriteString(w, br.why)
+	}
+	w.finish()
+}
+
+// body is a request's body as the handler reads it: newBodyReader's bytes, 100 Continue
+// before the first read when the client waits for it, and the hang-up watch from the read
+// that finds the end.
+type body struct {
+	c         *conn
+	r         io.Reader
+	sized     lengthBody // r's, for a Content-Length
+	expect100 bool
+	done      bool
+	closed    bool
+	err       error
+}
+
+// Read implements io.Reader.
+func (b *body) Read(p []byte) (int, error) {
+	if b.closed {
+		return 0, http.ErrBodyReadAfterClose
+	}
+	if b.err != nil {
+		return 0, b.err
+	}
+	if b.done {
+		return 0, io.EOF
+	}
+	if b.expect100 {
+		b.expect100 = false
+		if _, err := b.c.rwc.Write([]byte("HTTP/1.1 100 Continue\r\n\r\n")); err != nil {
+			b.err = err
+			return 0, err
+		}
+	}
+	n, err := b.r.Read(p)
+	if errors.Is(err, io.EOF) {
+		b.done = true
+		b.c.startWatch(time.Time{})
+		return n, io.EOF
+	}
+	if err != nil {
+		b.err = err
+	}
+	return n, err
+}
+
+// Close implements io.Closer: later reads fail; what is left unread ends the connection
+// after the answer.
+func (b *body) Close() error {
+	b.closed = true
+	return nil
+}
+
+// newBodyReader reads the body h frames from br: Content-Length bytes, or chunks and a
+// trailer section of at most maxTrailer bytes.
+func newBodyReader(br *bufio.Reader, h *head, maxTrailer int) io.Reader {
+	if h.chunked {
+		return &chunkedBody{br: br, r: httputil.NewChunkedReader(br), max: maxTrailer}
+	}
+	return &lengthBody{br: br, left: h.length}
+}
+
+// lengthBody is a body of a known length.
+type lengthBody struct {
+	br   *bufio.Reader
+	left int64
+}
+
+func (l *lengthBody) Read(p []byte) (int, error) {
+	if l.left == 0 {
+		return 0, io.EOF
+	}
+	if int64(len(p)) > l.left {
+		p = p[:l.left]
+	}
+	n, err := l.br.Read(p)
+	l.left -= int64(n)
+	switch {
+	case l.left == 0:
+		return n, io.EOF
+	case errors.Is(err, io.EOF):
+		return n, io.ErrUnexpectedEOF
+	}
+	return n, err
+}
+
+// isTimeout reports a deadline's error.
+func isTimeout(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }
