@@ -29,7 +29,9 @@ import (
 // workers (and another, router-fast, the same on --http-server fast), and a second HAProxy
 // balances them round-robin with no other work (no log line per request, X-Forwarded-For as
 // the router sets it); and, as the Go anchor, httputil.ReverseProxy
-// round-robin over them (testdata/goproxy: Go's HTTP server and client with no routing work).
+// round-robin over them (testdata/goproxy: Go's HTTP server and client with no routing work),
+// and the floor for Go (testdata/gofloor: a goroutine per connection relaying whole messages,
+// no HTTP library).
 // The load generator is 32 keep-alive
 // connections in this process, each sending its next request as soon as its answer is in, over a
 // minimal HTTP/1.1 client (net/http's client costs several times what it measures). Rounds
@@ -144,6 +146,21 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 	}
 	waitHTTP(b, "http://"+goAddr+"/readyz")
 	contenders = append(contenders, contender{name: "go-revproxy", addr: goAddr, pid: goProxy.PID()})
+	// The floor for Go: a goroutine per connection relaying whole messages with blocking
+	// reads and writes and nothing else (testdata/gofloor), what Go and the kernel cost on
+	// this path before any HTTP library or routing work.
+	floorAddr := loopbacktest.Addr(b)
+	floorBin := filepath.Join(b.TempDir(), "gofloor")
+	if out, err := exec.Command("go", "build", "-o", floorBin, "./testdata/gofloor").CombinedOutput(); err != nil {
+		b.Fatalf("build gofloor: %v\n%s", err, out)
+	}
+	floorArgv := []string{floorBin, "-listen", floorAddr, "-backend", backends[0], "-backend", backends[1]}
+	floor := newProcess(b, proc.Spec{Name: "gofloor", Argv: floorArgv, Wrap: on("1")})
+	if err := floor.Start(); err != nil {
+		b.Fatal(err)
+	}
+	waitHTTP(b, "http://"+floorAddr+"/readyz")
+	contenders = append(contenders, contender{name: "go-floor", addr: floorAddr, pid: floor.PID()})
 	for _, base := range baselines() {
 		contenders = append(contenders, router(base[0], base[1]))
 	}
@@ -215,6 +232,10 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 			b.Logf("go-revproxy/haproxy per round %s, median %.2fx", fmtRatios(gr), median(gr))
 			b.ReportMetric(median(gr), "go-revproxy-ratio-median")
 			b.ReportMetric(median(cpu("go-revproxy")), "go-revproxy-cpu-us/req")
+			fl := ratios("go-floor")
+			b.Logf("go-floor/haproxy per round %s, median %.2fx", fmtRatios(fl), median(fl))
+			b.ReportMetric(median(fl), "go-floor-ratio-median")
+			b.ReportMetric(median(cpu("go-floor")), "go-floor-cpu-us/req")
 			for _, base := range baselines() {
 				br := ratios(base[0])
 				b.Logf("%s/haproxy per round %s, median %.2fx", base[0], fmtRatios(br), median(br))
