@@ -101,7 +101,9 @@ func (r *Replica) stop(skip <-chan struct{}) error {
 		_ = r.admin.Close()
 	}
 	acancel()
-	r.unwind(r.closeBound())
+	if uerr := r.unwind(r.closeBound()); uerr != nil {
+		err = errors.Join(err, uerr)
+	}
 	r.log.Info("shutdown: stopped")
 	return err
 }

@@ -346,14 +346,15 @@ func TestUnwindGivesUpOnAPartThatDoesNotCloseAndClosesTheRest(t *testing.T) {
 				})
 			}
 			done := make(chan struct{})
+			var err error
 			go func() {
 				defer close(done)
-				r.unwind(200 * time.Millisecond)
+				err = r.unwind(200 * time.Millisecond)
 			}()
 			select {
 			case <-done:
 			case <-time.After(30 * time.Second):
-				t.Fatalf("unwind did not return 30s after its 200ms bound; parts closed: %v", closed)
+				t.Fatal("unwind did not return 30s after its 200ms bound")
 			}
 			mu.Lock()
 			defer mu.Unlock()
@@ -362,10 +363,13 @@ func TestUnwindGivesUpOnAPartThatDoesNotCloseAndClosesTheRest(t *testing.T) {
 			}
 			log := b.String()
 			if tc.stuck == "" {
-				if strings.Contains(log, "gave up") {
-					t.Fatalf("gave up on a part that closed:\n%s", log)
+				if err != nil || strings.Contains(log, "gave up") {
+					t.Fatalf("gave up on a part that closed (%v):\n%s", err, log)
 				}
 				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.stuck) {
+				t.Fatalf("unwind returned %v, want an error naming %q", err, tc.stuck)
 			}
 			if !strings.Contains(log, fmt.Sprintf("part=%q", tc.stuck)) || !strings.Contains(log, "goroutine ") {
 				t.Fatalf("the log does not name %q with the goroutines' stacks:\n%.2000s", tc.stuck, log)

@@ -94,7 +94,7 @@ func Start(ctx context.Context, cfg Config) (_ *Replica, err error) {
 	r := &Replica{cfg: cfg, log: cfg.Logger, tracker: routing.NewTracker(), promReg: prometheus.NewRegistry()}
 	defer func() {
 		if err != nil {
-			r.unwind(r.closeBound())
+			_ = r.unwind(r.closeBound())
 		}
 	}()
 	// The safe defaults (open-cluster warnings, the admin token) and the certificates
@@ -154,24 +154,29 @@ func (r *Replica) closeBound() time.Duration {
 
 // unwind runs the undo steps in reverse, once, within bound all together. A step still
 // running at the bound is given up on: the log names it and carries every goroutine's
-// stack (what it waits for), and the steps after it run, so a replica that was asked to
-// stop does stop (a stuck close is no reason to keep the ports and the process).
-func (r *Replica) unwind(bound time.Duration) {
+// stack (what it waits for), the steps after it run, so a replica that was asked to stop
+// does stop (a stuck close is no reason to keep the ports and the process), and the error
+// names the steps given up on.
+func (r *Replica) unwind(bound time.Duration) error {
 	deadline := time.NewTimer(bound)
 	defer deadline.Stop()
-	expired := false
+	var left []string
 	for i := len(r.undo) - 1; i >= 0; i-- {
 		step := r.undo[i]
-		if expired {
+		until := deadline.C
+		if len(left) > 0 {
 			// Past the bound every step gets a moment only: most return at once.
-			r.runBounded(step, time.After(time.Second))
-			continue
+			until = time.After(time.Second)
 		}
-		if !r.runBounded(step, deadline.C) {
-			expired = true
+		if !r.runBounded(step, until) {
+			left = append(left, step.what)
 		}
 	}
 	r.undo = nil
+	if len(left) > 0 {
+		return fmt.Errorf("closing the replica: gave up on %s after %s", strings.Join(left, ", "), bound)
+	}
+	return nil
 }
 
 // runBounded runs step until it returns or until is ready; it reports whether it returned.
