@@ -39,8 +39,9 @@ type appliedResult struct {
 	res   *fsm.Result
 }
 
-// put records the result of the entry at index (nothing for an entry that is no command).
-func (r *resultLog) put(index uint64, res any) {
+// putLocked records the result of the entry at index (nothing for an entry that is no
+// command); r.mu is held.
+func (r *resultLog) putLocked(index uint64, res any) {
 	if v, ok := res.(*fsm.Result); ok && v != nil {
 		r.slots[index%resultRing] = appliedResult{index: index, res: v}
 	}
@@ -73,7 +74,7 @@ type recordingFSM struct {
 func (f recordingFSM) Apply(l *raft.Log) any {
 	res := f.FSM.Apply(l)
 	f.results.mu.Lock()
-	f.results.put(l.Index, res)
+	f.results.putLocked(l.Index, res)
 	f.results.mu.Unlock()
 	return res
 }
@@ -83,7 +84,7 @@ func (f recordingFSM) ApplyBatch(logs []*raft.Log) []any {
 	out := f.FSM.ApplyBatch(logs)
 	f.results.mu.Lock()
 	for i, l := range logs {
-		f.results.put(l.Index, out[i])
+		f.results.putLocked(l.Index, out[i])
 	}
 	f.results.mu.Unlock()
 	return out
