@@ -298,9 +298,19 @@ func (l *leader) revoke() {
 
 // fire proposes Expire for every due timer and returns how long until the next one.
 func (l *leader) fire(ctx context.Context) time.Duration {
-	var due []timerEntry
+	due, wait := l.dueAt(time.Now())
+	for _, d := range due {
+		l.proposeExpire(ctx, d.t, d.e)
+	}
+	return max(wait, time.Millisecond)
+}
+
+// dueAt marks the timers due at now as proposing and returns them, and how long until the
+// next one is due (a second at most).
+func (l *leader) dueAt(now time.Time) ([]dueTimer, time.Duration) {
+	var due []dueTimer
 	l.mu.Lock()
-	now := time.Now()
+	defer l.mu.Unlock()
 	wait := time.Second
 	for l.queue.Len() > 0 {
 		e := l.queue[0]
@@ -318,18 +328,20 @@ func (l *leader) fire(ctx context.Context) time.Duration {
 			continue
 		}
 		t.proposing = true
-		due = append(due, e)
+		due = append(due, dueTimer{t, e})
 	}
-	l.mu.Unlock()
-	for _, e := range due {
-		l.proposeExpire(ctx, e)
-	}
-	return max(wait, time.Millisecond)
+	return due, wait
 }
 
-// proposeExpire sends one Expire without waiting for it: the FSM's revision guard makes a
-// stale one harmless; a failed proposal re-arms the timer.
-func (l *leader) proposeExpire(ctx context.Context, e timerEntry) {
+// dueTimer is a timer fire found due, and its heap entry.
+type dueTimer struct {
+	t *idleTimer
+	e timerEntry
+}
+
+// proposeExpire sends one Expire for timer t without waiting for it: the FSM's revision
+// guard makes a stale one harmless; a failed proposal re-arms the timer (expireFailed).
+func (l *leader) proposeExpire(ctx context.Context, t *idleTimer, e timerEntry) {
 	b, err := fsm.Encode(&fsm.Expire{Session: e.session, Revision: e.revision})
 	if err != nil {
 		l.n.log.Error("encode expire", "session", e.session, "err", err)
@@ -339,18 +351,36 @@ func (l *leader) proposeExpire(ctx context.Context, e timerEntry) {
 	f := l.n.raft.Apply(b, 5*time.Second)
 	go func() {
 		if err := f.Error(); err != nil {
-			l.mu.Lock()
-			if t := l.timers[e.session]; t != nil && t.revision == e.revision {
-				t.proposing = false
-				t.deadline = time.Now().Add(time.Second)
-				heap.Push(&l.queue, timerEntry{at: t.deadline, session: e.session, revision: e.revision})
-			}
-			l.mu.Unlock()
+			l.expireFailed(t, e, time.Now())
 			if !errors.Is(err, raft.ErrNotLeader) && !errors.Is(err, raft.ErrLeadershipLost) && ctx.Err() == nil {
 				l.n.log.Warn("expire proposal failed", "session", e.session, "err", err)
 			}
 		}
 	}()
+}
+
+// expireFailed re-arms timer t, whose Expire proposal failed at now, to be proposed again
+// a second later, or at its deadline when a touch moved that later meanwhile. A timer that
+// is no longer the session's (the term ended, and a later one armed its own) is left alone:
+// the later term's deadline (a whole restart TTL) is not this proposal's to shorten.
+func (l *leader) expireFailed(t *idleTimer, e timerEntry, now time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.timers[e.session] != t {
+		return
+	}
+	t.proposing = false
+	t.deadline = later(t.deadline, now.Add(time.Second))
+	heap.Push(&l.queue, timerEntry{at: t.deadline, session: e.session, revision: e.revision})
+	l.poke()
+}
+
+// later is the later of a and b.
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }
 
 // checkpointChunk bounds one Checkpoint command.

@@ -296,7 +296,7 @@ func (h handler) Apply(ctx context.Context, cmd []byte) ([]byte, uint64, error) 
 	if _, err := fsm.Decode(cmd); err != nil {
 		return nil, 0, fmt.Errorf("%w: %w", peer.ErrInvalid, err)
 	}
-	res, idx, err := h.n.applyLocal(ctx, cmd)
+	res, idx, err := h.n.applyLeader(ctx, cmd)
 	if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) {
 		return nil, 0, h.notLeader()
 	}

@@ -193,6 +193,9 @@ type Node struct {
 	logs  raft.LogStore
 	lead  *leader
 	lease *readLease
+	// results keeps the last commands' results, for a command whose leader stepped down
+	// before it committed (outcome.go).
+	results *resultLog
 
 	clusterID atomic.Pointer[string]
 	ctx       context.Context
@@ -243,6 +246,7 @@ func Open(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}
 	n.lead = newLeader(n)
 	n.lease = newReadLease()
+	n.results = &resultLog{}
 	n.fsm = fsm.New(fsm.Options{OnChange: n.onChange, OnApplied: func(uint64) { n.notifyApplied() }})
 	n.ctx, n.cancel = context.WithCancel(context.Background())
 	rc := n.raftConfig()
@@ -261,7 +265,7 @@ func Open(ctx context.Context, cfg Config) (_ *Node, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("cluster: read raft state: %w", err)
 	}
-	r, err := raft.NewRaft(rc, n.fsm, logs, stable, snaps, n.trans)
+	r, err := raft.NewRaft(rc, recordingFSM{FSM: n.fsm, results: n.results}, logs, stable, snaps, n.trans)
 	if err != nil {
 		return nil, fmt.Errorf("cluster: start raft (a corrupt snapshot or log refuses to start rather than serve partial state): %w", err)
 	}
@@ -645,7 +649,10 @@ func (n *Node) Workers() []fsm.Worker { return n.fsm.Workers() }
 func (n *Node) WorkersChanged() <-chan struct{} { return n.workers }
 
 // Apply proposes cmd through the leader: locally when this node leads, else forwarded over
-// the peer port. It waits for the result until ctx ends.
+// the peer port. It waits for the result until ctx ends. A leader that steps down before
+// the command's entry commits learns what became of the entry before answering (outcome.go):
+// the command's own result when the next term committed it, or the command sent again to
+// the next leader when the entry was lost; ErrOutcomeUnknown when it cannot tell in time.
 func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) {
 	b, err := fsm.Encode(cmd)
 	if err != nil {
@@ -656,7 +663,7 @@ func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) 
 	tracer := trace.SpanFromContext(ctx).TracerProvider().Tracer("github.com/kvrouter-ha/kvrouter-ha/cluster")
 	if n.IsLeader() {
 		lctx, span := tracer.Start(ctx, "raft apply", trace.WithAttributes(attribute.Bool("kvrouter.leader", true)))
-		res, _, err := n.applyLocal(lctx, b)
+		res, _, err := n.applyLeader(lctx, b)
 		endSpan(span, err)
 		if err == nil || !errors.Is(err, raft.ErrNotLeader) && !errors.Is(err, raft.ErrLeadershipLost) {
 			return res, err
@@ -682,8 +689,11 @@ func (n *Node) Apply(ctx context.Context, cmd fsm.Command) (*fsm.Result, error) 
 
 // forward sends an encoded command to the leader in attempts of bounded length: a leader
 // that stopped answering (SIGSTOP, a partition) must not hold the command until ctx ends
-// while the others elect a new one. Retrying is safe: no command takes effect twice
-// (absent-only and compare-and-set binds, revision-guarded invalidations).
+// while the others elect a new one. Retrying cannot make a command take effect twice
+// (absent-only and compare-and-set binds, revision-guarded invalidations), but an attempt
+// that timed out may have committed, and the retry then answers for a second copy (an
+// invalidation's "not found"); a leader that steps down settles its own entries instead
+// (applyLeader), so only a leader that stopped answering (a pause) leaves that.
 func (n *Node) forward(ctx context.Context, b []byte) ([]byte, error) {
 	attempt := max(4*n.cfg.ElectionTimeout, time.Second)
 	for {
@@ -711,7 +721,7 @@ func (n *Node) waitLocalLeader(ctx context.Context, b []byte) (*fsm.Result, erro
 		case <-time.After(10 * time.Millisecond):
 		}
 		if n.IsLeader() {
-			res, _, err := n.applyLocal(ctx, b)
+			res, _, err := n.applyLeader(ctx, b)
 			return res, err
 		}
 	}
@@ -733,7 +743,9 @@ func awaitFuture(ctx context.Context, f raft.Future) error {
 	}
 }
 
-// applyLocal applies an encoded command on the leader.
+// applyLocal applies an encoded command on the leader. When the leader stepped down before
+// the entry committed (ErrLeadershipLost) it also returns the entry's index: the entry may
+// still commit in the next term (applyLeader settles it).
 func (n *Node) applyLocal(ctx context.Context, b []byte) (*fsm.Result, uint64, error) {
 	timeout := 10 * time.Second
 	if dl, ok := ctx.Deadline(); ok {
@@ -744,7 +756,11 @@ func (n *Node) applyLocal(ctx context.Context, b []byte) (*fsm.Result, uint64, e
 		if ctx.Err() != nil {
 			return nil, 0, err
 		}
-		return nil, 0, fmt.Errorf("raft apply: %w", err)
+		var idx uint64
+		if errors.Is(err, raft.ErrLeadershipLost) {
+			idx = f.Index()
+		}
+		return nil, idx, fmt.Errorf("raft apply: %w", err)
 	}
 	res, ok := f.Response().(*fsm.Result)
 	if !ok || res == nil {

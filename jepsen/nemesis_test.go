@@ -154,6 +154,8 @@ func TestRebindRefusedAsGoneIsUnknownNotFailed(t *testing.T) {
 		{"the binding is another revision", 409, `{"error": "session \"s\" not invalidated: conflict (current revision 12)"}`, ResultFail},
 		{"the replica had no binding to invalidate", 404, `{"error": "session \"s\" has no binding"}`, ResultFail},
 		{"no leader", 503, `{"error": "not found (current revision 0)"}`, ResultFail},
+		{"the replica stepped down and could not learn whether its entry committed", 503,
+			`{"error": "the command's outcome is unknown (its leader stepped down before the entry committed; whether the next leader committed it was not learned in time): session bindings unavailable: entry 9 not applied here yet: context deadline exceeded"}`, ResultUnknown},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

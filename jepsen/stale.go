@@ -214,17 +214,23 @@ func (n *nemesis) invalidate(ctx context.Context, fault int, r *replica, session
 	return rb
 }
 
-// refusedRebind classifies an invalidation the admin API did not acknowledge. A 409 saying
-// the session has no binding at all may answer this very DELETE: the replica applied it as
-// leader, lost the leadership before the entry committed, and its retry on the next leader
-// (which committed the first attempt with its own log) found nothing left. Its effect is
-// then unknown, not failed. (Issue 29's one unexplained churn was such a rebind, recorded
-// as failed: r2 appended the invalidation in term 23, stepped down, won term 24, committed
-// it, and answered the retry "not found (current revision 0)".) Any other refusal failed:
-// the binding was another revision, or the replica had none to send.
+// refusedRebind classifies an invalidation the admin API did not acknowledge. A 503 saying
+// the outcome is unknown is the replica's own word that the entry may have committed (it led,
+// stepped down before the entry committed, and could not learn what the next leader did with
+// it in time). A 409 saying the session has no binding at all may still answer this very
+// DELETE when the replica forwarded it to a leader that stopped answering (a pause) and sent
+// it again to the next one, which found nothing left. Both are unknown, not failed. (A
+// replica that led and stepped down answered such a 409 too until it learned to settle its
+// own entry: issue 29's one unexplained churn, r2 appending the invalidation in term 23,
+// stepping down, winning term 24 and committing it, then answering its retry "not found
+// (current revision 0)"; it now answers 200.) Any other refusal failed: the binding was
+// another revision, or the replica had none to send.
 func refusedRebind(status int, body []byte) (Result, string) {
 	msg := fmt.Sprintf("%d: %s", status, strings.TrimSpace(string(body)))
-	if status == http.StatusConflict && strings.Contains(string(body), "not found (current revision 0)") {
+	switch {
+	case status == http.StatusServiceUnavailable && strings.Contains(string(body), "outcome is unknown"):
+		return ResultUnknown, msg
+	case status == http.StatusConflict && strings.Contains(string(body), "not found (current revision 0)"):
 		return ResultUnknown, msg + " (gone: this invalidation may have removed it across a change of leader)"
 	}
 	return ResultFail, msg

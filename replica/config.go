@@ -91,7 +91,8 @@ type Config struct {
 	// load balancer's health checks take it out before its port closes (0: no wait).
 	ShutdownDelay time.Duration
 	// ShutdownTimeout bounds how long in-flight requests and streams may take to finish once
-	// the client port has closed (0: 30s).
+	// the client port has closed, and then how long closing the replica's parts may take
+	// (0: 30s).
 	ShutdownTimeout time.Duration
 	Cluster         ClusterConfig
 	// Discovery finds workers as they come and go (a leader duty writing the cluster registry).

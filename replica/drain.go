@@ -43,7 +43,9 @@ func (r *Replica) Close() error { return r.Shutdown(nil) }
 //  4. the client port closes: new connections are refused and in-flight requests and
 //     streams finish, cut after ShutdownTimeout;
 //  5. everything Start opened closes in reverse: the admin port, the background loops, the
-//     peer port, the Raft node, gossip, the remaining listeners and the peer clients.
+//     peer port, the Raft node, gossip, the remaining listeners and the peer clients, all
+//     within ShutdownTimeout again; a part still closing then is named in the log with
+//     every goroutine's stack and left behind (unwind), so a stop always ends.
 //
 // skip, when it closes, cuts step 2 short (an operator's second signal).
 func (r *Replica) Shutdown(skip <-chan struct{}) error {
@@ -99,7 +101,9 @@ func (r *Replica) stop(skip <-chan struct{}) error {
 		_ = r.admin.Close()
 	}
 	acancel()
-	r.unwind()
+	if uerr := r.unwind(r.closeBound()); uerr != nil {
+		err = errors.Join(err, uerr)
+	}
 	r.log.Info("shutdown: stopped")
 	return err
 }

