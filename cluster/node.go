@@ -193,6 +193,8 @@ type Node struct {
 	logs  raft.LogStore
 	lead  *leader
 	lease *readLease
+	// contact is when this replica, as leader, last heard from a quorum (contact.go).
+	contact *quorumContact
 
 	clusterID atomic.Pointer[string]
 	ctx       context.Context
@@ -243,6 +245,7 @@ func Open(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}
 	n.lead = newLeader(n)
 	n.lease = newReadLease()
+	n.contact = &quorumContact{now: n.lease.now, self: raft.ServerID(cfg.ID), raft: &n.raftp, last: make(map[raft.ServerID]time.Duration)}
 	n.fsm = fsm.New(fsm.Options{OnChange: n.onChange, OnApplied: func(uint64) { n.notifyApplied() }})
 	n.ctx, n.cancel = context.WithCancel(context.Background())
 	rc := n.raftConfig()
@@ -389,6 +392,9 @@ func (n *Node) openTransport(logger hclog.Logger) error {
 	}
 	// What peers dial is what the transport tells them, whoever bound the port.
 	n.cfg.RaftAdvertise = string(n.trans.LocalAddr())
+	if t, ok := n.trans.(fullTransport); ok {
+		n.trans = &contactTransport{fullTransport: t, q: n.contact}
+	}
 	return nil
 }
 
