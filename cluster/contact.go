@@ -45,30 +45,36 @@ func (q *quorumContact) heard(id raft.ServerID, sent time.Duration) {
 	if sent > q.last[id] {
 		q.last[id] = sent
 	}
+	if at, ok := quorumTime(f.Configuration().Servers, q.self, q.last); ok && at+1 > time.Duration(q.at.Load()) {
+		q.at.Store(int64(at + 1))
+	}
+}
+
+// quorumTime is when self last heard from a quorum of servers' voters, given when each
+// other voter's latest answer was sent (last): the quorum-1 most recent answers and self's
+// own make the quorum, so it is the (quorum-1)-th most recent. false: not enough voters
+// answered yet, or self is the only voter (its own quorum, always in contact).
+func quorumTime(servers []raft.Server, self raft.ServerID, last map[raft.ServerID]time.Duration) (time.Duration, bool) {
 	voters := 0
 	var others []time.Duration
-	for _, s := range f.Configuration().Servers {
+	for _, s := range servers {
 		if s.Suffrage != raft.Voter {
 			continue
 		}
 		voters++
-		if s.ID == q.self {
+		if s.ID == self {
 			continue
 		}
-		if at, ok := q.last[s.ID]; ok {
+		if at, ok := last[s.ID]; ok {
 			others = append(others, at)
 		}
 	}
-	need := voters / 2 // the quorum, less this replica
+	need := voters / 2 // the quorum, less self
 	if need == 0 || len(others) < need {
-		return
+		return 0, false
 	}
-	// The need-th most recent answer: with it and this replica's own, a quorum.
 	slices.Sort(others)
-	at := others[len(others)-need] + 1
-	if at > time.Duration(q.at.Load()) {
-		q.at.Store(int64(at))
-	}
+	return others[len(others)-need], true
 }
 
 // contactTransport is a Raft transport that records, for quorumContact, the answers to the
