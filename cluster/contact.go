@@ -135,10 +135,11 @@ func (n *Node) loneVoter() bool {
 	return voters == 1
 }
 
-// contactBound is the age past which contact is no longer fresh: two heartbeat intervals
-// (raft draws each between HeartbeatTimeout/10 and /5, so 0.15 of it on average), which a
-// replica in contact stays under with room for a round trip and a loaded machine's delays.
-func (n *Node) contactBound() time.Duration { return 3 * n.cfg.HeartbeatTimeout / 10 }
+// contactBound is the age past which contact is no longer fresh: two heartbeat intervals of
+// HeartbeatTimeout/10 (raft draws each between that and twice that), so a replica in contact
+// crosses it only when a long interval meets a slow round trip or a late timer, which costs
+// a new session its commit's latency, no more (DESIGN.md, "Binding before dispatch").
+func (n *Node) contactBound() time.Duration { return n.cfg.HeartbeatTimeout / 5 }
 
 // ContactFresh reports whether this replica's contact with its quorum (the leader's with a
 // quorum of voters, a follower's with its leader) is within contactBound: while it is, a

@@ -54,7 +54,7 @@ func TestQuorumContactIsTheLatestAnswerThatMakesAQuorum(t *testing.T) {
 // binding goes beside its worker's prefill (BindFirst false); once the leader's links to
 // both followers are cut, its contact goes stale while it still leads (the window in which
 // its read lease may still hold), so a new binding is committed before dispatch. The
-// heartbeat and leader-lease timeouts are wide (1 s: contact stale after 0.3 s, step-down
+// heartbeat and leader-lease timeouts are wide (1 s: contact stale after 0.2 s, step-down
 // after 1-2 s), so that the test sees the window on a loaded machine.
 func TestALeaderCutOffFromItsQuorumSeesItsContactGoStaleBeforeItStepsDown(t *testing.T) {
 	c := newTestCluster(t, 3, func(cfg *Config) {

@@ -54,7 +54,7 @@ func NewRaftCollector(n *Node) prometheus.Collector {
 		lastSnapshot: prometheus.NewDesc("kvrouter_raft_last_snapshot_index", "Index of the last Raft snapshot taken or installed (0: none).", nil, nil),
 		lastContact:  prometheus.NewDesc("kvrouter_raft_last_contact_seconds", "Seconds since this replica last heard from the leader: 0 on the leader, -1 before any contact.", nil, nil),
 		quorumContact: prometheus.NewDesc("kvrouter_raft_quorum_contact_age_seconds",
-			"On the leader, seconds since it last heard from a quorum of voters (the answer to a heartbeat or an append, counted from when it was sent); -1 on other replicas and before any answer. Past 0.3 x --raft-heartbeat-timeout a new session is bound before any worker is asked.", nil, nil),
+			"On the leader, seconds since it last heard from a quorum of voters (the answer to a heartbeat or an append, counted from when it was sent); -1 on other replicas and before any answer. Past 0.2 x --raft-heartbeat-timeout a new session is bound before any worker is asked.", nil, nil),
 		voters:        prometheus.NewDesc("kvrouter_raft_voters", "Voters in the latest Raft configuration this replica knows.", nil, nil),
 		servers:       prometheus.NewDesc("kvrouter_raft_servers", "Servers (voters and non-voters) in the latest Raft configuration this replica knows.", nil, nil),
 		leaderChanges: prometheus.NewDesc("kvrouter_raft_leader_changes_total", "Leaders this replica learned of: each time the leader it knows became another one, or one after none (the first leader included).", nil, nil),

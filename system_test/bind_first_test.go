@@ -16,7 +16,7 @@ import (
 // TestALeaderCutOffFromItsQuorumRefusesANewSessionBeforeAnyWorkerSeesIt: a leader whose
 // followers stop answering (SIGSTOP both: its quorum is gone) keeps its read lease until it
 // steps down, so a new session's first request still passes its fence. Once the leader's
-// contact with its quorum is stale (kvrouter_raft_quorum_contact_age_seconds past 0.3 x the
+// contact with its quorum is stale (kvrouter_raft_quorum_contact_age_seconds past 0.2 x the
 // heartbeat timeout) and while it still leads, such a request is bound before any worker is
 // asked: the bind cannot commit, so the answer is a refusal (503, X-Kvrouter-Refused:
 // bind_failed, Retry-After) that a load balancer retries on another replica, and no worker
@@ -24,13 +24,13 @@ import (
 // ran the request and the client got a 502 after --bind-wait, which must not be retried.)
 //
 // The window is made wide rather than raced: heartbeats every 0.2-0.4 s (a 2 s heartbeat
-// timeout) make contact stale 0.6 s after the stop, and the leader steps down only after its
+// timeout) make contact stale 0.4 s after the stop, and the leader steps down only after its
 // 2 s leader lease (up to twice that); --stale-bound 60s keeps the read lease granted before
 // the stop valid until then. The refusal's reason proves the request met the window (a
 // request that came after the step-down is refused for the lost lease instead); a scenario
 // that missed it is run again, at most three times.
 func TestALeaderCutOffFromItsQuorumRefusesANewSessionBeforeAnyWorkerSeesIt(t *testing.T) {
-	const contactBound = 600 * time.Millisecond // 0.3 x --raft-heartbeat-timeout
+	const contactBound = 400 * time.Millisecond // 0.2 x --raft-heartbeat-timeout
 	fl := startFleet(t, 2)
 	c := startCluster(t, 3, fl, "--raft-heartbeat-timeout", "2s", "--raft-election-timeout", "2s",
 		"--raft-leader-lease-timeout", "2s", "--stale-bound", "60s", "--bind-wait", "3s")
