@@ -196,6 +196,8 @@ type Node struct {
 	// results keeps the last commands' results, for a command whose leader stepped down
 	// before it committed (outcome.go).
 	results *resultLog
+	// contact is when this replica, as leader, last heard from a quorum (contact.go).
+	contact *quorumContact
 
 	clusterID atomic.Pointer[string]
 	ctx       context.Context
@@ -247,6 +249,7 @@ func Open(ctx context.Context, cfg Config) (_ *Node, err error) {
 	n.lead = newLeader(n)
 	n.lease = newReadLease()
 	n.results = &resultLog{}
+	n.contact = &quorumContact{now: n.lease.now, self: raft.ServerID(cfg.ID), raft: &n.raftp, last: make(map[raft.ServerID]time.Duration)}
 	n.fsm = fsm.New(fsm.Options{OnChange: n.onChange, OnApplied: func(uint64) { n.notifyApplied() }})
 	n.ctx, n.cancel = context.WithCancel(context.Background())
 	rc := n.raftConfig()
@@ -393,6 +396,9 @@ func (n *Node) openTransport(logger hclog.Logger) error {
 	}
 	// What peers dial is what the transport tells them, whoever bound the port.
 	n.cfg.RaftAdvertise = string(n.trans.LocalAddr())
+	if t, ok := n.trans.(fullTransport); ok {
+		n.trans = &contactTransport{fullTransport: t, q: n.contact}
+	}
 	return nil
 }
 

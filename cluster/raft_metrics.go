@@ -17,6 +17,7 @@ type raftCollector struct {
 
 	state, term, commit, applied, lastLog, lastSnapshot *prometheus.Desc
 	lastContact, voters, servers, leaderChanges         *prometheus.Desc
+	quorumContact                                       *prometheus.Desc
 	bindings, leaseRemaining, leaseRounds               *prometheus.Desc
 	logFile, logFree, logCompactions, logReclaimed      *prometheus.Desc
 	checkpointBytes, checkpointEntries                  *prometheus.Desc
@@ -34,7 +35,8 @@ type raftStat struct {
 // kvrouter_raft_state{state}, kvrouter_raft_term, kvrouter_raft_commit_index,
 // kvrouter_raft_applied_index, kvrouter_raft_last_log_index,
 // kvrouter_raft_last_snapshot_index, kvrouter_raft_last_contact_seconds (0 on the leader,
-// -1 before any contact with a leader), kvrouter_raft_voters, kvrouter_raft_servers,
+// -1 before any contact with a leader), kvrouter_raft_quorum_contact_age_seconds (the
+// leader's, -1 elsewhere), kvrouter_raft_voters, kvrouter_raft_servers,
 // kvrouter_raft_leader_changes_total, kvrouter_fsm_bindings, and the read lease's
 // kvrouter_read_lease_remaining_seconds and kvrouter_read_lease_rounds_total{result}, and
 // raft.db's kvrouter_raft_log_file_bytes, kvrouter_raft_log_free_bytes,
@@ -43,14 +45,16 @@ type raftStat struct {
 // README.md's metrics table says what each means.
 func NewRaftCollector(n *Node) prometheus.Collector {
 	c := &raftCollector{
-		n:             n,
-		state:         prometheus.NewDesc("kvrouter_raft_state", "1 for this replica's Raft state (follower, candidate, leader, shutdown), 0 for the others.", []string{"state"}, nil),
-		term:          prometheus.NewDesc("kvrouter_raft_term", "Current Raft term.", nil, nil),
-		commit:        prometheus.NewDesc("kvrouter_raft_commit_index", "Index of the last Raft log entry known committed.", nil, nil),
-		applied:       prometheus.NewDesc("kvrouter_raft_applied_index", "Index of the last Raft log entry handed to the state machine (no-op and barrier entries included).", nil, nil),
-		lastLog:       prometheus.NewDesc("kvrouter_raft_last_log_index", "Index of the last entry in this replica's Raft log.", nil, nil),
-		lastSnapshot:  prometheus.NewDesc("kvrouter_raft_last_snapshot_index", "Index of the last Raft snapshot taken or installed (0: none).", nil, nil),
-		lastContact:   prometheus.NewDesc("kvrouter_raft_last_contact_seconds", "Seconds since this replica last heard from the leader: 0 on the leader, -1 before any contact.", nil, nil),
+		n:            n,
+		state:        prometheus.NewDesc("kvrouter_raft_state", "1 for this replica's Raft state (follower, candidate, leader, shutdown), 0 for the others.", []string{"state"}, nil),
+		term:         prometheus.NewDesc("kvrouter_raft_term", "Current Raft term.", nil, nil),
+		commit:       prometheus.NewDesc("kvrouter_raft_commit_index", "Index of the last Raft log entry known committed.", nil, nil),
+		applied:      prometheus.NewDesc("kvrouter_raft_applied_index", "Index of the last Raft log entry handed to the state machine (no-op and barrier entries included).", nil, nil),
+		lastLog:      prometheus.NewDesc("kvrouter_raft_last_log_index", "Index of the last entry in this replica's Raft log.", nil, nil),
+		lastSnapshot: prometheus.NewDesc("kvrouter_raft_last_snapshot_index", "Index of the last Raft snapshot taken or installed (0: none).", nil, nil),
+		lastContact:  prometheus.NewDesc("kvrouter_raft_last_contact_seconds", "Seconds since this replica last heard from the leader: 0 on the leader, -1 before any contact.", nil, nil),
+		quorumContact: prometheus.NewDesc("kvrouter_raft_quorum_contact_age_seconds",
+			"On the leader, seconds since it last heard from a quorum of voters (the answer to a heartbeat or an append, counted from when it was sent); -1 on other replicas and before any answer. Past 0.2 x --raft-heartbeat-timeout a new session is bound before any worker is asked.", nil, nil),
 		voters:        prometheus.NewDesc("kvrouter_raft_voters", "Voters in the latest Raft configuration this replica knows.", nil, nil),
 		servers:       prometheus.NewDesc("kvrouter_raft_servers", "Servers (voters and non-voters) in the latest Raft configuration this replica knows.", nil, nil),
 		leaderChanges: prometheus.NewDesc("kvrouter_raft_leader_changes_total", "Leaders this replica learned of: each time the leader it knows became another one, or one after none (the first leader included).", nil, nil),
@@ -79,7 +83,7 @@ func NewRaftCollector(n *Node) prometheus.Collector {
 func (c *raftCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{
 		c.state, c.term, c.commit, c.applied, c.lastLog, c.lastSnapshot,
-		c.lastContact, c.voters, c.servers, c.leaderChanges, c.bindings, c.leaseRemaining, c.leaseRounds,
+		c.lastContact, c.quorumContact, c.voters, c.servers, c.leaderChanges, c.bindings, c.leaseRemaining, c.leaseRounds,
 		c.logFile, c.logFree, c.logCompactions, c.logReclaimed, c.checkpointBytes, c.checkpointEntries,
 	} {
 		ch <- d
@@ -118,6 +122,11 @@ func (c *raftCollector) Collect(ch chan<- prometheus.Metric) {
 		contact = time.Since(lc).Seconds()
 	}
 	ch <- prometheus.MustNewConstMetric(c.lastContact, prometheus.GaugeValue, contact)
+	quorum := -1.0
+	if age, ok := c.n.contactAge(); ok && st == raft.Leader {
+		quorum = age.Seconds()
+	}
+	ch <- prometheus.MustNewConstMetric(c.quorumContact, prometheus.GaugeValue, quorum)
 	// GetConfiguration answers from a copy raft keeps for readers: it does not wait on the
 	// main loop, and it answers after shutdown too.
 	if f := r.GetConfiguration(); f.Error() == nil {

@@ -216,9 +216,10 @@ var (
 // Refusal is an affinity store's answer to a request it cannot serve on this replica, given
 // before any worker was asked (503, Retry-After, and a marker a load balancer can match): the
 // replica is cut off from the cluster's leader, is stopping, or waited --bind-wait for a read
-// lease in vain. Nothing has run anywhere, so another replica may take the request.
+// lease in vain; or a new session's binding, committed before dispatch, failed. Nothing has run anywhere, so another replica may take the request.
 type Refusal struct {
-	// Reason is a short label: "cut_off", "stopping" or "no_read_lease".
+	// Reason is a short label: "cut_off", "stopping", "no_read_lease", or "bind_failed" (a
+	// new session's binding, committed before dispatch, failed: Attempt.Propose).
 	Reason string
 	// Err is why (it wraps ErrUnavailable).
 	Err error

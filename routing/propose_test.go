@@ -205,3 +205,111 @@ func TestABindingProposedAtDispatchIsSeenOnlyOnceTheWorkerAccepted(t *testing.T)
 		})
 	}
 }
+
+// firstStore wraps a MemoryAffinity whose leases say whether a new binding must be
+// committed before dispatch (bindFirster), as the cluster's do while the replica's contact
+// with its quorum is not fresh, and whose Commit fails with fail when set.
+type firstStore struct {
+	*MemoryAffinity
+	first bool
+	fail  error
+}
+
+func (s *firstStore) Acquire(ctx context.Context, key string, explicit *indexer.Worker) (Lease, error) {
+	l, err := s.MemoryAffinity.Acquire(ctx, key, explicit)
+	if err != nil {
+		return nil, err
+	}
+	return &firstLease{Lease: l, s: s}, nil
+}
+
+type firstLease struct {
+	Lease
+	s *firstStore
+}
+
+func (l *firstLease) BindFirst() bool { return l.s.first }
+
+func (l *firstLease) Commit(ctx context.Context, w indexer.Worker, model string) (Binding, error) {
+	if l.s.fail != nil {
+		return Binding{}, l.s.fail
+	}
+	return l.Lease.Commit(ctx, w, model)
+}
+
+// TestABindingThatMustComeFirstIsCommittedBeforeDispatchAndRefusedWhenItFails: with contact
+// fresh, Propose returns at once and a failed binding shows at Commit (the worker has the
+// request by then); with contact not fresh (BindFirst), the binding is committed before
+// Propose returns, and a failure is a Refusal ("bind_failed", ErrUnavailable) that leaves
+// the session unbound and the attempt ended, except a full store (ErrTooManySessions, as a
+// failed Route) and a session bound elsewhere (left for Commit, which moves the request).
+func TestABindingThatMustComeFirstIsCommittedBeforeDispatchAndRefusedWhenItFails(t *testing.T) {
+	ctx := context.Background()
+	lost := errors.New("raft apply: leadership lost while committing log")
+	cases := []struct {
+		name  string
+		first bool
+		fail  error
+		// wantPropose is what Propose returns: nil, a refusal, or an error it wraps.
+		wantPropose error
+		refusal     bool
+		// boundAtPropose: the store holds the binding when Propose returns.
+		boundAtPropose bool
+	}{
+		{name: "contact fresh: proposed beside the prefill, its failure seen at Commit", fail: lost},
+		{name: "contact stale: committed before dispatch", first: true, boundAtPropose: true},
+		{name: "contact stale, the bind fails: refused before any worker", first: true, fail: lost, refusal: true},
+		{name: "contact stale, the store is full: too many sessions", first: true,
+			fail: fmt.Errorf("bind: %w", ErrTooManySessions), wantPropose: ErrTooManySessions},
+		{name: "contact stale, bound elsewhere: left for Commit", first: true,
+			fail: fmt.Errorf("bind: %w", ErrBoundElsewhere), wantPropose: ErrBoundElsewhere},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			rg := newRig(t, 2, Config{})
+			store := &firstStore{MemoryAffinity: rg.affinity, first: tc.first, fail: tc.fail}
+			router, err := New(Config{}, Deps{Index: rg.index, Recorder: rg.index, Workers: rg.reg, Tracker: rg.tracker, Affinity: store})
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := route(t, router, Request{Session: "s", PromptTokens: 64})
+			defer a.Finish()
+			perr := a.Propose(ctx)
+			_, bound, _ := rg.affinity.Peek(ctx, "s")
+			if bound != tc.boundAtPropose {
+				t.Fatalf("bound when Propose returned: %v, want %v", bound, tc.boundAtPropose)
+			}
+			var refusal *Refusal
+			switch {
+			case tc.refusal:
+				if !errors.As(perr, &refusal) || refusal.Reason != "bind_failed" || !errors.Is(perr, ErrUnavailable) || !errors.Is(perr, lost) {
+					t.Fatalf("Propose: %v, want a bind_failed refusal wrapping ErrUnavailable and the cause", perr)
+				}
+				if _, err := a.Commit(ctx); err == nil {
+					t.Fatal("Commit after a refused binding succeeded: the attempt must be over")
+				}
+				if _, ok, _ := rg.affinity.Peek(ctx, "s"); ok {
+					t.Fatal("a refused binding left the session bound")
+				}
+				return
+			case tc.wantPropose != nil:
+				if !errors.Is(perr, tc.wantPropose) || errors.As(perr, &refusal) {
+					t.Fatalf("Propose: %v, want %v (not a refusal)", perr, tc.wantPropose)
+				}
+				return
+			case perr != nil:
+				t.Fatalf("Propose: %v, want nil", perr)
+			}
+			b, err := a.Commit(ctx)
+			if tc.fail != nil {
+				if !errors.Is(err, tc.fail) {
+					t.Fatalf("Commit: %v, want the binding's failure %v", err, tc.fail)
+				}
+				return
+			}
+			if err != nil || b.Revision == 0 || b.Worker != a.Decision().Target.Worker {
+				t.Fatalf("Commit: %+v %v, want the binding made before dispatch", b, err)
+			}
+		})
+	}
+}

@@ -861,20 +861,61 @@ func (a *Attempt) fail(ctx context.Context) {
 // proposal's outcome (Commit, Retry and Finish wait for it), nothing else touches the
 // lease. The first byte must still wait for Commit: no byte may leave from a worker the
 // session is not bound to.
-func (a *Attempt) Propose(ctx context.Context) {
+//
+// A lease that says the binding must come first (bindFirster: the replica's contact with
+// its quorum is not fresh) has it committed here, before the request is sent, and Propose
+// returns the outcome's error: ErrBoundElsewhere and ErrWorkerDraining stay for Commit to
+// take, as after a dispatch (the caller moves the request, or tries its next choice);
+// ErrTooManySessions and the request's own cancellation end the attempt as a failed Route
+// does; any other failure ends it as a *Refusal (reason "bind_failed"), since no worker has
+// been asked, so the load balancer may retry the request on another replica.
+func (a *Attempt) Propose(ctx context.Context) error {
 	if a.finished || a.pending != nil || a.lease == nil || a.decision.Bound {
-		return
+		return nil
 	}
 	if g, ok := a.lease.(gateHolder); ok {
 		g.HoldGate()
 	}
 	p := &proposal{done: make(chan struct{})}
 	lease, w, model := a.lease, a.decision.Target.Worker, a.bindingModel()
+	a.pending = p
+	if f, ok := lease.(bindFirster); ok && f.BindFirst() {
+		p.binding, p.err = lease.Commit(ctx, w, model)
+		close(p.done)
+		return a.boundFirst(ctx, p.err)
+	}
 	go func() {
 		defer close(p.done)
 		p.binding, p.err = lease.Commit(ctx, w, model)
 	}()
-	a.pending = p
+	return nil
+}
+
+// bindFirster is a Lease that can say a new session's binding must be committed before its
+// request is sent to a worker (the cluster's, while the replica's contact with its quorum
+// is not fresh: a replica cut off while its read lease still holds would otherwise have a
+// worker run a request it then fails). It is asked once per new binding, and must answer
+// without waiting.
+type bindFirster interface {
+	BindFirst() bool
+}
+
+// boundFirst is Propose's outcome for a binding committed before dispatch (err, nil when it
+// was made): see Propose.
+func (a *Attempt) boundFirst(ctx context.Context, err error) error {
+	if err == nil || errors.Is(err, ErrBoundElsewhere) || errors.Is(err, ErrWorkerDraining) {
+		return err
+	}
+	a.settle()
+	a.fail(ctx)
+	var refusal *Refusal
+	switch {
+	case ctx.Err() != nil:
+		return ctx.Err()
+	case errors.Is(err, ErrTooManySessions), errors.As(err, &refusal):
+		return err
+	}
+	return &Refusal{Reason: "bind_failed", Err: fmt.Errorf("%w: could not bind the new session before asking a worker: %w", ErrUnavailable, err)}
 }
 
 // gateHolder is a Lease whose initializer gate can stay closed past a Commit that binds

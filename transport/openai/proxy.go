@@ -121,6 +121,9 @@ type call struct {
 	// mig follows a stream for its continuation at another worker (migrate.go); nil with
 	// migration off.
 	mig *migration
+	// asked: a dispatch of this request went to a worker (or was about to), so the replica
+	// may no longer refuse it (afterWorker).
+	asked bool
 }
 
 // firstBytes notes the first body bytes of a dispatch: the load moves from prefill to decode.
@@ -278,8 +281,12 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	c.body = sent
 	// A new session's binding is proposed now, so that Raft commits it while the worker
 	// prefills (and while a prefill worker does, when disaggregated); the first byte waits
-	// for what is left of it (bind).
-	c.att.Propose(ctx)
+	// for what is left of it (bind). A replica out of contact with its quorum commits it
+	// first, and one that cannot refuses the request before any worker sees it (unbound).
+	if err := c.att.Propose(ctx); err != nil {
+		return s.unbound(c, err)
+	}
+	c.asked = true
 	if res, fail, ok := s.disaggregate(c); !ok {
 		return res, fail
 	}
@@ -406,6 +413,28 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	// than after the handler's cleanup.
 	if err := http.NewResponseController(c.w).Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
 		s.log.Debug("client flush failed", "error", err)
+	}
+	return done, failure{}
+}
+
+// unbound answers a new session whose binding, committed before dispatch, failed
+// (Attempt.Propose): bound elsewhere or its worker draining, as a failed Commit after a
+// dispatch is (the request moves, or goes to its next choice); any other failure is
+// routing's error, a refusal (503, X-Kvrouter-Refused) when no worker has been asked for
+// the request yet, which the load balancer retries on another replica.
+func (s *Server) unbound(c *call, err error) (outcome, failure) {
+	if errors.Is(err, routing.ErrBoundElsewhere) || errors.Is(err, routing.ErrWorkerDraining) {
+		_, res, fail, _ := s.bind(c)
+		return res, fail
+	}
+	apiErr := routeError(err)
+	if c.asked {
+		apiErr = afterWorker(apiErr)
+	}
+	if c.mig.moving() {
+		s.failStream(c, apiErr)
+	} else {
+		s.fail(c.w, c.r, apiErr)
 	}
 	return done, failure{}
 }

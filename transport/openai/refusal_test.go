@@ -18,6 +18,36 @@ func (refusingAffinity) Acquire(context.Context, string, *indexer.Worker) (routi
 	return nil, &routing.Refusal{Reason: "cut_off", Err: fmt.Errorf("no leader known: %w", routing.ErrUnavailable)}
 }
 
+// bindFirstAffinity is a store whose leases want a new binding committed before dispatch
+// (a replica whose contact with its quorum is stale) and whose Commit fails with fail (nil:
+// it binds).
+type bindFirstAffinity struct {
+	*routing.MemoryAffinity
+	fail error
+}
+
+func (a bindFirstAffinity) Acquire(ctx context.Context, key string, explicit *indexer.Worker) (routing.Lease, error) {
+	l, err := a.MemoryAffinity.Acquire(ctx, key, explicit)
+	if err != nil {
+		return nil, err
+	}
+	return bindFirstLease{Lease: l, fail: a.fail}, nil
+}
+
+type bindFirstLease struct {
+	routing.Lease
+	fail error
+}
+
+func (bindFirstLease) BindFirst() bool { return true }
+
+func (l bindFirstLease) Commit(ctx context.Context, w indexer.Worker, model string) (routing.Binding, error) {
+	if l.fail != nil {
+		return routing.Binding{}, l.fail
+	}
+	return l.Lease.Commit(ctx, w, model)
+}
+
 // TestOnlyARequestNoWorkerSawIsAnswered503: a load balancer retries the router's 503s on
 // another replica, so a refusal (before any worker) is a 503 with Retry-After and
 // X-Kvrouter-Refused, and a worker's own 503 (it saw the request) goes out as a 502 without
@@ -30,17 +60,24 @@ func TestOnlyARequestNoWorkerSawIsAnswered503(t *testing.T) {
 			session    string
 			worker     http.HandlerFunc
 			refuse     bool
+			affinity   func(*routing.MemoryAffinity) routing.AffinityStore
 			wantStatus int
 			wantMarker string
 			wantAsked  int
 		}{
-			{"refused by a cut-off replica", "s-1", okJSON, true, http.StatusServiceUnavailable, "cut_off", 0},
-			{"no healthy worker", "", okJSON, false, http.StatusServiceUnavailable, "no_worker", 0},
+			{"refused by a cut-off replica", "s-1", okJSON, true, nil, http.StatusServiceUnavailable, "cut_off", 0},
+			{"a new session bound first, the bind failed", "s-2", okJSON, false, func(m *routing.MemoryAffinity) routing.AffinityStore {
+				return bindFirstAffinity{m, fmt.Errorf("raft apply: leadership lost while committing log")}
+			}, http.StatusServiceUnavailable, "bind_failed", 0},
+			{"a new session bound first", "s-3", okJSON, false, func(m *routing.MemoryAffinity) routing.AffinityStore {
+				return bindFirstAffinity{m, nil}
+			}, http.StatusOK, "", 1},
+			{"no healthy worker", "", okJSON, false, nil, http.StatusServiceUnavailable, "no_worker", 0},
 			{"every worker answering 503", "", func(w http.ResponseWriter, _ *http.Request) {
 				w.Header().Set("Content-Type", "application/json")
 				w.WriteHeader(http.StatusServiceUnavailable)
 				_, _ = io.WriteString(w, workerBody)
-			}, false, http.StatusBadGateway, "", 2},
+			}, false, nil, http.StatusBadGateway, "", 2},
 		}
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {
@@ -48,6 +85,9 @@ func TestOnlyARequestNoWorkerSawIsAnswered503(t *testing.T) {
 				opts := rigOptions{server: server, router: roundRobin}
 				if tc.refuse {
 					opts.affinity = func(m *routing.MemoryAffinity) routing.AffinityStore { return refusingAffinity{m} }
+				}
+				if tc.affinity != nil {
+					opts.affinity = tc.affinity
 				}
 				rg := newRig(t, []routing.WorkerSpec{spec("w0", w0.URL), spec("w1", w1.URL)}, opts)
 				if tc.wantMarker == "no_worker" {
@@ -73,7 +113,7 @@ func TestOnlyARequestNoWorkerSawIsAnswered503(t *testing.T) {
 					if e := errorOf(t, body); e.Type != TypeUnavailable {
 						t.Fatalf("refusal %+v, want type %s", e, TypeUnavailable)
 					}
-				} else if body != workerBody {
+				} else if tc.wantStatus == http.StatusBadGateway && body != workerBody {
 					t.Fatalf("body %q, want the worker's own", body)
 				}
 			})
