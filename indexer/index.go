@@ -3,6 +3,7 @@ package indexer
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -38,14 +39,20 @@ type Index struct {
 	// (precise mode, where the engines' events say what leaves) the queues would cost 12
 	// bytes per entry and a map update per removal, and Clear scans the tables instead.
 	recency bool
-	now     func() time.Time
-	base    time.Time
-	total   atomic.Int64
+	// noRepeat turns off the lock-free return of a Store that repeats the worker's last
+	// (repeat.go), so that tests can compare the two.
+	noRepeat bool
+	now      func() time.Time
+	base     time.Time
+	total    atomic.Int64
 
-	mu     sync.RWMutex // guards byName, free, nextID and writes of byID
+	mu     sync.RWMutex // guards byName, free, nextID and writes of byID and named
 	byName map[Worker]*workerState
 	free   []int
 	nextID int
+	// named is a copy of byName, replaced on every change, so that writers find their
+	// worker without taking mu (whose read lock is a word every Store would write).
+	named atomic.Pointer[map[Worker]*workerState]
 	// byID is an immutable slice, replaced on every change, so that lookups name the workers
 	// of their matches without taking mu.
 	byID atomic.Pointer[[]*workerState]
@@ -69,6 +76,10 @@ type workerState struct {
 	// stale pointer retries and a lookup that sees both this state and its successor (the
 	// same Worker, registered again) reports only the successor.
 	removed atomic.Bool
+
+	// last lets a Store that repeats the worker's last one skip the lock (see repeat.go). Its
+	// own cache lines, apart from mu's, which every locked write changes.
+	last lastStore
 
 	mu      sync.Mutex // guards everything below and every bit of id in the block table
 	live    int
@@ -97,6 +108,7 @@ func New(opts Options) *Index {
 	}
 	x.recency = x.ttlTicks > 0 || x.maxBlocks > 0
 	x.byID.Store(&[]*workerState{})
+	x.named.Store(&map[Worker]*workerState{})
 	return x
 }
 
@@ -128,15 +140,16 @@ func (x *Index) Store(w Worker, seq []uint64) {
 	if len(seq) == 0 {
 		return
 	}
+	if st := (*x.named.Load())[w]; st != nil && !x.noRepeat && x.repeats(st, seq, x.storeTick()) {
+		return
+	}
 	st := x.lockWorker(w, true)
 	if st == nil {
 		return
 	}
 	defer st.mu.Unlock()
-	var tick uint32
-	if x.ttlTicks > 0 {
-		tick = x.tick()
-	}
+	tick := x.storeTick()
+	version := st.last.current()
 	added := 0
 	var next link // the block after the one being added, for its hint (see shard.add)
 	for end := len(seq); end > 0; {
@@ -145,8 +158,10 @@ func (x *Index) Store(w Worker, seq []uint64) {
 			st.sink ^= x.touch(normKey(h))
 		}
 		for i := end - 1; i >= start; i-- {
-			var had bool
-			had, next = x.addBlock(st, normKey(seq[i]), tick, next)
+			key := normKey(seq[i])
+			had, nx, before, after := x.addBlock(st, key, tick, next)
+			next = nx
+			st.last.wrote(shardOf(key), before, after)
 			if !had {
 				added++
 			}
@@ -158,6 +173,7 @@ func (x *Index) Store(w Worker, seq []uint64) {
 		x.expireWorker(st, tick)
 	}
 	x.compact(st)
+	st.last.stored(version, seq, tick)
 }
 
 // Remove drops the blocks of seq from w's entries; blocks w does not hold are ignored.
@@ -213,6 +229,7 @@ func (x *Index) RemoveWorker(w Worker) {
 	if st != nil {
 		st.removed.Store(true)
 		delete(x.byName, w)
+		x.publishNames()
 	}
 	x.mu.Unlock()
 	if st == nil {
@@ -271,9 +288,7 @@ func (x *Index) Workers() []Worker {
 
 // Blocks returns the number of blocks w holds (0 for an unknown worker).
 func (x *Index) Blocks(w Worker) int {
-	x.mu.RLock()
-	st := x.byName[w]
-	x.mu.RUnlock()
+	st := (*x.named.Load())[w]
 	if st == nil {
 		return 0
 	}
@@ -289,19 +304,26 @@ func (x *Index) touch(key uint64) uint64 {
 
 // addBlock adds one block to st's worker (st locked): its shard entry with the hint next,
 // and, when the index keeps recency, its queue entry stamped tick. It reports whether the
-// worker held the block already, and the link for the block before it.
-func (x *Index) addBlock(st *workerState, key uint64, tick uint32, next link) (bool, link) {
+// worker held the block already, the link for the block before it, and the shard's versions
+// as the write found and left it (the same when the block's slot did not change: a refresh
+// of a held block whose hint stays, which leaves the shard's readers undisturbed).
+func (x *Index) addBlock(st *workerState, key uint64, tick uint32, next link) (had bool, _ link, before, after uint64) {
 	sh := &x.shards[shardOf(key)]
-	sh.lock()
-	had, next := sh.add(key, st.id, next)
-	sh.unlock()
+	sh.mu.Lock()
+	before = sh.ver.Load()
+	had, next, wrote := sh.add(key, st.id, next)
+	if wrote {
+		sh.ver.Add(1)
+	}
+	after = sh.ver.Load()
+	sh.mu.Unlock()
 	if x.recency {
 		st.queue.push(key, tick)
 		if had {
 			st.supersede(key)
 		}
 	}
-	return had, next
+	return had, next, before, after
 }
 
 // settleAdded counts added new entries of st's worker (st locked) and evicts its oldest
@@ -317,12 +339,11 @@ func (x *Index) settleAdded(st *workerState, added int) {
 }
 
 // lockWorker returns w's state locked, registering w first if create is set; nil if w is
-// unknown and create is not set, or if w kept being removed under it.
+// unknown and create is not set, or if w kept being removed under it. The worker's last Store
+// no longer stands for its state (see lastStore): the caller is about to change it.
 func (x *Index) lockWorker(w Worker, create bool) *workerState {
 	for range storeAttempts {
-		x.mu.RLock()
-		st := x.byName[w]
-		x.mu.RUnlock()
+		st := (*x.named.Load())[w]
 		if st == nil {
 			if !create {
 				return nil
@@ -331,6 +352,7 @@ func (x *Index) lockWorker(w Worker, create bool) *workerState {
 		}
 		st.mu.Lock()
 		if !st.removed.Load() {
+			st.last.change()
 			return st
 		}
 		st.mu.Unlock()
@@ -356,8 +378,15 @@ func (x *Index) register(w Worker) *workerState {
 	}
 	st := &workerState{w: w, id: id}
 	x.byName[w] = st
+	x.publishNames()
 	x.publish(id, st)
 	return st
+}
+
+// publishNames replaces named with a copy of byName. Caller holds x.mu.
+func (x *Index) publishNames() {
+	named := maps.Clone(x.byName)
+	x.named.Store(&named)
 }
 
 // publish replaces byID with a copy in which id names st, trimmed of trailing free ids so that
@@ -371,6 +400,15 @@ func (x *Index) publish(id int, st *workerState) {
 		next = next[:len(next)-1]
 	}
 	x.byID.Store(&next)
+}
+
+// storeTick is the tick a Store stamps its records with: the current one, or 0 without a TTL
+// (only the TTL reads ticks).
+func (x *Index) storeTick() uint32 {
+	if x.ttlTicks == 0 {
+		return 0
+	}
+	return x.tick()
 }
 
 // tick returns the current time in ticks since the index was created.
@@ -413,6 +451,7 @@ func (x *Index) expireWorker(st *workerState, now uint32) int {
 // popOldest pops st's k oldest records (k at most its queue length) and drops the entries of
 // those not superseded. It returns the number of entries dropped. Caller holds st.mu.
 func (x *Index) popOldest(st *workerState, k int) int {
+	st.last.change()
 	for i := range k {
 		key, _ := st.queue.at(i)
 		st.sink ^= x.touch(key)
@@ -438,6 +477,7 @@ func (x *Index) popOldest(st *workerState, k int) int {
 // dropAll removes every entry of st from the block table and empties its queue. Caller holds
 // st.mu.
 func (x *Index) dropAll(st *workerState) {
+	st.last.change()
 	if !x.recency {
 		x.dropAllByScan(st)
 		return

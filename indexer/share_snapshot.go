@@ -321,7 +321,7 @@ func (x *Index) restoreWorker(sw snapshotWorker) {
 			next = link{} // table order: neighbours are unrelated blocks
 		}
 		var had bool
-		had, next = x.addBlock(st, normKey(h), tick, next)
+		had, next, _, _ = x.addBlock(st, normKey(h), tick, next)
 		if !had {
 			added++
 		}
