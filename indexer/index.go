@@ -140,16 +140,32 @@ func (x *Index) Store(w Worker, seq []uint64) {
 	if len(seq) == 0 {
 		return
 	}
-	if st := (*x.named.Load())[w]; st != nil && !x.noRepeat && x.repeats(st, seq, x.storeTick()) {
-		return
+	tick := x.storeTick()
+	if st := (*x.named.Load())[w]; st != nil && !x.noRepeat {
+		if x.repeats(st, seq, tick) || st.last.awaitSame(seq, tick) && x.repeats(st, seq, tick) {
+			return
+		}
 	}
-	st := x.lockWorker(w, true)
+	st, waited := x.lockWorker(w, true)
 	if st == nil {
 		return
 	}
 	defer st.mu.Unlock()
-	tick := x.storeTick()
+	if waited {
+		tick = x.storeTick()
+	}
+	if !x.noRepeat && x.repeats(st, seq, tick) {
+		// Another Store made this one a repeat while it waited for the lock.
+		return
+	}
+	st.last.change()
 	version := st.last.current()
+	var f *inflight
+	if !x.noRepeat && st.last.sameSequence(seq) {
+		// A refresh of the kept Store at a new tick: the Stores of the same sequence that
+		// arrive meanwhile wait for this one instead of queueing on the lock.
+		f = st.last.begin(seq, tick)
+	}
 	added := 0
 	var next link // the block after the one being added, for its hint (see shard.add)
 	for end := len(seq); end > 0; {
@@ -161,9 +177,11 @@ func (x *Index) Store(w Worker, seq []uint64) {
 			key := normKey(seq[i])
 			had, nx, before, after := x.addBlock(st, key, tick, next)
 			next = nx
-			st.last.wrote(shardOf(key), before, after)
 			if !had {
 				added++
+			} else if added == 0 {
+				// Only a Store that adds nothing is kept (see lastStore.stored).
+				st.last.wrote(shardOf(key), before, after)
 			}
 		}
 		end = start
@@ -173,7 +191,7 @@ func (x *Index) Store(w Worker, seq []uint64) {
 		x.expireWorker(st, tick)
 	}
 	x.compact(st)
-	st.last.stored(version, seq, tick)
+	st.last.stored(f, seq, tick, version, added)
 }
 
 // Remove drops the blocks of seq from w's entries; blocks w does not hold are ignored.
@@ -181,7 +199,7 @@ func (x *Index) Remove(w Worker, seq []uint64) {
 	if len(seq) == 0 {
 		return
 	}
-	st := x.lockWorker(w, false)
+	st := x.writeWorker(w, false)
 	if st == nil {
 		return
 	}
@@ -213,7 +231,7 @@ func (x *Index) Remove(w Worker, seq []uint64) {
 
 // Clear drops every entry of w (vLLM's AllBlocksCleared). w stays known, with no blocks.
 func (x *Index) Clear(w Worker) {
-	st := x.lockWorker(w, true)
+	st := x.writeWorker(w, true)
 	if st == nil {
 		return
 	}
@@ -338,26 +356,39 @@ func (x *Index) settleAdded(st *workerState, added int) {
 	}
 }
 
+// writeWorker is lockWorker for a caller about to change w's entries: the worker's last Store
+// no longer stands for its state (see lastStore).
+func (x *Index) writeWorker(w Worker, create bool) *workerState {
+	st, _ := x.lockWorker(w, create)
+	if st != nil {
+		st.last.change()
+	}
+	return st
+}
+
 // lockWorker returns w's state locked, registering w first if create is set; nil if w is
-// unknown and create is not set, or if w kept being removed under it. The worker's last Store
-// no longer stands for its state (see lastStore): the caller is about to change it.
-func (x *Index) lockWorker(w Worker, create bool) *workerState {
+// unknown and create is not set, or if w kept being removed under it. waited says whether
+// the lock was held by another. A caller that changes the worker's entries calls
+// st.last.change() first (writeWorker does).
+func (x *Index) lockWorker(w Worker, create bool) (st *workerState, waited bool) {
 	for range storeAttempts {
 		st := (*x.named.Load())[w]
 		if st == nil {
 			if !create {
-				return nil
+				return nil, waited
 			}
 			st = x.register(w)
 		}
-		st.mu.Lock()
+		if !st.mu.TryLock() {
+			st.mu.Lock()
+			waited = true
+		}
 		if !st.removed.Load() {
-			st.last.change()
-			return st
+			return st, waited
 		}
 		st.mu.Unlock()
 	}
-	return nil
+	return nil, waited
 }
 
 // register returns w's state, creating it with the smallest free id so that ids stay dense

@@ -21,8 +21,9 @@ func TestARepeatedStoreTakesNoLock(t *testing.T) {
 	x := New(Options{TTL: time.Minute, MaxBlocksPerWorker: 1000, Now: clk.Now})
 	long := prompt(1, 40)
 	x.Store(wk("b"), long[:10])
-	x.Store(wk("a"), long)
-	x.Store(wk("a"), long[:20]) // a prefix of a's last Store: skipped too, and the record stays
+	x.Store(wk("a"), long)      // adds the blocks
+	x.Store(wk("a"), long)      // refreshes them: the record of a's last Store
+	x.Store(wk("a"), long[:20]) // a prefix of it: skipped, and the record stays
 	st := x.byName[wk("a")]
 	st.mu.Lock()
 	defer st.mu.Unlock()
@@ -32,14 +33,45 @@ func TestARepeatedStoreTakesNoLock(t *testing.T) {
 		x.Store(wk("a"), long[:30])
 		x.Store(wk("a"), long)
 	}()
-	poll.Holds(t, 10*time.Second, "the repeated Stores returned while the worker was locked", func() bool {
+	poll.Holds(t, 10*time.Second, "the repeated Stores returned while the worker was locked", isClosed(done))
+}
+
+// isClosed is a condition for poll: whether done is closed.
+func isClosed(done <-chan struct{}) func() bool {
+	return func() bool {
 		select {
 		case <-done:
 			return true
 		default:
 			return false
 		}
-	})
+	}
+}
+
+// TestStoresOfTheSameSequenceWaitForTheLockedOneNotTheLock: at a tick's start the requests in
+// flight all miss the last record; the first takes the lock, and the others, storing the same
+// prompt, wait for it to end (all at once) instead of queueing on the lock one by one.
+func TestStoresOfTheSameSequenceWaitForTheLockedOneNotTheLock(t *testing.T) {
+	clk := &fakeClock{t: time.Unix(1000, 0)}
+	x := New(Options{TTL: time.Minute, Now: clk.Now})
+	long := prompt(6, 20)
+	x.Store(wk("a"), long)
+	clk.Advance(tickUnit)
+	// A locked Store of long at the new tick, stopped before it writes.
+	st := x.byName[wk("a")]
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.last.change()
+	version := st.last.current()
+	f := st.last.begin(long, x.storeTick())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		x.Store(wk("a"), long)
+	}()
+	poll.Holds(t, 10*time.Second, "the second Store is waiting", func() bool { return f.waiting() > 0 })
+	st.last.stored(f, long, x.storeTick(), version, 0) // the locked Store ends (its blocks were held: no writes)
+	poll.Holds(t, 10*time.Second, "the second Store returned while the worker was locked", isClosed(done))
 }
 
 // TestAStoreRepeatsOnlyWhenItWouldChangeNothing lists what makes a Store of a's prompt write
@@ -87,6 +119,7 @@ func TestAStoreRepeatsOnlyWhenItWouldChangeNothing(t *testing.T) {
 			x := New(Options{TTL: time.Minute, MaxBlocksPerWorker: 1000, Now: clk.Now})
 			x.Store(wk("b"), long[:5])
 			x.Store(wk("a"), long)
+			x.Store(wk("a"), long) // a refresh: kept as a's last Store
 			if tc.between != nil {
 				tc.between(x, clk)
 			}
@@ -98,15 +131,29 @@ func TestAStoreRepeatsOnlyWhenItWouldChangeNothing(t *testing.T) {
 	}
 }
 
-// TestAStoreThatEvictsIsNotRepeated: a Store whose cap evicted some of its own blocks left
-// the worker without them, so the same Store again is not a no-op.
-func TestAStoreThatEvictsIsNotRepeated(t *testing.T) {
+// TestOnlyARefreshThatDropsNothingIsKept: a Store that added blocks, or during which the TTL
+// dropped some of the worker's, is not kept as the worker's last Store.
+func TestOnlyARefreshThatDropsNothingIsKept(t *testing.T) {
 	clk := &fakeClock{t: time.Unix(1000, 0)}
-	x := New(Options{MaxBlocksPerWorker: 10, Now: clk.Now})
-	long := prompt(4, 25)
+	x := New(Options{TTL: time.Minute, Now: clk.Now})
+	long, other := prompt(4, 25), prompt(5, 3)
+	x.Store(wk("a"), other)
+	clk.Advance(30 * time.Second)
 	x.Store(wk("a"), long)
 	if x.repeats(x.byName[wk("a")], long, x.storeTick()) {
-		t.Fatal("a Store that evicted its own tail counts as a repeat")
+		t.Fatal("a Store that added blocks is kept")
+	}
+	clk.Advance(31 * time.Second)
+	x.Store(wk("a"), long) // a refresh, but other expires during it
+	if x.Blocks(wk("a")) != len(long) {
+		t.Fatalf("a holds %d blocks, want %d: other has not expired", x.Blocks(wk("a")), len(long))
+	}
+	if x.repeats(x.byName[wk("a")], long, x.storeTick()) {
+		t.Fatal("a refresh during which the TTL dropped blocks is kept")
+	}
+	x.Store(wk("a"), long)
+	if !x.repeats(x.byName[wk("a")], long, x.storeTick()) {
+		t.Fatal("a refresh that dropped nothing is not kept")
 	}
 }
 

@@ -298,7 +298,7 @@ func (x *Index) restoreWorker(sw snapshotWorker) {
 	if len(sw.keys) == 0 {
 		return
 	}
-	st := x.lockWorker(sw.w, true)
+	st := x.writeWorker(sw.w, true)
 	if st == nil {
 		return
 	}
