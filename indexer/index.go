@@ -136,19 +136,27 @@ func (x *Index) Record(w Worker, seq []uint64) { x.Store(w, seq) }
 // holds is refreshed: its TTL restarts and it becomes w's newest for the cap. The blocks of one
 // call are queued from the last to the first, so that a cap evicts a prompt's tail before its
 // head and w's holdings stay prefix-closed.
-func (x *Index) Store(w Worker, seq []uint64) {
+func (x *Index) Store(w Worker, seq []uint64) { x.store(w, seq) }
+
+// RecordRepeat is Record, and reports whether the call repeated the worker's last Store and
+// changed nothing (see lastStore in repeat.go): seq's blocks were already held, stamped this
+// tick, and the worker's newest, as this Store would have left them.
+func (x *Index) RecordRepeat(w Worker, seq []uint64) bool { return x.store(w, seq) }
+
+// store is Store, and reports whether it was a repeat that changed nothing.
+func (x *Index) store(w Worker, seq []uint64) (repeat bool) {
 	if len(seq) == 0 {
-		return
+		return false
 	}
 	tick := x.storeTick()
 	if st := (*x.named.Load())[w]; st != nil && !x.noRepeat {
 		if x.repeats(st, seq, tick) || st.last.awaitSame(seq, tick) && x.repeats(st, seq, tick) {
-			return
+			return true
 		}
 	}
 	st, waited := x.lockWorker(w, true)
 	if st == nil {
-		return
+		return false
 	}
 	defer st.mu.Unlock()
 	if waited {
@@ -156,7 +164,7 @@ func (x *Index) Store(w Worker, seq []uint64) {
 	}
 	if !x.noRepeat && x.repeats(st, seq, tick) {
 		// Another Store made this one a repeat while it waited for the lock.
-		return
+		return true
 	}
 	st.last.change()
 	version := st.last.current()
@@ -192,6 +200,7 @@ func (x *Index) Store(w Worker, seq []uint64) {
 	}
 	x.compact(st)
 	st.last.stored(f, seq, tick, version, added)
+	return false
 }
 
 // Remove drops the blocks of seq from w's entries; blocks w does not hold are ignored.

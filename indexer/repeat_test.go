@@ -33,19 +33,7 @@ func TestARepeatedStoreTakesNoLock(t *testing.T) {
 		x.Store(wk("a"), long[:30])
 		x.Store(wk("a"), long)
 	}()
-	poll.Holds(t, 10*time.Second, "the repeated Stores returned while the worker was locked", isClosed(done))
-}
-
-// isClosed is a condition for poll: whether done is closed.
-func isClosed(done <-chan struct{}) func() bool {
-	return func() bool {
-		select {
-		case <-done:
-			return true
-		default:
-			return false
-		}
-	}
+	poll.Holds(t, 10*time.Second, "the repeated Stores returned while the worker was locked", poll.Closed(done))
 }
 
 // TestStoresOfTheSameSequenceWaitForTheLockedOneNotTheLock: at a tick's start the requests in
@@ -71,7 +59,7 @@ func TestStoresOfTheSameSequenceWaitForTheLockedOneNotTheLock(t *testing.T) {
 	}()
 	poll.Holds(t, 10*time.Second, "the second Store is waiting", func() bool { return f.waiting() > 0 })
 	st.last.stored(f, long, x.storeTick(), version, 0) // the locked Store ends (its blocks were held: no writes)
-	poll.Holds(t, 10*time.Second, "the second Store returned while the worker was locked", isClosed(done))
+	poll.Holds(t, 10*time.Second, "the second Store returned while the worker was locked", poll.Closed(done))
 }
 
 // TestAStoreRepeatsOnlyWhenItWouldChangeNothing lists what makes a Store of a's prompt write
