@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -337,5 +338,41 @@ func BenchmarkSequenceHashes8k(b *testing.B) {
 	}
 	if len(dst) != 512 {
 		b.Fatalf("got %d hashes", len(dst))
+	}
+}
+
+// BenchmarkRecordParallel is the router's record on the hot path from every core at once:
+// each request's prompt (8 blocks) stored for one of two workers, as routing records it at
+// dispatch and again at completion, in an approximate index (TTL and cap). "repeat" stores
+// one prompt over and over (a hot prompt, or one conversation's turns in flight: each Store
+// changes nothing); "distinct" a new prompt each time (every Store writes), to show what the
+// writes cost.
+func BenchmarkRecordParallel(b *testing.B) {
+	const blocks = 8
+	for _, name := range []string{"repeat", "distinct"} {
+		b.Run(name, func(b *testing.B) {
+			x := New(Options{TTL: 2 * time.Minute, MaxBlocksPerWorker: 1 << 16})
+			workers := benchWorkerNames(2)
+			hot := prompt(1, blocks)
+			for _, w := range workers {
+				x.Store(w, hot)
+			}
+			var next atomic.Uint64
+			b.RunParallel(func(pb *testing.PB) {
+				state := next.Add(1) << 32
+				seq := make([]uint64, blocks)
+				copy(seq, hot)
+				i := 0
+				for pb.Next() {
+					if name == "distinct" {
+						for j := range seq {
+							seq[j] = splitmix(&state)
+						}
+					}
+					x.Record(workers[i%len(workers)], seq)
+					i++
+				}
+			})
+		})
 	}
 }

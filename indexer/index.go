@@ -3,6 +3,7 @@ package indexer
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -38,14 +39,20 @@ type Index struct {
 	// (precise mode, where the engines' events say what leaves) the queues would cost 12
 	// bytes per entry and a map update per removal, and Clear scans the tables instead.
 	recency bool
-	now     func() time.Time
-	base    time.Time
-	total   atomic.Int64
+	// noRepeat turns off the lock-free return of a Store that repeats the worker's last
+	// (repeat.go), so that tests can compare the two.
+	noRepeat bool
+	now      func() time.Time
+	base     time.Time
+	total    atomic.Int64
 
-	mu     sync.RWMutex // guards byName, free, nextID and writes of byID
+	mu     sync.RWMutex // guards byName, free, nextID and writes of byID and named
 	byName map[Worker]*workerState
 	free   []int
 	nextID int
+	// named is a copy of byName, replaced on every change, so that writers find their
+	// worker without taking mu (whose read lock is a word every Store would write).
+	named atomic.Pointer[map[Worker]*workerState]
 	// byID is an immutable slice, replaced on every change, so that lookups name the workers
 	// of their matches without taking mu.
 	byID atomic.Pointer[[]*workerState]
@@ -69,6 +76,10 @@ type workerState struct {
 	// stale pointer retries and a lookup that sees both this state and its successor (the
 	// same Worker, registered again) reports only the successor.
 	removed atomic.Bool
+
+	// last lets a Store that repeats the worker's last one skip the lock (see repeat.go). Its
+	// own cache lines, apart from mu's, which every locked write changes.
+	last lastStore
 
 	mu      sync.Mutex // guards everything below and every bit of id in the block table
 	live    int
@@ -97,6 +108,7 @@ func New(opts Options) *Index {
 	}
 	x.recency = x.ttlTicks > 0 || x.maxBlocks > 0
 	x.byID.Store(&[]*workerState{})
+	x.named.Store(&map[Worker]*workerState{})
 	return x
 }
 
@@ -124,18 +136,43 @@ func (x *Index) Record(w Worker, seq []uint64) { x.Store(w, seq) }
 // holds is refreshed: its TTL restarts and it becomes w's newest for the cap. The blocks of one
 // call are queued from the last to the first, so that a cap evicts a prompt's tail before its
 // head and w's holdings stay prefix-closed.
-func (x *Index) Store(w Worker, seq []uint64) {
+func (x *Index) Store(w Worker, seq []uint64) { x.store(w, seq) }
+
+// RecordRepeat is Record, and reports whether the call repeated the worker's last Store and
+// changed nothing (see lastStore in repeat.go): seq's blocks were already held, stamped this
+// tick, and the worker's newest, as this Store would have left them.
+func (x *Index) RecordRepeat(w Worker, seq []uint64) bool { return x.store(w, seq) }
+
+// store is Store, and reports whether it was a repeat that changed nothing.
+func (x *Index) store(w Worker, seq []uint64) (repeat bool) {
 	if len(seq) == 0 {
-		return
+		return false
 	}
-	st := x.lockWorker(w, true)
+	tick := x.storeTick()
+	if st := (*x.named.Load())[w]; st != nil && !x.noRepeat {
+		if x.repeats(st, seq, tick) || st.last.awaitSame(seq, tick) && x.repeats(st, seq, tick) {
+			return true
+		}
+	}
+	st, waited := x.lockWorker(w, true)
 	if st == nil {
-		return
+		return false
 	}
 	defer st.mu.Unlock()
-	var tick uint32
-	if x.ttlTicks > 0 {
-		tick = x.tick()
+	if waited {
+		tick = x.storeTick()
+	}
+	if !x.noRepeat && x.repeats(st, seq, tick) {
+		// Another Store made this one a repeat while it waited for the lock.
+		return true
+	}
+	st.last.change()
+	version := st.last.current()
+	var f *inflight
+	if !x.noRepeat && st.last.sameSequence(seq) {
+		// A refresh of the kept Store at a new tick: the Stores of the same sequence that
+		// arrive meanwhile wait for this one instead of queueing on the lock.
+		f = st.last.begin(seq, tick)
 	}
 	added := 0
 	var next link // the block after the one being added, for its hint (see shard.add)
@@ -145,10 +182,14 @@ func (x *Index) Store(w Worker, seq []uint64) {
 			st.sink ^= x.touch(normKey(h))
 		}
 		for i := end - 1; i >= start; i-- {
-			var had bool
-			had, next = x.addBlock(st, normKey(seq[i]), tick, next)
+			key := normKey(seq[i])
+			had, nx, before, after := x.addBlock(st, key, tick, next)
+			next = nx
 			if !had {
 				added++
+			} else if added == 0 {
+				// Only a Store that adds nothing is kept (see lastStore.stored).
+				st.last.wrote(shardOf(key), before, after)
 			}
 		}
 		end = start
@@ -158,6 +199,8 @@ func (x *Index) Store(w Worker, seq []uint64) {
 		x.expireWorker(st, tick)
 	}
 	x.compact(st)
+	st.last.stored(f, seq, tick, version, added)
+	return false
 }
 
 // Remove drops the blocks of seq from w's entries; blocks w does not hold are ignored.
@@ -165,7 +208,7 @@ func (x *Index) Remove(w Worker, seq []uint64) {
 	if len(seq) == 0 {
 		return
 	}
-	st := x.lockWorker(w, false)
+	st := x.writeWorker(w, false)
 	if st == nil {
 		return
 	}
@@ -197,7 +240,7 @@ func (x *Index) Remove(w Worker, seq []uint64) {
 
 // Clear drops every entry of w (vLLM's AllBlocksCleared). w stays known, with no blocks.
 func (x *Index) Clear(w Worker) {
-	st := x.lockWorker(w, true)
+	st := x.writeWorker(w, true)
 	if st == nil {
 		return
 	}
@@ -213,6 +256,7 @@ func (x *Index) RemoveWorker(w Worker) {
 	if st != nil {
 		st.removed.Store(true)
 		delete(x.byName, w)
+		x.publishNames()
 	}
 	x.mu.Unlock()
 	if st == nil {
@@ -271,9 +315,7 @@ func (x *Index) Workers() []Worker {
 
 // Blocks returns the number of blocks w holds (0 for an unknown worker).
 func (x *Index) Blocks(w Worker) int {
-	x.mu.RLock()
-	st := x.byName[w]
-	x.mu.RUnlock()
+	st := (*x.named.Load())[w]
 	if st == nil {
 		return 0
 	}
@@ -289,19 +331,26 @@ func (x *Index) touch(key uint64) uint64 {
 
 // addBlock adds one block to st's worker (st locked): its shard entry with the hint next,
 // and, when the index keeps recency, its queue entry stamped tick. It reports whether the
-// worker held the block already, and the link for the block before it.
-func (x *Index) addBlock(st *workerState, key uint64, tick uint32, next link) (bool, link) {
+// worker held the block already, the link for the block before it, and the shard's versions
+// as the write found and left it (the same when the block's slot did not change: a refresh
+// of a held block whose hint stays, which leaves the shard's readers undisturbed).
+func (x *Index) addBlock(st *workerState, key uint64, tick uint32, next link) (had bool, _ link, before, after uint64) {
 	sh := &x.shards[shardOf(key)]
-	sh.lock()
-	had, next := sh.add(key, st.id, next)
-	sh.unlock()
+	sh.mu.Lock()
+	before = sh.ver.Load()
+	had, next, wrote := sh.add(key, st.id, next)
+	if wrote {
+		sh.ver.Add(1)
+	}
+	after = sh.ver.Load()
+	sh.mu.Unlock()
 	if x.recency {
 		st.queue.push(key, tick)
 		if had {
 			st.supersede(key)
 		}
 	}
-	return had, next
+	return had, next, before, after
 }
 
 // settleAdded counts added new entries of st's worker (st locked) and evicts its oldest
@@ -316,26 +365,39 @@ func (x *Index) settleAdded(st *workerState, added int) {
 	}
 }
 
+// writeWorker is lockWorker for a caller about to change w's entries: the worker's last Store
+// no longer stands for its state (see lastStore).
+func (x *Index) writeWorker(w Worker, create bool) *workerState {
+	st, _ := x.lockWorker(w, create)
+	if st != nil {
+		st.last.change()
+	}
+	return st
+}
+
 // lockWorker returns w's state locked, registering w first if create is set; nil if w is
-// unknown and create is not set, or if w kept being removed under it.
-func (x *Index) lockWorker(w Worker, create bool) *workerState {
+// unknown and create is not set, or if w kept being removed under it. waited says whether
+// the lock was held by another. A caller that changes the worker's entries calls
+// st.last.change() first (writeWorker does).
+func (x *Index) lockWorker(w Worker, create bool) (st *workerState, waited bool) {
 	for range storeAttempts {
-		x.mu.RLock()
-		st := x.byName[w]
-		x.mu.RUnlock()
+		st := (*x.named.Load())[w]
 		if st == nil {
 			if !create {
-				return nil
+				return nil, waited
 			}
 			st = x.register(w)
 		}
-		st.mu.Lock()
+		if !st.mu.TryLock() {
+			st.mu.Lock()
+			waited = true
+		}
 		if !st.removed.Load() {
-			return st
+			return st, waited
 		}
 		st.mu.Unlock()
 	}
-	return nil
+	return nil, waited
 }
 
 // register returns w's state, creating it with the smallest free id so that ids stay dense
@@ -356,8 +418,15 @@ func (x *Index) register(w Worker) *workerState {
 	}
 	st := &workerState{w: w, id: id}
 	x.byName[w] = st
+	x.publishNames()
 	x.publish(id, st)
 	return st
+}
+
+// publishNames replaces named with a copy of byName. Caller holds x.mu.
+func (x *Index) publishNames() {
+	named := maps.Clone(x.byName)
+	x.named.Store(&named)
 }
 
 // publish replaces byID with a copy in which id names st, trimmed of trailing free ids so that
@@ -371,6 +440,15 @@ func (x *Index) publish(id int, st *workerState) {
 		next = next[:len(next)-1]
 	}
 	x.byID.Store(&next)
+}
+
+// storeTick is the tick a Store stamps its records with: the current one, or 0 without a TTL
+// (only the TTL reads ticks).
+func (x *Index) storeTick() uint32 {
+	if x.ttlTicks == 0 {
+		return 0
+	}
+	return x.tick()
 }
 
 // tick returns the current time in ticks since the index was created.
@@ -413,6 +491,7 @@ func (x *Index) expireWorker(st *workerState, now uint32) int {
 // popOldest pops st's k oldest records (k at most its queue length) and drops the entries of
 // those not superseded. It returns the number of entries dropped. Caller holds st.mu.
 func (x *Index) popOldest(st *workerState, k int) int {
+	st.last.change()
 	for i := range k {
 		key, _ := st.queue.at(i)
 		st.sink ^= x.touch(key)
@@ -438,6 +517,7 @@ func (x *Index) popOldest(st *workerState, k int) int {
 // dropAll removes every entry of st from the block table and empties its queue. Caller holds
 // st.mu.
 func (x *Index) dropAll(st *workerState) {
+	st.last.change()
 	if !x.recency {
 		x.dropAllByScan(st)
 		return

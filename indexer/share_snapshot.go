@@ -298,7 +298,7 @@ func (x *Index) restoreWorker(sw snapshotWorker) {
 	if len(sw.keys) == 0 {
 		return
 	}
-	st := x.lockWorker(sw.w, true)
+	st := x.writeWorker(sw.w, true)
 	if st == nil {
 		return
 	}
@@ -321,7 +321,7 @@ func (x *Index) restoreWorker(sw snapshotWorker) {
 			next = link{} // table order: neighbours are unrelated blocks
 		}
 		var had bool
-		had, next = x.addBlock(st, normKey(h), tick, next)
+		had, next, _, _ = x.addBlock(st, normKey(h), tick, next)
 		if !had {
 			added++
 		}

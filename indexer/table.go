@@ -276,16 +276,35 @@ type link struct {
 // changes one block further on; if they differ, its first change is next itself and its second
 // is next's first. A Store's last block predicts a change right after it (its worker leaves
 // there) unless the worker already held it, in which case nothing about its successors changed
-// and its hint stays. Caller holds the write lock.
-func (s *shard) add(key uint64, id int, next link) (bool, link) {
+// and its hint stays. Caller holds mu but has not begun a write: add makes ver odd before it
+// changes anything and reports whether it did (wrote; the caller then makes ver even again).
+// A refresh of a held block whose hint stays changes nothing, and leaves readers undisturbed.
+func (s *shard) add(key uint64, id int, next link) (had bool, _ link, wrote bool) {
 	p, bit := id/pageBits, uint64(1)<<(id%pageBits)
 	t := s.tab.Load()
+	i, ok := -1, false
+	if t != nil && p < t.pages {
+		i, ok = t.probe(key)
+		if base := i * (1 + t.pages); ok && t.a[base+1+p]&bit != 0 {
+			fp := fingerprint(t.a[base+1 : base+1+t.pages])
+			k := t.a[base]
+			h := stepHint(hintOf(k), true, fp, next)
+			if h != hintOf(k) {
+				s.ver.Add(1)
+				atomic.StoreUint64(&t.a[base], keyWord(k, h))
+				wrote = true
+			}
+			return true, link{fp: fp, h: h, ok: true}, wrote
+		}
+	}
+	s.ver.Add(1)
 	if t == nil {
 		t = s.resize(minSlots, p+1)
+		i, ok = t.probe(key)
 	} else if p >= t.pages {
 		t = s.resize(t.size, p+1)
+		i, ok = t.probe(key)
 	}
-	i, ok := t.probe(key)
 	w := 1 + t.pages
 	if !ok {
 		if (s.n+1)*5 > t.size*4 {
@@ -297,26 +316,28 @@ func (s *shard) add(key uint64, id int, next link) (bool, link) {
 		s.n++
 	}
 	base := i * w
-	old := t.a[base+1+p]
-	had := old&bit != 0
-	if !had {
-		atomic.StoreUint64(&t.a[base+1+p], old|bit)
-	}
+	atomic.StoreUint64(&t.a[base+1+p], t.a[base+1+p]|bit)
 	fp := fingerprint(t.a[base+1 : base+w])
 	k := t.a[base]
-	h := hintOf(k)
-	switch {
-	case next.ok && fp == next.fp:
-		h = hint(min(next.h.first()+1, farHint) | min(next.h.second()+1, farHint)<<8)
-	case next.ok:
-		h = hint(1 | min(next.h.first()+1, farHint)<<8)
-	case !had:
-		h = hint(1 | farHint<<8)
-	}
+	h := stepHint(hintOf(k), false, fp, next)
 	if h != hintOf(k) {
 		atomic.StoreUint64(&t.a[base], keyWord(k, h))
 	}
-	return had, link{fp: fp, h: h, ok: true}
+	return false, link{fp: fp, h: h, ok: true}, true
+}
+
+// stepHint is the hint add leaves on a block whose hint was h, whose worker set (after the
+// add) has fingerprint fp, and which the worker held already (had) or not.
+func stepHint(h hint, had bool, fp uint64, next link) hint {
+	switch {
+	case next.ok && fp == next.fp:
+		return hint(min(next.h.first()+1, farHint) | min(next.h.second()+1, farHint)<<8)
+	case next.ok:
+		return hint(1 | min(next.h.first()+1, farHint)<<8)
+	case !had:
+		return hint(1 | farHint<<8)
+	}
+	return h
 }
 
 // fingerprint condenses a worker set to one word, exact for up to 64 worker ids; hints compare

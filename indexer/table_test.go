@@ -31,7 +31,7 @@ func TestShardMatchesMapModel(t *testing.T) {
 		key := keys[rng.IntN(len(keys))]
 		id := ids[rng.IntN(len(ids))]
 		if rng.IntN(3) > 0 {
-			had, _ := s.add(key, id, link{})
+			had, _, _ := s.add(key, id, link{})
 			if had != model[key][id] {
 				t.Fatalf("step %d: add(%#x, %d) reported had=%v, model says %v", step, key, id, had, !had)
 			}

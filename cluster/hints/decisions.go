@@ -59,6 +59,11 @@ import (
 // when it expires, whatever order they arrive in (every replica runs the same TTL). The
 // (epoch, sequence) each message carries only detects gaps; it orders nothing.
 //
+// Repeats. A decision that changed nothing in the index (indexer.Index.RecordRepeat: the same
+// decision, or one it begins, recorded within the same tick, by this replica or by a peer that
+// sent it to all) is not queued: the peers had that refresh already. So a hot prompt's
+// requests do not take mu.
+//
 // Volume. Decisions are batched every FlushInterval. A batch that fits in a few UDP
 // packets goes as packets (one per peer each, SendBestEffort); a bigger one as messages
 // of up to MaxMessageBytes over TCP (SendReliable). Memberlist's Broadcast is not used:
@@ -116,6 +121,11 @@ type DecisionsConfig struct {
 	Logger *slog.Logger
 
 	now func() time.Time // tests; nil: time.Now
+}
+
+// repeatRecorder is an index that tells a record that changed nothing (indexer.Index).
+type repeatRecorder interface {
+	RecordRepeat(w indexer.Worker, seq []uint64) bool
 }
 
 // Decisions shares this replica's routing decisions with its peers and applies theirs. It
@@ -249,7 +259,17 @@ func NewDecisions(cfg DecisionsConfig) (*Decisions, error) {
 // Record implements routing.DecisionRecorder: it records the decision locally and queues
 // the part of it peers have not got.
 func (d *Decisions) Record(w indexer.Worker, seq []uint64) {
-	d.cfg.Index.Record(w, seq)
+	if r, ok := d.cfg.Index.(repeatRecorder); ok {
+		if r.RecordRepeat(w, seq) {
+			// The index was already as this decision leaves it: the same decision (or one
+			// it begins) was recorded within the same tick, and queued for the peers then.
+			// Sending it again would only refresh their copies a little later than the
+			// origin's; not sending it spares every request of a hot prompt d.mu.
+			return
+		}
+	} else {
+		d.cfg.Index.Record(w, seq)
+	}
 	if len(seq) == 0 || d.lonely.Load() || len(w.ID) > maxShareIDLen {
 		return
 	}

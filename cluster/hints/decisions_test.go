@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvrouter-ha/kvrouter-ha/cluster/gossip"
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
+	"github.com/kvrouter-ha/kvrouter-ha/internal/poll"
 )
 
 // shareClock is a settable clock for the sharing components.
@@ -753,4 +754,52 @@ func TestLagHistogramQuantiles(t *testing.T) {
 	if (LagHistogram{}).Quantile(0.5) != -1 {
 		t.Error("an empty histogram has a median")
 	}
+}
+
+// TestARepeatWithinATickIsNotSentAgain: a decision that left the index as it was (the same
+// decision, or one it begins, was recorded within the same tick, and went to the peers then)
+// is not queued again, and takes no lock of the sharing: every request of a hot prompt
+// records it twice.
+func TestARepeatWithinATickIsNotSentAgain(t *testing.T) {
+	fn := newFakeNet()
+	clock := &shareClock{t: time.Unix(1000, 0)}
+	var got captured
+	fn.join("b", "").Handle(gossip.KindDecisions, got.handler(t))
+	idx := indexer.New(indexer.Options{TTL: time.Minute, Now: clock.now})
+	d, err := NewDecisions(DecisionsConfig{Messenger: fn.join("a", ""), Index: idx, now: clock.now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, w := sharePrompt(1, 10), indexer.Worker{ID: "w"}
+	steps := []struct {
+		name   string
+		do     func()
+		record []uint64
+		want   []string
+	}{
+		{name: "new chain goes whole", record: p, want: []string{"w:false:10"}},
+		{name: "the first repeat refreshes the peers", record: p, want: []string{"w:true:1"}},
+		{name: "a repeat within the tick sends nothing", record: p},
+		{name: "nor does a prefix of it", record: p[:4]},
+		{name: "the next tick refreshes again", do: func() { clock.advance(10 * time.Millisecond) }, record: p,
+			want: []string{"w:true:1"}},
+	}
+	for _, st := range steps {
+		if st.do != nil {
+			st.do()
+		}
+		d.Record(w, st.record)
+		d.Flush(context.Background())
+		if g := got.take(); !slices.Equal(g, st.want) {
+			t.Fatalf("%s: peer got %v, want %v", st.name, g, st.want)
+		}
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		d.Record(w, p)
+	}()
+	poll.Holds(t, 10*time.Second, "a repeated decision recorded while the sharing was locked", poll.Closed(done))
 }

@@ -46,3 +46,16 @@ func Wait(within time.Duration, cond func() error) error {
 		time.Sleep(Interval)
 	}
 }
+
+// Closed is a condition for Holds: whether done is closed (a goroutine that closes it on its
+// way out has returned).
+func Closed(done <-chan struct{}) func() bool {
+	return func() bool {
+		select {
+		case <-done:
+			return true
+		default:
+			return false
+		}
+	}
+}
