@@ -123,8 +123,9 @@ type ClientPortConfig struct {
 	// BodyTimeout bounds reading a request's whole body, from its headers on; a body not
 	// complete by then is answered 408 (60s).
 	BodyTimeout time.Duration
-	// Server is the HTTP server of the client port: ServerNet (net/http's, the default) or
-	// ServerFast (transport/h1's: HTTP/1.1 only, the same handlers).
+	// Server is the HTTP server of the client port: ServerFast (transport/h1's, the serve
+	// command's default) or ServerNet (net/http's; "" too, so that a Config made in code
+	// keeps the server it had); both run the same handlers, HTTP/1.1 only.
 	Server string
 }
 

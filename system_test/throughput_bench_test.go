@@ -25,8 +25,9 @@ import (
 // anchor: HAProxy doing round-robin over the same two backends, driven by the same closed-loop
 // load generator in the same run. The backends are an HAProxy answering a static completion
 // (`http-request return`), so they are never what limits either path; one `kvrouter-ha serve`
-// (the release build, default flags but its addresses and data directory) has them as its two
-// workers (and another, router-fast, the same on --http-server fast), and a second HAProxy
+// (the release build, default flags but its addresses, its data directory and
+// --http-server net: Go's server, the default before 2026-12-04) has them as its two workers
+// (and another, router-fast, the same on --http-server fast, the default), and a second HAProxy
 // balances them round-robin with no other work (no log line per request, X-Forwarded-For as
 // the router sets it); and, as the Go anchor, httputil.ReverseProxy
 // round-robin over them (testdata/goproxy: Go's HTTP server and client with no routing work),

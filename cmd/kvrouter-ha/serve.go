@@ -148,7 +148,7 @@ func serveCommand(stdout, stderr io.Writer) *ffcli.Command {
 	fs.DurationVar(&cfg.ClientPort.IdleTimeout, "client-idle-timeout", replica.DefaultClientIdleTimeout, "client port: close a keep-alive connection quiet this long between requests")
 	fs.DurationVar(&cfg.ClientPort.HeaderTimeout, "client-header-timeout", replica.DefaultClientHeaderTimeout, "client port: time to send a request's headers")
 	fs.DurationVar(&cfg.ClientPort.BodyTimeout, "client-body-timeout", replica.DefaultClientBodyTimeout, "client port: time to send a request's whole body, from its headers on (408 past it); answers are not bounded by it")
-	fs.StringVar(&cfg.ClientPort.Server, "http-server", replica.ServerNet, "client port: the HTTP server, "+replica.ServerNet+" (Go's net/http) or "+replica.ServerFast+" (the router's own HTTP/1.1 server: less CPU per request, the same handlers, stricter parsing; HTTP/2 is not served; see transport/h1/DESIGN.md)")
+	fs.StringVar(&cfg.ClientPort.Server, "http-server", replica.ServerFast, "client port: the HTTP server, "+replica.ServerFast+" (the router's own HTTP/1.1 server: less CPU per request, stricter parsing; see transport/h1/DESIGN.md) or "+replica.ServerNet+" (Go's net/http); both run the same handlers and serve HTTP/1.1 only, with TLS too")
 	fs.Var(workerFlag{&cfg.Workers}, "worker", "a worker as id=url (repeatable, or comma-separated)")
 	workersFile := fs.String("workers-file", "", "JSON array of worker specs: id, url, kv_events (the worker's ZMQ KV-event PUB, rank 0), kv_replay (its replay ROUTER, rank 0: recovers gaps and detects engine restarts), role, dp_size, capacity_blocks, loras, models")
 	registerDiscoveryFlags(fs, &cfg.Discovery)
