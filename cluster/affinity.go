@@ -516,8 +516,9 @@ func (l *lease) OpenGate() {
 // BindFirst tells routing to commit a new binding before its request is sent to a worker
 // while this replica's contact with its quorum is not fresh (Node.ContactFresh): a replica
 // cut off while its read lease still holds then refuses the request, which another replica
-// may serve, instead of failing it after a worker ran it.
-func (l *lease) BindFirst() bool { return !l.a.n.ContactFresh() }
+// may serve, instead of failing it after a worker ran it. With Config.BindBeforeDispatch it
+// always does, which closes the window before contact goes stale too.
+func (l *lease) BindFirst() bool { return l.a.n.cfg.BindBeforeDispatch || !l.a.n.ContactFresh() }
 
 // Reopen implements routing.Lease: this replica's other requests for the session wait for
 // this one, whose Commit is a compare-and-set on the old revision.

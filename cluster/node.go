@@ -121,6 +121,9 @@ type Config struct {
 	MaxBindings int
 	// BindWait is how long a new session waits for a leader before rendezvous placement.
 	BindWait time.Duration
+	// BindBeforeDispatch commits every new session's binding before its request reaches a
+	// worker (BindFirst always true), not only while contact with the quorum is not fresh.
+	BindBeforeDispatch bool
 	// CheckpointInterval is how often the leader records remaining TTLs.
 	CheckpointInterval time.Duration
 	// TouchFlush is how long touches coalesce before they travel to the leader.

@@ -166,12 +166,15 @@ type ClusterConfig struct {
 	// Consistency is linearizable, bounded or local (cluster.ParseLevel).
 	Consistency          string
 	StaleBound, BindWait time.Duration
-	Heartbeat, Election  time.Duration
-	LeaderLease, Commit  time.Duration
-	CheckpointInterval   time.Duration
-	SnapshotInterval     time.Duration
-	SnapshotThreshold    uint64
-	SnapshotRetain       int
+	// BindBeforeDispatch commits every new session's binding before its first request
+	// reaches a worker (cluster.Config.BindBeforeDispatch).
+	BindBeforeDispatch  bool
+	Heartbeat, Election time.Duration
+	LeaderLease, Commit time.Duration
+	CheckpointInterval  time.Duration
+	SnapshotInterval    time.Duration
+	SnapshotThreshold   uint64
+	SnapshotRetain      int
 	// TrailingLogs is how many log entries a snapshot leaves; CompactMinBytes the least free
 	// space in raft.db worth rewriting it (cluster.Config has both).
 	TrailingLogs    uint64

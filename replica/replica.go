@@ -275,7 +275,7 @@ func (r *Replica) openNode(ctx context.Context) error {
 		LeaderLeaseTimeout: cc.LeaderLease, CommitTimeout: cc.Commit,
 		SnapshotRetain: cc.SnapshotRetain, SnapshotThreshold: cc.SnapshotThreshold, SnapshotInterval: cc.SnapshotInterval,
 		TrailingLogs: cc.TrailingLogs, CompactMinBytes: cc.CompactMinBytes,
-		Level: level, StaleBound: cc.StaleBound, BindWait: cc.BindWait,
+		Level: level, StaleBound: cc.StaleBound, BindWait: cc.BindWait, BindBeforeDispatch: cc.BindBeforeDispatch,
 		SessionTTL: r.cfg.SessionTTL, MaxBindings: r.cfg.MaxSessions,
 		CheckpointInterval: cc.CheckpointInterval, TouchFlush: cc.TouchFlush, OnChange: r.bindingChanged,
 		Peers: r.pool, Version: version.String(), Logger: r.log, RaftTLS: tc.peerConfig(),

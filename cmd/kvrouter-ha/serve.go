@@ -353,6 +353,7 @@ func registerClusterFlags(fs *flag.FlagSet, c *replica.ClusterConfig, join *stri
 	fs.StringVar(&c.Consistency, "consistency", "bounded", "binding reads: linearizable, bounded or local")
 	fs.DurationVar(&c.StaleBound, "stale-bound", time.Second, "bounded reads: a read reflects every binding change acknowledged longer ago than this; a replica that cannot renew its read lease through the leader within it answers 503 and turns unready")
 	fs.DurationVar(&c.BindWait, "bind-wait", 3*time.Second, "how long a request waits for a leader (new session) or for contact (bounded read) before 503")
+	fs.BoolVar(&c.BindBeforeDispatch, "bind-before-dispatch", false, "commit every new session's binding before its first request reaches a worker: a leader cut off from its quorum then always refuses with a 503 the balancer retries, at the cost of one Raft commit before each new session's prefill; off, the binding commits beside the prefill, and first only while the replica's contact with its quorum is not fresh (a request reaching a leader within about 100 ms of its being cut off may then get a 502)")
 	fs.DurationVar(&c.Heartbeat, "raft-heartbeat-timeout", 500*time.Millisecond, "Raft heartbeat timeout")
 	fs.DurationVar(&c.Election, "raft-election-timeout", 500*time.Millisecond, "Raft election timeout")
 	fs.DurationVar(&c.LeaderLease, "raft-leader-lease-timeout", 250*time.Millisecond, "Raft leader lease timeout")
