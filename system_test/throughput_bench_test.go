@@ -133,35 +133,25 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 	// (router-fast), in the same alternation.
 	contenders := []contender{router("router", bin, "--http-server", "net"), {name: "haproxy", addr: lbAddr, pid: lb.PID()},
 		router("router-fast", bin, "--http-server", "fast")}
-	// The Go anchor: httputil.ReverseProxy round-robin, what Go's HTTP server and client cost
-	// on this path before any routing work.
-	goAddr := loopbacktest.Addr(b)
-	goBin := filepath.Join(b.TempDir(), "goproxy")
-	if out, err := exec.Command("go", "build", "-o", goBin, "./testdata/goproxy").CombinedOutput(); err != nil {
-		b.Fatalf("build goproxy: %v\n%s", err, out)
+	// The Go anchors, each built from testdata and run over the same backends: go-revproxy,
+	// httputil.ReverseProxy round-robin (what Go's HTTP server and client cost on this path
+	// before any routing work), and go-floor, a goroutine per connection relaying whole
+	// messages with blocking reads and writes and nothing else (what Go and the kernel cost
+	// before any HTTP library or routing work).
+	for _, a := range []struct{ name, dir string }{{"go-revproxy", "goproxy"}, {"go-floor", "gofloor"}} {
+		addr := loopbacktest.Addr(b)
+		bin := filepath.Join(b.TempDir(), a.dir)
+		if out, err := exec.Command("go", "build", "-o", bin, "./testdata/"+a.dir).CombinedOutput(); err != nil {
+			b.Fatalf("build %s: %v\n%s", a.dir, err, out)
+		}
+		argv := []string{bin, "-listen", addr, "-backend", backends[0], "-backend", backends[1]}
+		p := newProcess(b, proc.Spec{Name: a.dir, Argv: argv, Wrap: on("1")})
+		if err := p.Start(); err != nil {
+			b.Fatal(err)
+		}
+		waitHTTP(b, "http://"+addr+"/readyz")
+		contenders = append(contenders, contender{name: a.name, addr: addr, pid: p.PID()})
 	}
-	goArgv := []string{goBin, "-listen", goAddr, "-backend", backends[0], "-backend", backends[1]}
-	goProxy := newProcess(b, proc.Spec{Name: "goproxy", Argv: goArgv, Wrap: on("1")})
-	if err := goProxy.Start(); err != nil {
-		b.Fatal(err)
-	}
-	waitHTTP(b, "http://"+goAddr+"/readyz")
-	contenders = append(contenders, contender{name: "go-revproxy", addr: goAddr, pid: goProxy.PID()})
-	// The floor for Go: a goroutine per connection relaying whole messages with blocking
-	// reads and writes and nothing else (testdata/gofloor), what Go and the kernel cost on
-	// this path before any HTTP library or routing work.
-	floorAddr := loopbacktest.Addr(b)
-	floorBin := filepath.Join(b.TempDir(), "gofloor")
-	if out, err := exec.Command("go", "build", "-o", floorBin, "./testdata/gofloor").CombinedOutput(); err != nil {
-		b.Fatalf("build gofloor: %v\n%s", err, out)
-	}
-	floorArgv := []string{floorBin, "-listen", floorAddr, "-backend", backends[0], "-backend", backends[1]}
-	floor := newProcess(b, proc.Spec{Name: "gofloor", Argv: floorArgv, Wrap: on("1")})
-	if err := floor.Start(); err != nil {
-		b.Fatal(err)
-	}
-	waitHTTP(b, "http://"+floorAddr+"/readyz")
-	contenders = append(contenders, contender{name: "go-floor", addr: floorAddr, pid: floor.PID()})
 	for _, base := range baselines() {
 		contenders = append(contenders, router(base[0], base[1]))
 	}
@@ -225,23 +215,16 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 			b.ReportMetric(median(rr), "ratio-median")
 			b.ReportMetric(median(cpu("router")), "router-cpu-us/req")
 			b.ReportMetric(median(cpu("haproxy")), "haproxy-cpu-us/req")
-			fr := ratios("router-fast")
-			b.Logf("router-fast/haproxy per round %s, median %.2fx", fmtRatios(fr), median(fr))
-			b.ReportMetric(median(fr), "router-fast-ratio-median")
-			b.ReportMetric(median(cpu("router-fast")), "router-fast-cpu-us/req")
-			gr := ratios("go-revproxy")
-			b.Logf("go-revproxy/haproxy per round %s, median %.2fx", fmtRatios(gr), median(gr))
-			b.ReportMetric(median(gr), "go-revproxy-ratio-median")
-			b.ReportMetric(median(cpu("go-revproxy")), "go-revproxy-cpu-us/req")
-			fl := ratios("go-floor")
-			b.Logf("go-floor/haproxy per round %s, median %.2fx", fmtRatios(fl), median(fl))
-			b.ReportMetric(median(fl), "go-floor-ratio-median")
-			b.ReportMetric(median(cpu("go-floor")), "go-floor-cpu-us/req")
+			// Every other contender: its ratio and CPU per request.
+			others := []string{"router-fast", "go-revproxy", "go-floor"}
 			for _, base := range baselines() {
-				br := ratios(base[0])
-				b.Logf("%s/haproxy per round %s, median %.2fx", base[0], fmtRatios(br), median(br))
-				b.ReportMetric(median(br), base[0]+"-ratio-median")
-				b.ReportMetric(median(cpu(base[0])), base[0]+"-cpu-us/req")
+				others = append(others, base[0])
+			}
+			for _, name := range others {
+				r := ratios(name)
+				b.Logf("%s/haproxy per round %s, median %.2fx", name, fmtRatios(r), median(r))
+				b.ReportMetric(median(r), name+"-ratio-median")
+				b.ReportMetric(median(cpu(name)), name+"-cpu-us/req")
 			}
 		})
 	}
