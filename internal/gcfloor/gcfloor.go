@@ -13,10 +13,9 @@ package gcfloor
 import (
 	"context"
 	"math"
-	"runtime"
 	"runtime/debug"
 	"runtime/metrics"
-	"sync/atomic"
+	"time"
 )
 
 // maxPercent caps the GOGC the floor sets: a live heap of almost nothing must not make the
@@ -45,9 +44,10 @@ func Percent(live, floor uint64, base int) int {
 }
 
 // Run keeps the floor until ctx ends, then gives the process its GOGC back. It sets GOGC at
-// once from the live heap of the last collection, then again after every collection (a
-// cleanup on an object each collection frees), so that a live heap that grows is never
-// given the raised percentage for more than one collection. A floor of 0 returns at once.
+// once from the live heap of the last collection, then again within pollEvery of the end of
+// every collection (the runtime's cycle count says when one ended), so a live heap that grew
+// keeps the raised percentage for a few milliseconds of allocation at most. A floor of 0
+// returns at once.
 func Run(ctx context.Context, floor uint64) {
 	if floor == 0 {
 		return
@@ -56,23 +56,26 @@ func Run(ctx context.Context, floor uint64) {
 	if base < 0 {
 		return // GOGC=off: the operator runs the collector by GOMEMLIMIT alone
 	}
-	t := &tuner{floor: floor, base: base, wake: make(chan struct{}, 1)}
+	t := &tuner{floor: floor, base: base}
+	t.sample[0].Name = "/gc/heap/live:bytes"
+	t.sample[1].Name = "/gc/cycles/total:gc-cycles"
 	t.adjust()
-	t.arm()
-	defer func() {
-		t.stopped.Store(true)
-		debug.SetGCPercent(base)
-	}()
+	defer debug.SetGCPercent(base)
+	tick := time.NewTicker(pollEvery)
+	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-t.wake:
+		case <-tick.C:
 			t.adjust()
-			t.arm()
 		}
 	}
 }
+
+// pollEvery is how often Run looks for a finished collection: one read of two runtime
+// metrics, fifty times a second.
+const pollEvery = 20 * time.Millisecond
 
 // gogc is the collector's current GOGC (negative when off).
 func gogc() int {
@@ -90,41 +93,25 @@ func gogc() int {
 
 // tuner is one Run's state.
 type tuner struct {
-	floor   uint64
-	base    int
-	set     int // the GOGC last set
-	wake    chan struct{}
-	stopped atomic.Bool
-	sample  [1]metrics.Sample
+	floor  uint64
+	base   int
+	set    int    // the GOGC last set (0: none yet)
+	cycles uint64 // the collections counted when it was set
+	sample [2]metrics.Sample
 }
 
-// sentinel is the object whose collection signals the end of a cycle; it is larger than the
-// runtime's tiny allocations, which a cleanup cannot be attached to reliably.
-type sentinel struct{ _ [32]byte }
-
-// arm attaches a cleanup to a new sentinel: the collection that frees it wakes Run.
-func (t *tuner) arm() {
-	s := new(sentinel)
-	runtime.AddCleanup(s, func(t *tuner) {
-		if t.stopped.Load() {
-			return
-		}
-		select {
-		case t.wake <- struct{}{}:
-		default:
-		}
-	}, t)
-}
-
-// adjust sets GOGC for the live heap the last collection left.
+// adjust sets GOGC for the live heap the last collection left, once per collection.
 func (t *tuner) adjust() {
-	t.sample[0].Name = "/gc/heap/live:bytes"
 	metrics.Read(t.sample[:])
-	if t.sample[0].Value.Kind() != metrics.KindUint64 {
+	if t.sample[0].Value.Kind() != metrics.KindUint64 || t.sample[1].Value.Kind() != metrics.KindUint64 {
 		return
 	}
-	p := Percent(t.sample[0].Value.Uint64(), t.floor, t.base)
-	if p != t.set {
+	cycles := t.sample[1].Value.Uint64()
+	if t.set != 0 && cycles == t.cycles {
+		return // no collection since: the live heap is the one GOGC was set for
+	}
+	t.cycles = cycles
+	if p := Percent(t.sample[0].Value.Uint64(), t.floor, t.base); p != t.set {
 		debug.SetGCPercent(p)
 		t.set = p
 	}
