@@ -386,16 +386,18 @@ func (r *Replica) openRouting(context.Context) error {
 	// connection holds the port only while it sends: quiet keep-alive connections, slow
 	// headers and slow bodies are cut; answers, however long they stream, are not.
 	cp := cfg.ClientPort.withDefaults()
-	front := r.closeWhileDraining(bodyDeadline(r.server.Handler(), cp.BodyTimeout))
 	if cp.Server == ServerFast {
+		// The server keeps the body's deadline itself, on its clock.
+		front := r.closeWhileDraining(r.server.Handler())
 		fast, err := h1.New(h1.Config{Handler: front, HeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
-			Logger: r.log.With("part", "client-port"), Refusal: openai.RefusalBody})
+			BodyTimeout: cp.BodyTimeout, Logger: r.log.With("part", "client-port"), Refusal: openai.RefusalBody})
 		if err != nil {
 			return err
 		}
 		r.http = fast
 		r.log.Info("client port: the router's own HTTP/1.1 server (--http-server fast)")
 	} else {
+		front := r.closeWhileDraining(bodyDeadline(r.server.Handler(), cp.BodyTimeout))
 		r.http = &http.Server{Handler: front, ReadHeaderTimeout: cp.HeaderTimeout, IdleTimeout: cp.IdleTimeout,
 			ErrorLog: slog.NewLogLogger(r.log.Handler(), slog.LevelDebug)}
 	}

@@ -25,9 +25,9 @@ import (
 // anchor: HAProxy doing round-robin over the same two backends, driven by the same closed-loop
 // load generator in the same run. The backends are an HAProxy answering a static completion
 // (`http-request return`), so they are never what limits either path; one `kvrouter-ha serve`
-// (the release build, default flags but its addresses, its data directory and
-// --http-server net: Go's server, the default before 2026-12-04) has them as its two workers
-// (and another, router-fast, the same on --http-server fast, the default), and a second HAProxy
+// (the release build, default flags but its addresses and its data directory, so its own
+// HTTP/1.1 server, --http-server fast) has them as its two workers (and another, router-net,
+// the same on --http-server net: Go's server, the default before 2026-12-04), and a second HAProxy
 // balances them round-robin with no other work (no log line per request, X-Forwarded-For as
 // the router sets it); and, as the Go anchor, httputil.ReverseProxy
 // round-robin over them (testdata/goproxy: Go's HTTP server and client with no routing work),
@@ -50,6 +50,9 @@ import (
 //	KVROUTER_TP_CONNS     connections (32)
 //	KVROUTER_TP_PIN=split pin the proxy under test (router or HAProxy) to CPU 1, and the load
 //	                      generator and the backends to CPU 0 (taskset)
+//	KVROUTER_TP_ONLY      the optional contenders that run, comma-separated, of router-net,
+//	                      go-revproxy and go-floor (all; "none" for none): the router and
+//	                      HAProxy always run, and every KVROUTER_TP_BASELINE
 //	KVROUTER_TP_BASELINE  other kvrouter-ha binaries, [name=]path, comma-separated: more
 //	                      contenders in the same alternation (a before/after comparison in
 //	                      one run; "baseline" when unnamed)
@@ -131,14 +134,19 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 	}
 	// The router on each client-port server (--http-server): net/http's, and its own
 	// (router-fast), in the same alternation.
-	contenders := []contender{router("router", bin, "--http-server", "net"), {name: "haproxy", addr: lbAddr, pid: lb.PID()},
-		router("router-fast", bin, "--http-server", "fast")}
+	contenders := []contender{router("router", bin, "--http-server", "fast"), {name: "haproxy", addr: lbAddr, pid: lb.PID()}}
+	if knobs.runs("router-net") {
+		contenders = append(contenders, router("router-net", bin, "--http-server", "net"))
+	}
 	// The Go anchors, each built from testdata and run over the same backends: go-revproxy,
 	// httputil.ReverseProxy round-robin (what Go's HTTP server and client cost on this path
 	// before any routing work), and go-floor, a goroutine per connection relaying whole
 	// messages with blocking reads and writes and nothing else (what Go and the kernel cost
 	// before any HTTP library or routing work).
 	for _, a := range []struct{ name, dir string }{{"go-revproxy", "goproxy"}, {"go-floor", "gofloor"}} {
+		if !knobs.runs(a.name) {
+			continue
+		}
 		addr := loopbacktest.Addr(b)
 		bin := filepath.Join(b.TempDir(), a.dir)
 		if out, err := exec.Command("go", "build", "-o", bin, "./testdata/"+a.dir).CombinedOutput(); err != nil {
@@ -216,9 +224,9 @@ func BenchmarkThroughputVsHAProxy(b *testing.B) {
 			b.ReportMetric(median(cpu("router")), "router-cpu-us/req")
 			b.ReportMetric(median(cpu("haproxy")), "haproxy-cpu-us/req")
 			// Every other contender: its ratio and CPU per request.
-			others := []string{"router-fast", "go-revproxy", "go-floor"}
-			for _, base := range baselines() {
-				others = append(others, base[0])
+			var others []string
+			for _, c := range contenders[2:] {
+				others = append(others, c.name)
 			}
 			for _, name := range others {
 				r := ratios(name)
@@ -252,7 +260,12 @@ type tpKnobs struct {
 	conns  int
 	pin    bool
 	load   string // "wrk", or "" for the in-process generator
+	// only names the optional contenders that run (nil: all).
+	only []string
 }
+
+// runs reports whether the optional contender name runs.
+func (k tpKnobs) runs(name string) bool { return k.only == nil || slices.Contains(k.only, name) }
 
 // warmup is how long each round warms up before it counts: wrk's durations are whole seconds.
 func (k tpKnobs) warmup() time.Duration {
@@ -293,6 +306,9 @@ func throughputKnobs(b *testing.B) tpKnobs {
 		if _, err := exec.LookPath("wrk"); err != nil {
 			b.Skip("KVROUTER_TP_LOAD=wrk, and wrk is not installed")
 		}
+	}
+	if v := os.Getenv("KVROUTER_TP_ONLY"); v != "" {
+		k.only = strings.Split(v, ",")
 	}
 	switch v := os.Getenv("KVROUTER_TP_PIN"); v {
 	case "":
@@ -579,10 +595,10 @@ func fmtRatios(v []float64) string {
 // through the pprof listener of a kvrouter_pprof build. The CPU profile runs across every
 // round; in the other contenders' rounds the router idles, and adds few samples.
 type routerProfile struct {
-	addr, dir, name string
-	allocsBefore    []byte
-	cpu             chan []byte
-	seconds         int
+	addr, dir, name                        string
+	allocsBefore, mutexBefore, blockBefore []byte
+	cpu                                    chan []byte
+	seconds                                int
 }
 
 // startRouterProfile starts a CPU profile of length span (every round of every contender).
@@ -592,6 +608,8 @@ func startRouterProfile(b *testing.B, addr, dir, name string, span time.Duration
 	}
 	p := &routerProfile{addr: addr, dir: dir, name: name, cpu: make(chan []byte, 1)}
 	p.allocsBefore = pprofGet(b, "http://"+addr+"/debug/pprof/allocs")
+	p.mutexBefore = pprofGet(b, "http://"+addr+"/debug/pprof/mutex")
+	p.blockBefore = pprofGet(b, "http://"+addr+"/debug/pprof/block")
 	p.seconds = int(span.Seconds()) + 1
 	go func() {
 		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", addr, p.seconds))
@@ -608,16 +626,20 @@ func startRouterProfile(b *testing.B, addr, dir, name string, span time.Duration
 
 func (p *routerProfile) finish(b *testing.B) {
 	allocs := pprofGet(b, "http://"+p.addr+"/debug/pprof/allocs")
+	mutex := pprofGet(b, "http://"+p.addr+"/debug/pprof/mutex")
+	block := pprofGet(b, "http://"+p.addr+"/debug/pprof/block")
 	cpu := <-p.cpu
-	for name, data := range map[string][]byte{"allocs-before": p.allocsBefore, "allocs": allocs, "cpu": cpu} {
+	for name, data := range map[string][]byte{"allocs-before": p.allocsBefore, "allocs": allocs, "cpu": cpu,
+		"mutex-before": p.mutexBefore, "mutex": mutex, "block-before": p.blockBefore, "block": block} {
 		path := filepath.Join(p.dir, name+"-"+p.name+".pprof")
 		if err := os.WriteFile(path, data, 0o644); err != nil {
 			b.Fatal(err)
 		}
 	}
-	b.Logf("profiles in %s: go tool pprof -top %s; go tool pprof -sample_index=alloc_space -base %s -top %s",
-		p.dir, filepath.Join(p.dir, "cpu-"+p.name+".pprof"), filepath.Join(p.dir, "allocs-before-"+p.name+".pprof"),
-		filepath.Join(p.dir, "allocs-"+p.name+".pprof"))
+	at := func(kind string) string { return filepath.Join(p.dir, kind+"-"+p.name+".pprof") }
+	b.Logf("profiles in %s: go tool pprof -top %s; go tool pprof -sample_index=alloc_space -base %s -top %s "+
+		"(mutex and block profiles: the same -base with mutex-before/mutex and block-before/block)",
+		p.dir, at("cpu"), at("allocs-before"), at("allocs"))
 }
 
 // servesPprof reports whether addr answers pprof's index, polling while the listener, which

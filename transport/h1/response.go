@@ -152,6 +152,7 @@ func (w *response) body(p []byte) {
 func (w *response) sendHead(final bool) {
 	w.sent = true
 	h := w.header
+	setLength := false
 	switch {
 	case w.noBody:
 		if w.status == http.StatusNoContent || w.status == http.StatusNotModified || w.status < 200 {
@@ -161,8 +162,10 @@ func (w *response) sendHead(final bool) {
 	case w.length >= 0:
 		h.Del("Transfer-Encoding")
 	case final:
+		// The length is written with the head below, not put in the handler's header.
 		w.length = int64(len(w.hold))
-		h["Content-Length"] = []string{strconv.Itoa(len(w.hold))}
+		setLength = true
+		h.Del("Content-Length")
 	case w.minor == 1:
 		w.chunked = true
 		h.Del("Content-Length")
@@ -173,9 +176,7 @@ func (w *response) sendHead(final bool) {
 	if _, ok := h["Content-Type"]; !ok && len(w.hold) > 0 && !w.noBody {
 		h["Content-Type"] = []string{http.DetectContentType(w.hold)}
 	}
-	if _, ok := h["Date"]; !ok {
-		h["Date"] = []string{w.c.srv.date()}
-	}
+	_, hasDate := h["Date"]
 	if httpguts.HeaderValuesContainsToken(h["Connection"], "close") {
 		w.closeAfter = true
 	}
@@ -192,6 +193,16 @@ func (w *response) sendHead(final bool) {
 	bw := w.c.bw
 	writeStatus(bw, w.minor, w.status)
 	writeHeader(bw, h)
+	if setLength {
+		_, _ = bw.WriteString("Content-Length: ")
+		writeDecimal(bw, w.length)
+		_, _ = bw.WriteString("\r\n")
+	}
+	if !hasDate {
+		_, _ = bw.WriteString("Date: ")
+		_, _ = bw.WriteString(w.c.srv.date())
+		_, _ = bw.WriteString("\r\n")
+	}
 	_, _ = bw.WriteString("\r\n")
 	hold := w.hold
 	w.hold = w.hold[:0]
@@ -219,9 +230,22 @@ func (w *response) FlushError() error {
 	return nil
 }
 
-// SetReadDeadline sets the connection's read deadline (http.ResponseController's), for
-// the request's body.
-func (w *response) SetReadDeadline(t time.Time) error { return w.c.rwc.SetReadDeadline(t) }
+// SetReadDeadline sets the request's body's deadline (http.ResponseController's), kept by
+// the server's clock (within two ticks after t; zero: none). Once the body is read to its
+// end it applies to nothing: the wait for a next request is the idle timeout's.
+func (w *response) SetReadDeadline(t time.Time) error {
+	c := w.c
+	at := int64(0)
+	if !t.IsZero() {
+		at = max(t.UnixMilli()+c.srv.cfg.Tick.Milliseconds(), 1)
+	}
+	for {
+		st := c.state.Load()
+		if phaseOf(st) != phaseBody || c.state.CompareAndSwap(st, state(phaseBody, at)) {
+			return nil
+		}
+	}
+}
 
 // SetWriteDeadline sets the connection's write deadline (http.ResponseController's).
 func (w *response) SetWriteDeadline(t time.Time) error { return w.c.rwc.SetWriteDeadline(t) }
@@ -264,11 +288,28 @@ func writeStatus(bw *bufio.Writer, minor, code int) {
 	} else {
 		_, _ = bw.WriteString("HTTP/1.1 ")
 	}
-	var n [8]byte
-	_, _ = bw.Write(strconv.AppendInt(n[:0], int64(code), 10))
+	writeDecimal(bw, int64(code))
 	_ = bw.WriteByte(' ')
 	_, _ = bw.WriteString(http.StatusText(code))
 	_, _ = bw.WriteString("\r\n")
+}
+
+// writeDecimal writes n (not negative) in decimal, with no allocation: bufio.Writer's Write
+// lets a caller's slice escape.
+func writeDecimal(bw *bufio.Writer, n int64) {
+	var d [20]byte
+	i := len(d)
+	for {
+		i--
+		d[i] = byte('0' + n%10)
+		n /= 10
+		if n == 0 {
+			break
+		}
+	}
+	for _, c := range d[i:] {
+		_ = bw.WriteByte(c)
+	}
 }
 
 // writeHeader writes h's fields: a name that is not a token is left out and a CR or LF in
@@ -296,15 +337,15 @@ type dateCache struct {
 	val string
 }
 
-// date is the current Date header value.
-func (s *Server) date() string {
-	now := time.Now()
-	if d := s.dates.Load(); d != nil && d.sec == now.Unix() {
-		return d.val
+// date is the Date header value at the clock's last tick.
+func (s *Server) date() string { return s.dates.Load().val }
+
+// setClock is the clock's tick at now: its time, and the Date header's value once a second.
+func (s *Server) setClock(now time.Time) {
+	s.clock.Store(now.UnixMilli())
+	if d := s.dates.Load(); d == nil || d.sec != now.Unix() {
+		s.dates.Store(&dateCache{sec: now.Unix(), val: now.UTC().Format(http.TimeFormat)})
 	}
-	d := &dateCache{sec: now.Unix(), val: now.UTC().Format(http.TimeFormat)}
-	s.dates.Store(d)
-	return d.val
 }
 
 // chunkedBody reads a chunked body and then its trailer section, which is read, checked as

@@ -3,8 +3,9 @@
 // handler an *http.Request and an http.ResponseWriter (the handlers are the same as under
 // net/http), and watches for the client's hang-up with one long-lived read per connection
 // rather than a goroutine per request. TLS works through the listener (HTTP/1.1 only);
-// HTTP/2, Hijack and trailers are not served. DESIGN.md says why it exists and what it
-// costs in correctness risk.
+// HTTP/2, Hijack and trailers are not served. Its timeouts and the start of a watch are
+// kept by one clock per server rather than by a deadline per request. DESIGN.md says why it
+// exists and what it costs in correctness risk.
 package h1
 
 import (
@@ -30,9 +31,15 @@ type Config struct {
 	// Handler answers every request.
 	Handler http.Handler
 	// HeaderTimeout bounds reading a request's head (10s), IdleTimeout the wait for the next
-	// request on a keep-alive connection (90s). A body's deadline is the handler's to set
-	// (http.ResponseController.SetReadDeadline); answers are not bounded.
-	HeaderTimeout, IdleTimeout time.Duration
+	// request on a keep-alive connection (90s), BodyTimeout reading a request's body from
+	// the end of its head (none; a handler may set its own with
+	// http.ResponseController.SetReadDeadline). Answers are not bounded. Each ends within
+	// two ticks after its time.
+	HeaderTimeout, IdleTimeout, BodyTimeout time.Duration
+	// Tick is the period of the server's clock (DefaultTick): the precision of the timeouts,
+	// and how long a handler runs before its connection is watched for the client's
+	// hang-up (between one and three ticks).
+	Tick time.Duration
 	// MaxHeaderBytes bounds a request head (1 MiB, as net/http's default).
 	MaxHeaderBytes int
 	// Logger receives the server's own complaints (nil: discarded).
@@ -55,6 +62,11 @@ type Server struct {
 	shutting  atomic.Bool
 	// dates caches the Date header's value for a second.
 	dates atomic.Pointer[dateCache]
+	// clock is the time of the clock's last tick, in unix milliseconds; clockOnce starts the
+	// clock, wake restarts it when a first connection comes (it stops with none).
+	clock     atomic.Int64
+	clockOnce sync.Once
+	wake      chan struct{}
 }
 
 // New returns a server for cfg.
@@ -62,7 +74,7 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Handler == nil {
 		return nil, errors.New("h1: a handler is required")
 	}
-	if cfg.HeaderTimeout < 0 || cfg.IdleTimeout < 0 || cfg.MaxHeaderBytes < 0 {
+	if cfg.HeaderTimeout < 0 || cfg.IdleTimeout < 0 || cfg.BodyTimeout < 0 || cfg.Tick < 0 || cfg.MaxHeaderBytes < 0 {
 		return nil, errors.New("h1: negative timeout or size")
 	}
 	if cfg.HeaderTimeout == 0 {
@@ -71,6 +83,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.IdleTimeout == 0 {
 		cfg.IdleTimeout = 90 * time.Second
 	}
+	if cfg.Tick == 0 {
+		cfg.Tick = DefaultTick
+	}
 	if cfg.MaxHeaderBytes == 0 {
 		cfg.MaxHeaderBytes = 1 << 20
 	}
@@ -78,8 +93,10 @@ func New(cfg Config) (*Server, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Server{cfg: cfg, log: cfg.Logger, base: ctx, cancel: cancel,
-		listeners: map[net.Listener]struct{}{}, conns: map[*conn]struct{}{}}, nil
+	s := &Server{cfg: cfg, log: cfg.Logger, base: ctx, cancel: cancel, wake: make(chan struct{}, 1),
+		listeners: map[net.Listener]struct{}{}, conns: map[*conn]struct{}{}}
+	s.setClock(time.Now())
+	return s, nil
 }
 
 // Serve accepts connections on ln until Shutdown or Close, which make it return
@@ -93,6 +110,7 @@ func (s *Server) Serve(ln net.Listener) error {
 	}
 	s.listeners[ln] = struct{}{}
 	s.mu.Unlock()
+	s.clockOnce.Do(func() { go s.runClock() })
 	defer func() {
 		s.mu.Lock()
 		delete(s.listeners, ln)
@@ -139,7 +157,21 @@ func (s *Server) newConn(rwc net.Conn) *conn {
 		return nil
 	}
 	s.conns[c] = struct{}{}
+	if len(s.conns) == 1 {
+		// The clock stopped with no connection: its time is read again before this one's
+		// first wait is timed by it, and it starts again.
+		s.setClock(time.Now())
+		s.signalClock()
+	}
 	return c
+}
+
+// signalClock wakes the clock if it waits.
+func (s *Server) signalClock() {
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
 }
 
 func (s *Server) forget(c *conn) {
@@ -158,10 +190,8 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		s.mu.Lock()
 		left := len(s.conns)
 		for c := range s.conns {
-			if c.idle.Load() {
-				// The connection's read waits for a next request: end it now.
-				_ = c.rwc.SetReadDeadline(aLongTimeAgo)
-			}
+			// A connection whose read waits for a next request ends now.
+			c.expireIdle()
 		}
 		s.mu.Unlock()
 		if left == 0 {
@@ -194,6 +224,7 @@ func (s *Server) stopListening() {
 	for ln := range s.listeners {
 		_ = ln.Close()
 	}
+	s.signalClock()
 }
 
 // aLongTimeAgo is a deadline that has passed: a read under it returns at once.
@@ -205,12 +236,13 @@ type readResult struct {
 	err error
 }
 
-// conn is one client connection. Its serve goroutine reads requests and runs the handler;
-// its watcher goroutine, once a request's body is read, reads the connection on its behalf:
-// an error there is the client's hang-up (the request's context is cancelled at once),
-// bytes are the next request's first (kept for serve, which waits on them after the
-// answer, under the idle timeout). So the wait for the next request is the hang-up watch:
-// no goroutine per request and no read to abort after each answer.
+// conn is one client connection. Its serve goroutine reads requests and runs the handler.
+// A handler that runs for a tick (the server's clock starts it) has the connection watched
+// by its watcher goroutine, which reads the connection on its behalf: an error there is the
+// client's hang-up (the request's context is cancelled at once), bytes are the next
+// request's first (kept for serve, which waits on them after the answer, under the idle
+// timeout). So a request answered within a tick costs no second goroutine, and a long one
+// no read to abort after its answer.
 type conn struct {
 	srv *Server
 	// ctx is the connection's, its requests' parent: a request's context registers with
@@ -221,32 +253,43 @@ type conn struct {
 	tls    *tls.ConnectionState
 	br     *bufio.Reader
 	bw     *bufio.Writer
+	// state is the phase and its time (clock.go).
+	state atomic.Uint64
 	// pending are bytes the watcher read that serve has not consumed.
 	pending []byte
 	wbuf    [1024]byte
 	// watchStart starts one watching read; watchDone receives its result. cancel is the
-	// request's the watcher ends on a hang-up: set by serve before it starts a watch and
-	// not changed until its result is received.
+	// request's the watcher ends on a hang-up: set by serve before the request's phase
+	// allows a watch, and not changed until its result is received. watching (serve's):
+	// a watch's result is still to be received.
 	watchStart chan struct{}
 	watchDone  chan readResult
 	watching   bool
 	cancel     context.CancelFunc
-	// idle: between requests (Shutdown may close it).
-	idle atomic.Bool
+	// wmu guards starting a watch (the clock's) against the connection's end (serve's):
+	// watcher, the watcher goroutine runs; ended, watchStart is closed.
+	wmu            sync.Mutex
+	watcher, ended bool
 	// broken: a write failed; the connection ends after the handler.
 	broken bool
 	// hold is the buffer of an answer's held bytes, reused by the connection's answers.
 	hold []byte
 }
 
-// Read implements io.Reader for br: the watcher's bytes first, then the connection.
+// Read implements io.Reader for br: the watcher's bytes first, then the connection. The
+// first bytes of a next request start its head's time.
 func (c *conn) Read(p []byte) (int, error) {
 	if len(c.pending) > 0 {
 		n := copy(p, c.pending)
 		c.pending = c.pending[n:]
 		return n, nil
 	}
-	return c.rwc.Read(p)
+	n, err := c.rwc.Read(p)
+	if n > 0 && phaseOf(c.state.Load()) == phaseIdle &&
+		!c.move(phaseIdle, phaseHead, c.srv.after(c.srv.cfg.HeaderTimeout)) {
+		return 0, os.ErrDeadlineExceeded
+	}
+	return n, err
 }
 
 func (c *conn) watch() {
@@ -261,17 +304,29 @@ func (c *conn) watch() {
 	}
 }
 
-// startWatch hands the connection's reading to the watcher under deadline (zero during
-// an answer: a watch lasts as long as the answer, and the head's and body's deadlines end
-// here), unless bytes of a next request are already buffered (a pipelining client: those
-// are served next, unwatched, as net/http does).
-func (c *conn) startWatch(deadline time.Time) {
-	if c.watching || c.br.Buffered() > 0 || len(c.pending) > 0 {
+// startWatch hands the connection's reading to the watcher (the clock's, once it moved the
+// connection to phaseWatched), unless the connection is ending.
+func (c *conn) startWatch() {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if c.ended {
 		return
 	}
-	_ = c.rwc.SetReadDeadline(deadline)
-	c.watching = true
+	if !c.watcher {
+		c.watcher = true
+		go c.watch()
+	}
 	c.watchStart <- struct{}{}
+}
+
+// handling is the phase (and its time) of a request whose handler runs with its body read:
+// watched from a tick on, unless bytes of a next request are already buffered (a
+// pipelining client: those are served next, unwatched, as net/http does).
+func (c *conn) handling() (uint64, int64) {
+	if c.br.Buffered() > 0 || len(c.pending) > 0 {
+		return phasePipelined, 0
+	}
+	return phaseHandling, c.srv.after(c.srv.cfg.Tick)
 }
 
 func (c *conn) serve() {
@@ -281,13 +336,16 @@ func (c *conn) serve() {
 	c.ctx = ctx
 	c.br = bufio.NewReaderSize(c, 4096)
 	c.bw = bufio.NewWriterSize(c.rwc, 4096)
-	go c.watch()
 	defer func() {
 		if v := recover(); v != nil && v != http.ErrAbortHandler {
 			s.log.Error("h1: handler panic", "panic", v, "stack", string(debug.Stack()))
 		}
+		c.state.Store(state(phaseClosed, 0))
 		_ = c.rwc.Close()
+		c.wmu.Lock()
+		c.ended = true
 		close(c.watchStart)
+		c.wmu.Unlock()
 		s.forget(c)
 	}()
 	if tc, ok := c.rwc.(*tls.Conn); ok {
@@ -296,14 +354,13 @@ func (c *conn) serve() {
 			s.log.Debug("h1: TLS handshake failed", "remote", c.remote, "err", err)
 			return
 		}
-		_ = tc.SetWriteDeadline(time.Time{})
+		_ = tc.SetDeadline(time.Time{})
 		st := tc.ConnectionState()
 		c.tls = &st
 	}
 	// The first request waits for its first byte within the header timeout, later ones
 	// within the idle timeout (as net/http does).
-	c.idle.Store(true)
-	c.startWatch(time.Now().Add(s.cfg.HeaderTimeout))
+	c.state.Store(state(phaseIdle, s.after(s.cfg.HeaderTimeout)))
 	for {
 		if c.watching {
 			r := <-c.watchDone
@@ -312,20 +369,15 @@ func (c *conn) serve() {
 				return
 			}
 			c.pending = c.wbuf[:r.n]
+			if !c.move(phaseWatchedIdle, phaseHead, s.after(s.cfg.HeaderTimeout)) {
+				return
+			}
 		}
-		c.idle.Store(false)
 		if !c.serveOne() {
 			return
 		}
 		if s.shutting.Load() {
 			return
-		}
-		c.idle.Store(true)
-		if c.watching {
-			// The watch of the answer goes on as the wait for the next request.
-			_ = c.rwc.SetReadDeadline(time.Now().Add(s.cfg.IdleTimeout))
-		} else {
-			c.startWatch(time.Now().Add(s.cfg.IdleTimeout))
 		}
 	}
 }
@@ -333,7 +385,6 @@ func (c *conn) serve() {
 // serveOne reads one request and answers it; false ends the connection.
 func (c *conn) serveOne() bool {
 	s := c.srv
-	_ = c.rwc.SetReadDeadline(time.Now().Add(s.cfg.HeaderTimeout))
 	h, err := readHead(c.br, s.cfg.MaxHeaderBytes)
 	if err != nil {
 		var br *badRequest
@@ -348,15 +399,18 @@ func (c *conn) serveOne() bool {
 	ctx, cancel := context.WithCancel(c.ctx)
 	defer cancel()
 	c.cancel = cancel
-	req := &http.Request{
-		Method: h.method, URL: h.url, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: h.minor,
+	// The literal stays on the stack: WithContext below makes the one request allocated.
+	proto := "HTTP/1.1"
+	if h.minor == 0 {
+		proto = "HTTP/1.0"
+	}
+	r := &http.Request{
+		Method: h.method, URL: h.url, Proto: proto, ProtoMajor: 1, ProtoMinor: h.minor,
 		Header: h.header, ContentLength: h.length, Close: h.close, Host: h.host,
 		RemoteAddr: c.remote, RequestURI: h.target, TLS: c.tls,
 	}
-	if h.minor == 0 {
-		req.Proto = "HTTP/1.0"
-	}
 	var b *body
+	next, at := phaseBody, s.after(s.cfg.BodyTimeout)
 	if h.chunked || h.length > 0 {
 		b = &body{c: c, expect100: h.expect100}
 		if h.chunked {
@@ -366,14 +420,19 @@ func (c *conn) serveOne() bool {
 			b.r = &b.sized
 		}
 		if h.chunked {
-			req.TransferEncoding = []string{"chunked"}
+			r.TransferEncoding = []string{"chunked"}
 		}
-		req.Body = b
+		r.Body = b
 	} else {
-		req.Body = http.NoBody
-		c.startWatch(time.Time{})
+		r.Body = http.NoBody
+		next, at = c.handling()
 	}
-	req = req.WithContext(ctx)
+	// The head may have come whole with a watch's bytes or a pipelined request (phaseHead or
+	// phaseIdle); a failed move is the clock's expiry.
+	if !c.move(phaseHead, next, at) && !c.move(phaseIdle, next, at) {
+		return false
+	}
+	req := r.WithContext(ctx)
 	w := c.newResponse(req, h)
 	w.reqBody = b
 	s.cfg.Handler.ServeHTTP(w, req)
@@ -388,7 +447,13 @@ func (c *conn) serveOne() bool {
 		c.lingerClose()
 		return false
 	}
-	return true
+	idle := s.after(s.cfg.IdleTimeout)
+	if c.move(phaseHandling, phaseIdle, idle) || c.move(phasePipelined, phaseIdle, idle) {
+		return true
+	}
+	// The watch of the answer goes on as the wait for the next request.
+	c.watching = c.move(phaseWatched, phaseWatchedIdle, idle)
+	return c.watching
 }
 
 // Bounds of lingerClose: what it reads of a body the handler left, and for how long.
@@ -401,6 +466,7 @@ const (
 // still sends, within bounds, so that the close that follows does not reset the answer
 // away (net/http's server does the same).
 func (c *conn) lingerClose() {
+	c.state.Store(state(phaseClosed, 0))
 	if c.broken {
 		return
 	}
@@ -463,8 +529,12 @@ func (b *body) Read(p []byte) (int, error) {
 	}
 	n, err := b.r.Read(p)
 	if errors.Is(err, io.EOF) {
+		if next, at := b.c.handling(); !b.c.move(phaseBody, next, at) {
+			// The body's time ran out as its end came.
+			b.err = os.ErrDeadlineExceeded
+			return n, b.err
+		}
 		b.done = true
-		b.c.startWatch(time.Time{})
 		return n, io.EOF
 	}
 	if err != nil {

@@ -464,7 +464,7 @@ func TestShutdownWaitsForTheRequestInFlight(t *testing.T) {
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		for c := range s.conns {
-			if !c.idle.Load() {
+			if p := phaseOf(c.state.Load()); p != phaseIdle && p != phaseWatchedIdle {
 				return nil
 			}
 		}
