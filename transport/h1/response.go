@@ -276,9 +276,7 @@ func (w *response) finish() {
 // fail marks the connection broken after a failed write and cancels its request.
 func (c *conn) fail() {
 	c.broken = true
-	if c.cancel != nil {
-		c.cancel()
-	}
+	c.req.cancel()
 }
 
 // writeStatus writes the status line.

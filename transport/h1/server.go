@@ -213,6 +213,7 @@ func (s *Server) Close() error {
 	defer s.mu.Unlock()
 	for c := range s.conns {
 		_ = c.rwc.Close()
+		c.req.cancel()
 	}
 	return nil
 }
@@ -244,10 +245,7 @@ type readResult struct {
 // timeout). So a request answered within a tick costs no second goroutine, and a long one
 // no read to abort after its answer.
 type conn struct {
-	srv *Server
-	// ctx is the connection's, its requests' parent: a request's context registers with
-	// it, not with the server's, which every connection's request would contend on.
-	ctx    context.Context
+	srv    *Server
 	rwc    net.Conn
 	remote string
 	tls    *tls.ConnectionState
@@ -258,14 +256,13 @@ type conn struct {
 	// pending are bytes the watcher read that serve has not consumed.
 	pending []byte
 	wbuf    [1024]byte
-	// watchStart starts one watching read; watchDone receives its result. cancel is the
-	// request's the watcher ends on a hang-up: set by serve before the request's phase
-	// allows a watch, and not changed until its result is received. watching (serve's):
-	// a watch's result is still to be received.
+	// watchStart starts one watching read; watchDone receives its result. req is the
+	// request in flight, which the watcher ends on a hang-up. watching (serve's): a watch's
+	// result is still to be received.
 	watchStart chan struct{}
 	watchDone  chan readResult
 	watching   bool
-	cancel     context.CancelFunc
+	req        current
 	// wmu guards starting a watch (the clock's) against the connection's end (serve's):
 	// watcher, the watcher goroutine runs; ended, watchStart is closed.
 	wmu            sync.Mutex
@@ -296,8 +293,8 @@ func (c *conn) watch() {
 	for range c.watchStart {
 		n, err := c.rwc.Read(c.wbuf[:])
 		if n == 0 && err != nil {
-			if !isTimeout(err) && c.cancel != nil {
-				c.cancel()
+			if !isTimeout(err) {
+				c.req.cancel()
 			}
 		}
 		c.watchDone <- readResult{n, err}
@@ -331,9 +328,6 @@ func (c *conn) handling() (uint64, int64) {
 
 func (c *conn) serve() {
 	s := c.srv
-	ctx, cancel := context.WithCancel(s.base)
-	defer cancel()
-	c.ctx = ctx
 	c.br = bufio.NewReaderSize(c, 4096)
 	c.bw = bufio.NewWriterSize(c.rwc, 4096)
 	defer func() {
@@ -396,9 +390,14 @@ func (c *conn) serveOne() bool {
 		}
 		return false
 	}
-	ctx, cancel := context.WithCancel(c.ctx)
-	defer cancel()
-	c.cancel = cancel
+	ctx := newRequestContext()
+	defer ctx.cancel()
+	c.req.p.Store(ctx)
+	defer c.req.p.Store(nil)
+	if s.base.Err() != nil {
+		// Close came as the head did: it may have missed this request.
+		ctx.cancel()
+	}
 	// The literal stays on the stack: WithContext below makes the one request allocated.
 	proto := "HTTP/1.1"
 	if h.minor == 0 {
