@@ -425,25 +425,25 @@ func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadli
 	if werr != nil {
 		// A worker may answer (say, 413) and close before taking the whole body; its answer
 		// is then already here and better than the write error.
-		resp, err := c.readHead(req.method)
+		a, err := c.readHead(req.method)
 		if err != nil {
 			return fail(fmt.Errorf("send request to %s: %w", c.pool.addr, werr))
 		}
-		body := &upBody{src: resp.Body, conn: c, stop: stop}
-		resp.Body = body
-		return resp, body, nil
+		a.body = upBody{src: a.resp.Body, conn: c, stop: stop}
+		a.resp.Body = &a.body
+		return &a.resp, &a.body, nil
 	}
-	resp, err := c.readHead(req.method)
+	a, err := c.readHead(req.method)
 	if err != nil {
 		return fail(err)
 	}
-	body := &upBody{src: resp.Body, conn: c, stop: stop, reuse: !resp.Close}
-	resp.Body = body
-	return resp, body, nil
+	a.body = upBody{src: a.resp.Body, conn: c, stop: stop, reuse: !a.resp.Close}
+	a.resp.Body = &a.body
+	return &a.resp, &a.body, nil
 }
 
 // readHead reads the answer's status line and headers, skipping informational answers.
-func (c *upConn) readHead(method string) (*http.Response, error) {
+func (c *upConn) readHead(method string) (*answer, error) {
 	// The budget covers what the buffered reader takes ahead of the head, too.
 	c.budget = maxResponseHead + readBufferSize
 	defer func() { c.budget = -1 }()
@@ -452,14 +452,14 @@ func (c *upConn) readHead(method string) (*http.Response, error) {
 		probe = &http.Request{Method: method}
 	}
 	for range maxInformational {
-		resp, ok, err := c.readCommonHead(probe)
+		a, ok, err := c.readCommonHead(probe)
 		if err != nil {
 			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
 		}
 		if ok {
-			return resp, nil
+			return a, nil
 		}
-		resp, err = http.ReadResponse(c.br, probe)
+		resp, err := http.ReadResponse(c.br, probe)
 		if err != nil {
 			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
 		}
@@ -467,7 +467,7 @@ func (c *upConn) readHead(method string) (*http.Response, error) {
 		case resp.StatusCode == http.StatusSwitchingProtocols:
 			return nil, fmt.Errorf("worker %s switched protocols", c.pool.addr)
 		case resp.StatusCode >= 200:
-			return resp, nil
+			return &answer{resp: *resp}, nil
 		}
 		// 1xx answers other than 101 precede the real one.
 	}
