@@ -247,11 +247,11 @@ func (r *Router) HashTokens(tokens []uint32, lora string, dst []uint64) []uint64
 	return indexer.SequenceHashes(tokens, r.cfg.BlockSize, indexer.Seed(lora, ""), hashBuffer(dst, len(tokens)/r.cfg.BlockSize))
 }
 
-// hashBuffer is dst, or when it is nil a slice made for the n hashes of a prompt's full
-// blocks, so that hashing allocates once instead of growing its result as it goes.
+// hashBuffer is dst, grown when it has no room for the n hashes of a prompt's full blocks,
+// so that hashing allocates once at most instead of growing its result as it goes.
 func hashBuffer(dst []uint64, n int) []uint64 {
-	if dst == nil && n > 0 {
-		return make([]uint64, 0, n)
+	if n > 0 && cap(dst)-len(dst) < n {
+		return slices.Grow(dst, n)
 	}
 	return dst
 }

@@ -93,45 +93,55 @@ func (r *Request) PromptTokens() int {
 // runs only to word the error for a body that is not JSON. Keys match exactly, as a worker
 // decoding into a map would; a key repeated takes its last value.
 func Parse(k Kind, body []byte) (*Request, error) {
+	req := new(Request)
+	if err := parseInto(k, body, req); err != nil {
+		return nil, err
+	}
+	return req, nil
+}
+
+// parseInto is Parse into req, which it overwrites: so that a caller can keep the request
+// in memory of its own.
+func parseInto(k Kind, body []byte, req *Request) error {
 	var f topFields
 	switch scanTop(body, &f) {
 	case topNotJSON:
 		var probe json.RawMessage
-		return nil, invalid(jsonerr.Describe(json.Unmarshal(body, &probe)))
+		return invalid(jsonerr.Describe(json.Unmarshal(body, &probe)))
 	case topNotObject:
-		return nil, invalid("", "request body must be a JSON object")
+		return invalid("", "request body must be a JSON object")
 	}
-	req := &Request{Kind: k, Body: body}
+	*req = Request{Kind: k, Body: body}
 
 	// kv_transfer_params tell a worker to pull a prompt's KV from another worker, or to hold
 	// it for one; they are the router's to set between the legs of a disaggregated request.
 	// From a client they would make a decode worker pull from any address the client names
 	// and pin KV on a prefill worker, so they are refused, not forwarded.
 	if _, ok := present(f.kvTransfer); ok {
-		return nil, invalid("kv_transfer_params", "kv_transfer_params is set by the router between prefill and decode workers; a client may not send it")
+		return invalid("kv_transfer_params", "kv_transfer_params is set by the router between prefill and decode workers; a client may not send it")
 	}
 	if raw, ok := present(f.cacheSalt); ok {
 		// vLLM takes a non-empty string, and keys the prompt's first block with it.
 		if req.CacheSalt, ok = jsonString(raw); !ok || req.CacheSalt == "" {
-			return nil, invalid("cache_salt", "cache_salt must be a non-empty string")
+			return invalid("cache_salt", "cache_salt must be a non-empty string")
 		}
 	}
 	if k >= KindResponses {
 		if err := parseAPI(k, body, req); err != nil {
-			return nil, err
+			return err
 		}
-		return req, nil
+		return nil
 	}
 
 	model, ok := present(f.model)
 	if !ok {
-		return nil, invalid("model", "missing required field: model")
+		return invalid("model", "missing required field: model")
 	}
 	if req.Model, ok = jsonString(model); !ok {
-		return nil, invalid("model", "model must be a string")
+		return invalid("model", "model must be a string")
 	}
 	if req.Model == "" {
-		return nil, invalid("model", "model must be a non-empty string")
+		return invalid("model", "model must be a non-empty string")
 	}
 
 	if raw, ok := present(f.stream); ok {
@@ -140,7 +150,7 @@ func Parse(k Kind, body []byte) (*Request, error) {
 			req.Stream = true
 		case "false":
 		default:
-			return nil, invalid("stream", "stream must be a boolean")
+			return invalid("stream", "stream must be a boolean")
 		}
 	}
 
@@ -148,26 +158,26 @@ func Parse(k Kind, body []byte) (*Request, error) {
 	case KindChat:
 		raw, ok := present(f.messages)
 		if !ok {
-			return nil, invalid("messages", "missing required field: messages")
+			return invalid("messages", "missing required field: messages")
 		}
 		text, err := renderMessages(raw)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		req.Text = text
 		req.Messages = raw
 	case KindCompletion:
 		raw, ok := present(f.prompt)
 		if !ok {
-			return nil, invalid("prompt", "missing required field: prompt")
+			return invalid("prompt", "missing required field: prompt")
 		}
 		if err := parsePrompt(raw, req); err != nil {
-			return nil, err
+			return err
 		}
 	default:
-		return nil, fmt.Errorf("parse: unknown request kind %d", k)
+		return fmt.Errorf("parse: unknown request kind %d", k)
 	}
-	return req, nil
+	return nil
 }
 
 // DetectKind guesses a body's kind for /v1/route, which takes either: a JSON object with a

@@ -677,7 +677,7 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 	copyHeaders(h, resp.Header)
 	// The names are canonical already, so the map is written directly; the values share
 	// one backing array.
-	vals := make([]string, 7)
+	vals := c.w.scratch.headerValues(7)
 	set := func(k, v string) {
 		vals[0] = v
 		h[k] = vals[:1:1]
