@@ -915,7 +915,8 @@ type upstreamReader struct {
 	body    *upBody
 	firstBy time.Time
 	idle    time.Duration
-	// deadline is the read deadline in force on the connection; roundTrip leaves firstBy.
+	// deadline is the read deadline this reader set last; roundTrip leaves one at firstBy
+	// or a little later (exchangeDeadline), which serves as firstBy.
 	deadline time.Time
 	idling   bool // deadline is an idle one
 	gotBytes bool

@@ -367,6 +367,8 @@ type upConn struct {
 
 	mu        sync.Mutex
 	cancelled bool
+	// readBy and writeBy are the deadlines in force (zero: none), as set under mu.
+	readBy, writeBy time.Time
 }
 
 // cancel ends whatever the connection is waiting for, for good.
@@ -377,17 +379,37 @@ func (c *upConn) cancel() {
 	c.mu.Unlock()
 }
 
-// setDeadline sets the read deadline, or both, unless the connection was cancelled.
-func (c *upConn) setDeadline(t time.Time, write bool) {
+// setReadDeadline sets the read deadline, unless the connection was cancelled.
+func (c *upConn) setReadDeadline(t time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	switch {
-	case c.cancelled:
-	case write:
-		_ = c.conn.SetDeadline(t)
-	default:
+	if !c.cancelled {
 		_ = c.conn.SetReadDeadline(t)
+		c.readBy = t
 	}
+}
+
+// exchangeDeadline sets the read and write deadlines to t for an exchange, a 64th of the
+// time left later than asked; or leaves the ones in force when they are already that far
+// out, or less. Moving a deadline costs two timer updates, and on a busy connection each
+// exchange's deadline is only a little later than the last one's, which then still serves:
+// the time an exchange is allowed is between the one asked and a 64th more.
+func (c *upConn) exchangeDeadline(t time.Time) {
+	slack := time.Until(t) / 64
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.cancelled || withinSlack(c.readBy, t, slack) && withinSlack(c.writeBy, t, slack) {
+		return
+	}
+	t = t.Add(slack)
+	_ = c.conn.SetDeadline(t)
+	c.readBy, c.writeBy = t, t
+}
+
+// withinSlack reports whether the deadline d in force serves for one asked at t: it is not
+// earlier, nor later by more than slack.
+func withinSlack(d, t time.Time, slack time.Duration) bool {
+	return !d.Before(t) && d.Sub(t) <= slack
 }
 
 // Read implements io.Reader for the buffered reader.
@@ -416,7 +438,7 @@ func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadli
 		c.close()
 		return nil, nil, err
 	}
-	c.setDeadline(deadline, true)
+	c.exchangeDeadline(deadline)
 	// One writev for head and body; the slices live in the connection so that they need no
 	// allocation, and are dropped once written.
 	c.out = append(c.outArray[:0], head, req.body)
@@ -503,7 +525,7 @@ func (b *upBody) Read(p []byte) (int, error) {
 // setReadDeadline bounds the reads that follow.
 func (b *upBody) setReadDeadline(t time.Time) {
 	if !b.done {
-		b.conn.setDeadline(t, false)
+		b.conn.setReadDeadline(t)
 	}
 }
 

@@ -434,12 +434,72 @@ func TestUpstreamReusesAConnectionWhoseLastDeadlinePassed(t *testing.T) {
 		p.mu.Unlock()
 		t.Fatalf("%d idle connections, want 1", len(p.idle))
 	}
-	_ = p.idle[0].conn.SetDeadline(aLongTimeAgo)
+	c := p.idle[0]
 	p.mu.Unlock()
+	c.mu.Lock()
+	_ = c.conn.SetDeadline(aLongTimeAgo)
+	c.readBy, c.writeBy = aLongTimeAgo, aLongTimeAgo
+	c.mu.Unlock()
 	if _, body := send(t, u, srv.URL, post("{}")); body != "ok" {
 		t.Fatalf("body %q, want ok", body)
 	}
 	if n := cc.opened.Load(); n != 1 {
 		t.Fatalf("%d connections, want the pooled one reused", n)
+	}
+}
+
+// deadlineConn is a net.Conn that records the deadlines set on it.
+type deadlineConn struct {
+	net.Conn
+	sets            int
+	readBy, writeBy time.Time
+}
+
+func (c *deadlineConn) SetDeadline(t time.Time) error {
+	c.sets++
+	c.readBy, c.writeBy = t, t
+	return nil
+}
+
+func (c *deadlineConn) SetReadDeadline(t time.Time) error {
+	c.sets++
+	c.readBy = t
+	return nil
+}
+
+// TestExchangeKeepsADeadlineThatStillServes checks that an exchange moves the connection's
+// deadlines only when the ones in force are earlier than asked or later by more than a 64th
+// of the time left, and that what is in force afterwards is never earlier than asked.
+func TestExchangeKeepsADeadlineThatStillServes(t *testing.T) {
+	base := time.Now().Add(time.Hour)
+	cases := []struct {
+		name    string
+		readBy  time.Time // in force before (writeBy the same unless readOnly)
+		writeBy time.Time
+		ask     time.Time
+		moved   bool
+	}{
+		{name: "none in force", ask: base, moved: true},
+		{name: "a later exchange on a busy connection", readBy: base, writeBy: base, ask: base.Add(-time.Second)},
+		{name: "the same deadline", readBy: base, writeBy: base, ask: base},
+		{name: "an earlier one in force", readBy: base, writeBy: base, ask: base.Add(time.Second), moved: true},
+		{name: "too far out", readBy: base.Add(2 * time.Minute), writeBy: base.Add(2 * time.Minute), ask: base, moved: true},
+		{name: "a stream's idle read deadline", readBy: base.Add(-time.Minute), writeBy: base, ask: base, moved: true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dc := &deadlineConn{readBy: tc.readBy, writeBy: tc.writeBy}
+			c := &upConn{conn: dc, readBy: tc.readBy, writeBy: tc.writeBy}
+			c.exchangeDeadline(tc.ask)
+			if moved := dc.sets > 0; moved != tc.moved {
+				t.Fatalf("deadline moved: %v, want %v", moved, tc.moved)
+			}
+			if dc.readBy.Before(tc.ask) || dc.writeBy.Before(tc.ask) {
+				t.Fatalf("deadlines in force %v (read), %v (write): earlier than the %v asked", dc.readBy, dc.writeBy, tc.ask)
+			}
+			if slack := time.Until(tc.ask) / 64; dc.readBy.Sub(tc.ask) > slack+time.Second {
+				t.Fatalf("read deadline %v is %v past the one asked", dc.readBy, dc.readBy.Sub(tc.ask))
+			}
+		})
 	}
 }
