@@ -290,7 +290,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if res, fail, ok := s.disaggregate(c); !ok {
 		return res, fail
 	}
-	s.metrics.dispatches.WithLabelValues(d.Target.Worker.String(), by).Inc()
+	s.metrics.dispatchesBy.with(d.Target.Worker.String(), by).Inc()
 	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
 	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, s.upstreamRequest(c.r, c.body, d.Target), firstBy)
 	if err != nil {

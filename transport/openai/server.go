@@ -499,15 +499,15 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	catalog := s.workers.Catalog()
 	alias, apiErr := s.alias(p.Model, catalog)
 	if apiErr != nil {
-		s.metrics.models.WithLabelValues(routing.OtherModel).Inc()
+		s.metrics.modelsBy.with(routing.OtherModel, "").Inc()
 		return nil, apiErr
 	}
 	if alias != nil {
 		// An alias the fleet serves a target of counts as a model the fleet serves: the
 		// label's values stay bounded by the replicated aliases (at most fsm.MaxAliases).
-		s.metrics.models.WithLabelValues(p.Model).Inc()
+		s.metrics.modelsBy.with(p.Model, "").Inc()
 	} else {
-		s.metrics.models.WithLabelValues(catalog.Label(p.Model)).Inc()
+		s.metrics.modelsBy.with(catalog.Label(p.Model), "").Inc()
 		if p.Model != "" && !catalog.Known(p.Model) {
 			return nil, modelNotFound(p.Model)
 		}
