@@ -292,8 +292,10 @@ type recorder struct {
 }
 
 // scratchHashes is how many block keys a prompt has in the request's own memory: a short
-// prompt's (at 16 tokens a block, 512 tokens); a longer one's get a slice of their own.
-const scratchHashes = 32
+// prompt's (at 16 tokens a block, 128 tokens; 512 bytes of text); a longer one's get a
+// slice of their own, of their exact size. More would add bytes to every request for the
+// sake of few.
+const scratchHashes = 8
 
 // scratch is what a completion request needs for its whole life, in one allocation with its
 // recorder rather than one for each: the parsed request, routing's input, the prompt's block
