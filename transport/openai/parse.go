@@ -5,8 +5,10 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"hash/maphash"
 	"net/http"
 	"strconv"
+	"sync/atomic"
 	"unicode/utf16"
 	"unicode/utf8"
 
@@ -94,15 +96,15 @@ func (r *Request) PromptTokens() int {
 // decoding into a map would; a key repeated takes its last value.
 func Parse(k Kind, body []byte) (*Request, error) {
 	req := new(Request)
-	if err := parseInto(k, body, req); err != nil {
+	if err := parseInto(k, body, req, nil); err != nil {
 		return nil, err
 	}
 	return req, nil
 }
 
 // parseInto is Parse into req, which it overwrites: so that a caller can keep the request
-// in memory of its own.
-func parseInto(k Kind, body []byte, req *Request) error {
+// in memory of its own. The model's name comes from models (nil: a new string).
+func parseInto(k Kind, body []byte, req *Request, models *names) error {
 	var f topFields
 	switch scanTop(body, &f) {
 	case topNotJSON:
@@ -137,7 +139,7 @@ func parseInto(k Kind, body []byte, req *Request) error {
 	if !ok {
 		return invalid("model", "missing required field: model")
 	}
-	if req.Model, ok = jsonString(model); !ok {
+	if req.Model, ok = models.jsonString(model); !ok {
 		return invalid("model", "model must be a string")
 	}
 	if req.Model == "" {
@@ -473,6 +475,44 @@ func jsonString(raw []byte) (string, bool) {
 	}
 	b, ok := appendString(nil, raw)
 	return string(b), ok
+}
+
+// names interns strings that requests repeat (model names), so that a common one is not a
+// new string on every request: a table of the last name seen in each of a few slots, by
+// hash. A name that misses replaces its slot's; any number of names stays correct, a few
+// dozen in turn only allocate as before. Safe for concurrent use.
+type names struct {
+	seed  maphash.Seed
+	slots [namesSlots]atomic.Pointer[string]
+}
+
+// namesSlots is the table's size: a fleet's models, and more.
+const namesSlots = 64
+
+func newNames() *names { return &names{seed: maphash.MakeSeed()} }
+
+// intern returns b as a string, the table's when it holds it.
+func (n *names) intern(b []byte) string {
+	if n == nil {
+		return string(b)
+	}
+	slot := &n.slots[maphash.Bytes(n.seed, b)%namesSlots]
+	if p := slot.Load(); p != nil && *p == string(b) {
+		return *p
+	}
+	s := string(b)
+	slot.Store(&s)
+	return s
+}
+
+// jsonString is the package's jsonString, with a plain string interned.
+func (n *names) jsonString(raw []byte) (string, bool) {
+	if isString(raw) {
+		if s := raw[1 : len(raw)-1]; plainRun(s, 0, true) == len(s) {
+			return n.intern(s), true
+		}
+	}
+	return jsonString(raw)
 }
 
 func isString(raw []byte) bool {

@@ -174,12 +174,14 @@ type Server struct {
 	copyBuffers sync.Pool
 	answers     sync.Pool
 	metrics     *metrics
-	ready       atomic.Pointer[func() error]
-	models      *modelCache
-	handler     http.Handler
-	res         reservations
-	clients     *clients
-	made        made
+	// modelNames interns the model names requests give.
+	modelNames *names
+	ready      atomic.Pointer[func() error]
+	models     *modelCache
+	handler    http.Handler
+	res        reservations
+	clients    *clients
+	made       made
 	// tokenizeWarn spaces the warnings of a failing tokenizer.
 	tokenizeWarn *ratelog.Limiter
 	// respWarn spaces the warnings of stored responses that could not be bound.
@@ -211,6 +213,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		transport:    newTransport(cfg),
 		upstream:     newUpstream(cfg.ConnectTimeout, cfg.WorkerTLS),
 		metrics:      newMetrics(),
+		modelNames:   newNames(),
 	}
 	s.clients = newClients(s.cfg.ClientLimits, time.Now)
 	s.models = newModelCache(s)
@@ -748,7 +751,7 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		return
 	}
 	p := &w.scratch.parsed
-	if err := parseInto(kind, body, p); err != nil {
+	if err := parseInto(kind, body, p, s.modelNames); err != nil {
 		s.fail(w, r, routeError(err))
 		return
 	}
