@@ -301,11 +301,11 @@ type recorder struct {
 const scratchHashes = 8
 
 // scratch is what a completion request needs for its whole life, in one allocation with its
-// recorder rather than one for each: the parsed request, routing's input, the prompt's block
-// keys and the router's answer headers. Nothing in it is reused by another request.
+// recorder rather than one for each: the parsed request, routing's input and attempt, the
+// prompt's block keys and the router's answer headers. Nothing in it is reused by another request.
 type scratch struct {
 	parsed Request
-	routed routing.Request
+	routed routing.Scratch
 	hashes [scratchHashes]uint64
 	// vals are writeHeaders' values; valsUsed once they are taken.
 	vals     [7]string
@@ -755,7 +755,7 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		s.fail(w, r, routeError(err))
 		return
 	}
-	req, apiErr := s.routingRequest(r.Context(), r.Header, p, false, &w.scratch.routed, w.scratch.hashes[:0])
+	req, apiErr := s.routingRequest(r.Context(), r.Header, p, false, &w.scratch.routed.Request, w.scratch.hashes[:0])
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
 		return
@@ -777,7 +777,7 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 	if sspan.IsRecording() {
 		sspan.SetAttributes(attrSession.Bool(req.Session != ""), attrTokens.Int(req.PromptTokens))
 	}
-	att, err := s.router.Route(sctx, req)
+	att, err := s.router.RouteScratch(sctx, &w.scratch.routed)
 	if err != nil {
 		failSpan(sspan, "select", err)
 		sspan.End()
