@@ -503,3 +503,119 @@ func TestExchangeKeepsADeadlineThatStillServes(t *testing.T) {
 		})
 	}
 }
+
+// ownAfterFuncCtx is a request context that runs functions once it is cancelled through an
+// AfterFunc method of its own, the kind a server can give its requests; Done and Value it
+// does not serve (the exchange must not need them), and it counts the stops.
+type ownAfterFuncCtx struct {
+	t *testing.T
+	context.Context
+	mu      sync.Mutex
+	err     error
+	waiting map[int]func()
+	next    int
+	stops   int
+}
+
+func (c *ownAfterFuncCtx) Done() <-chan struct{} {
+	c.t.Error("the exchange watched the context's Done channel instead of asking its AfterFunc")
+	return nil
+}
+
+func (c *ownAfterFuncCtx) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+func (c *ownAfterFuncCtx) AfterFunc(f func()) func() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	id := c.next
+	c.next++
+	c.waiting[id] = f
+	return func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		_, ok := c.waiting[id]
+		delete(c.waiting, id)
+		c.stops++
+		return ok
+	}
+}
+
+// cancel ends the context and runs what waits for it.
+func (c *ownAfterFuncCtx) cancel() {
+	c.mu.Lock()
+	c.err = context.Canceled
+	fs := c.waiting
+	c.waiting = nil
+	c.mu.Unlock()
+	for _, f := range fs {
+		f()
+	}
+}
+
+// TestUpstreamAsksAContextWithItsOwnAfterFunc: an exchange under a context that has an
+// AfterFunc method registers its abort there (not through a child context that watches
+// Done), stops it when the answer is read, and is cut at once when the context ends.
+func TestUpstreamAsksAContextWithItsOwnAfterFunc(t *testing.T) {
+	release := make(chan struct{})
+	srv, cc := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if r.URL.Query().Get("hang") == "" {
+			_, _ = io.WriteString(w, "answer")
+			return
+		}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	})
+	t.Cleanup(func() { close(release) })
+	u := testUpstream(t)
+	// The connection is dialled under a plain context; the exchanges reuse it.
+	send(t, u, srv.URL, post("{}"))
+
+	ctx := &ownAfterFuncCtx{t: t, Context: context.Background(), waiting: map[int]func(){}}
+	if _, body := send(t, u, srv.URL, post("{}")); body != "answer" {
+		t.Fatalf("body %q", body)
+	}
+	resp, err := trip(ctx, u, srv.URL, post("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := io.ReadAll(resp.Body); err != nil || string(b) != "answer" {
+		t.Fatalf("body %q, %v", b, err)
+	}
+	resp.Body.Close()
+	ctx.mu.Lock()
+	stops, waiting := ctx.stops, len(ctx.waiting)
+	ctx.mu.Unlock()
+	if stops != 1 || waiting != 0 {
+		t.Fatalf("%d stops, %d functions left waiting; want the exchange's one registered and stopped", stops, waiting)
+	}
+
+	hang := post("{}")
+	hang.target += "?hang=1"
+	errc := make(chan error, 1)
+	go func() {
+		_, err := trip(ctx, u, srv.URL, hang)
+		errc <- err
+	}()
+	poll.Holds(t, 10*time.Second, "the exchange to wait on the context", func() bool {
+		ctx.mu.Lock()
+		defer ctx.mu.Unlock()
+		return len(ctx.waiting) == 1
+	})
+	ctx.cancel()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("error %v, want the context's", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the exchange went on after its context ended")
+	}
+	poll.Holds(t, 10*time.Second, "the worker to see the connection close", func() bool { return cc.closed.Load() >= 1 })
+}
