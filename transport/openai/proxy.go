@@ -312,7 +312,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, keepFailedAnswer))
 		return retry, failure{cause: "upstream_status",
 			err:    fmt.Errorf("worker %s answered %s", d.Target.Worker, resp.Status),
-			answer: &failedAnswer{worker: d, resp: resp, body: body}}
+			answer: &failedAnswer{worker: d, resp: ownHead(resp), body: body}}
 	}
 
 	if c.mig.moving() && (resp.StatusCode < 200 || resp.StatusCode >= 300 || !isEventStream(resp.Header)) {

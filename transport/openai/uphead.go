@@ -94,7 +94,13 @@ func (c *upConn) readCommonHead(probe *http.Request) (*answer, bool, error) {
 	// One string holds every name and value; the values' slices share one array, as
 	// ReadMIMEHeader's do, inside the answer when they fit.
 	s := string(cp)
-	h := make(http.Header, n)
+	h := c.header
+	if h == nil {
+		h = make(http.Header, n)
+		c.header = h
+	} else {
+		clear(h)
+	}
 	a := &answer{}
 	vals := a.vals[:]
 	if n > len(vals) {

@@ -90,8 +90,10 @@ type outbound struct {
 
 // roundTrip sends req to the worker at base and reads the answer's status and headers,
 // all before the deadline firstBy. The body reads on the caller's goroutine, each read
-// under a deadline the caller sets; reading it to the end returns the connection to the
-// pool, closing it early drops the connection. Cancelling ctx aborts any read or write in
+// under a deadline the caller sets; closing it once read to the end returns the connection
+// to the pool, closing it early drops the connection. The answer's Header map is the
+// connection's, reused by its next exchange: it is the caller's until it closes the body
+// (ownHead keeps a copy past that). Cancelling ctx aborts any read or write in
 // progress; the error then wraps context.Cause(ctx). A missed deadline gives an error that
 // wraps errNoAnswer and is a net.Error timeout.
 func (u *upstream) roundTrip(ctx context.Context, base string, req outbound, firstBy time.Time) (*http.Response, *upBody, error) {
@@ -360,10 +362,12 @@ type upConn struct {
 
 	out      net.Buffers // the request being written, over outArray
 	outArray [2][]byte
-	// head is readCommonHead's copy of an answer head being canonicalised, and body the
-	// answer body it reads, reused by every exchange (only the exchange's upBody reads it).
-	head []byte
-	body fixedBody
+	// head is readCommonHead's copy of an answer head being canonicalised, body the answer
+	// body it reads and header the answer's Header, reused by every exchange (only the
+	// exchange's upBody reads the body; the Header is its holder's until it closes that).
+	head   []byte
+	body   fixedBody
+	header http.Header
 
 	mu        sync.Mutex
 	cancelled bool
@@ -514,7 +518,8 @@ func (c *upConn) readHead(method string) (*answer, error) {
 	return nil, fmt.Errorf("worker %s sent more than %d informational answers", c.pool.addr, maxInformational)
 }
 
-// upBody is a worker's response body. Its end gives the connection back to the pool.
+// upBody is a worker's response body. Closing it at its end gives the connection back to
+// the pool.
 type upBody struct {
 	src   io.ReadCloser
 	conn  *upConn
@@ -534,8 +539,9 @@ func (b *upBody) Read(p []byte) (int, error) {
 	}
 	n, err := b.src.Read(p)
 	if errors.Is(err, io.EOF) {
+		// The connection goes back to the pool at Close: its holder may still read the
+		// answer's Header, which the connection's next exchange reuses.
 		b.eof = true
-		b.release()
 	}
 	return n, err
 }
@@ -547,7 +553,8 @@ func (b *upBody) setReadDeadline(t time.Time) {
 	}
 }
 
-// Close implements io.Closer: an answer not read to its end takes its connection with it.
+// Close implements io.Closer: an answer read to its end gives its connection back to the
+// pool, one not read to its end takes its connection with it.
 func (b *upBody) Close() error {
 	b.release()
 	return nil
@@ -573,4 +580,13 @@ func (c *upConn) isCancelled() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.cancelled
+}
+
+// ownHead is a copy of an answer's head that outlives its body: its Header is the
+// connection's, which the connection's next exchange reuses once the body is closed.
+func ownHead(resp *http.Response) *http.Response {
+	own := *resp
+	own.Header = resp.Header.Clone()
+	own.Body = http.NoBody
+	return &own
 }

@@ -11,6 +11,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"reflect"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -618,4 +620,45 @@ func TestUpstreamAsksAContextWithItsOwnAfterFunc(t *testing.T) {
 		t.Fatal("the exchange went on after its context ended")
 	}
 	poll.Holds(t, 10*time.Second, "the worker to see the connection close", func() bool { return cc.closed.Load() >= 1 })
+}
+
+// TestUpstreamAnswerHeadersAreTheConnectionsUntilClose: an answer read to its end gives its
+// connection back when its body is closed, not before (its holder may still read its
+// headers); the connection's next exchange reuses the Header map, and ownHead's copy of the
+// first answer's head keeps what it said.
+func TestUpstreamAnswerHeadersAreTheConnectionsUntilClose(t *testing.T) {
+	var n atomic.Int64
+	srv, cc := countedServer(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("X-Answer", strconv.FormatInt(n.Add(1), 10))
+		_, _ = io.WriteString(w, "answer")
+	})
+	u := testUpstream(t)
+	first, err := trip(context.Background(), u, srv.URL, post("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := io.ReadAll(first.Body); err != nil || string(b) != "answer" {
+		t.Fatalf("body %q, %v", b, err)
+	}
+	if n := idleConns(t, u, srv.URL); n != 0 {
+		t.Fatalf("%d idle connections with the answer read but its body open, want 0", n)
+	}
+	own := ownHead(first)
+	first.Body.Close()
+	if n := idleConns(t, u, srv.URL); n != 1 {
+		t.Fatalf("%d idle connections after the close, want 1", n)
+	}
+	second, _ := send(t, u, srv.URL, post("{}"))
+	if n := cc.opened.Load(); n != 1 {
+		t.Fatalf("%d connections, want the first one reused", n)
+	}
+	if got := second.Header.Get("X-Answer"); got != "2" {
+		t.Fatalf("second answer's X-Answer %q, want 2", got)
+	}
+	if reflect.ValueOf(first.Header).UnsafePointer() != reflect.ValueOf(second.Header).UnsafePointer() {
+		t.Fatal("the second exchange made a Header map of its own")
+	}
+	if got := own.Header.Get("X-Answer"); got != "1" || own.StatusCode != http.StatusOK {
+		t.Fatalf("the first answer's own head: %d, X-Answer %q; want 200, 1", own.StatusCode, got)
+	}
 }
