@@ -247,11 +247,11 @@ func (r *Router) HashTokens(tokens []uint32, lora string, dst []uint64) []uint64
 	return indexer.SequenceHashes(tokens, r.cfg.BlockSize, indexer.Seed(lora, ""), hashBuffer(dst, len(tokens)/r.cfg.BlockSize))
 }
 
-// hashBuffer is dst, or when it is nil a slice made for the n hashes of a prompt's full
-// blocks, so that hashing allocates once instead of growing its result as it goes.
+// hashBuffer is dst, grown when it has no room for the n hashes of a prompt's full blocks,
+// so that hashing allocates once at most instead of growing its result as it goes.
 func hashBuffer(dst []uint64, n int) []uint64 {
-	if dst == nil && n > 0 {
-		return make([]uint64, 0, n)
+	if n > 0 && cap(dst)-len(dst) < n {
+		return slices.Grow(dst, n)
 	}
 	return dst
 }
@@ -294,13 +294,39 @@ var errPreferredGone = fmt.Errorf("bound worker is not routable: %w", ErrNoWorke
 // (worker accepted), FirstToken, and Finish; or Retry when the dispatch failed before any
 // byte reached the client.
 func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
+	return r.route(ctx, req, new(Attempt))
+}
+
+// Scratch is the memory of one request's routing, for a caller that keeps it in memory of
+// the request's own: its Request, and room for the Attempt that RouteScratch makes. It must
+// not be copied once routed.
+type Scratch struct {
+	// Request is what RouteScratch routes.
+	Request Request
+	attempt Attempt
+	used    bool
+}
+
+// RouteScratch is Route for s.Request, whose Attempt is in s the first time (after that, one
+// of its own): one allocation fewer a request.
+func (r *Router) RouteScratch(ctx context.Context, s *Scratch) (*Attempt, error) {
+	a := &s.attempt
+	if s.used {
+		a = new(Attempt)
+	}
+	s.used = true
+	return r.route(ctx, &s.Request, a)
+}
+
+// route is Route into a, a zero Attempt.
+func (r *Router) route(ctx context.Context, req *Request, a *Attempt) (*Attempt, error) {
 	if req.Target != nil {
 		spec, ok := r.deps.Workers.Lookup(req.Target.ID)
 		if !ok || int(req.Target.DPRank) >= max(spec.DPSize, 1) {
 			return nil, fmt.Errorf("%s: %w", req.Target, ErrUnknownTarget)
 		}
 	}
-	a := &Attempt{router: r, req: req}
+	a.router, a.req = r, req
 	if req.QueryOnly {
 		return a, r.routeQuery(ctx, a)
 	}

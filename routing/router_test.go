@@ -834,3 +834,27 @@ func TestMoveAfterTheFirstByteRebindsWithoutSpendingRetries(t *testing.T) {
 	}
 	a.Finish()
 }
+
+// TestRouteScratchKeepsTheAttemptInTheScratch: RouteScratch routes the scratch's request as
+// Route does, its first Attempt in the scratch's memory and a later one in its own, so that
+// an Attempt still in use is never overwritten.
+func TestRouteScratchKeepsTheAttemptInTheScratch(t *testing.T) {
+	rg := newRig(t, 4, Config{})
+	prefix := hashes(100, 32)
+	rg.index.Record(worker("w2"), prefix)
+	var s Scratch
+	s.Request = Request{PromptTokens: 40 * 16, Hashes: prefix, DPRank: -1}
+	for i, wantInScratch := range []bool{true, false} {
+		a, err := rg.router.RouteScratch(context.Background(), &s)
+		if err != nil {
+			t.Fatalf("route %d: %v", i, err)
+		}
+		if got := a.Decision().Target.Worker; got != worker("w2") || a.Decision().Overlap != 32 {
+			t.Fatalf("route %d: %s with overlap %d, want w2 with 32", i, got, a.Decision().Overlap)
+		}
+		if inScratch := a == &s.attempt; inScratch != wantInScratch {
+			t.Fatalf("route %d: attempt in the scratch %v, want %v", i, inScratch, wantInScratch)
+		}
+		a.Finish()
+	}
+}

@@ -139,11 +139,13 @@ func NewLoadShare(cfg LoadShareConfig) (*LoadShare, error) {
 func (s *LoadShare) Run(ctx context.Context) error {
 	t := time.NewTicker(s.cfg.Interval)
 	defer t.Stop()
-	// hold is the coalescing timer: while it runs, changes wait for it. Stopped, its
-	// channel delivers nothing (Go 1.23 timers).
+	// hold is the coalescing timer: while it runs, changes wait for it, in the Changes
+	// channel (changes is nil meanwhile): a busy tracker signals on every request's start,
+	// first token and end, and each signal taken would wake this goroutine for nothing.
+	// Stopped, the timer's channel delivers nothing (Go 1.23 timers).
 	hold := time.NewTimer(time.Hour)
 	hold.Stop()
-	holding := false
+	changes := s.cfg.Changes
 	var lastChange time.Time
 	for {
 		select {
@@ -153,19 +155,18 @@ func (s *LoadShare) Run(ctx context.Context) error {
 			s.Publish()
 			s.cfg.Remote.Expire(s.now())
 			s.m.remoteReplicas.Store(int64(len(s.cfg.Remote.Replicas())))
-		case <-s.cfg.Changes:
-			if holding {
-				continue // the timer's report takes this change too
-			}
+		case <-changes:
 			if wait := s.cfg.Coalesce - time.Since(lastChange); wait > 0 {
 				hold.Reset(wait)
-				holding = true
+				changes = nil
 				continue
 			}
 			s.PublishChanges()
 			lastChange = time.Now()
 		case <-hold.C:
-			holding = false
+			// A change signalled meanwhile is still in the channel: the report sent now
+			// takes it, and the next one goes a Coalesce later at the earliest.
+			changes = s.cfg.Changes
 			s.PublishChanges()
 			lastChange = time.Now()
 		}

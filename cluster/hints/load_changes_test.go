@@ -2,8 +2,10 @@ package hints
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -188,5 +190,64 @@ func TestChangeReportsAreCoalesced(t *testing.T) {
 			t.Logf("%d requests in %v (%.0f/s): %d change reports (%.0f/s), %d payload bytes (%.0f B/s) to one peer, about %.0f bytes each",
 				n, took.Round(time.Millisecond), float64(n)/secs, msgs, float64(msgs)/secs, bytes, float64(bytes)/secs, float64(bytes)/float64(max(msgs, 1)))
 		})
+	}
+}
+
+// countedLoad is a fixedLoad that counts its snapshots, each the mark of a report.
+type countedLoad struct {
+	fixedLoad
+	snapshots atomic.Int64
+}
+
+func (c *countedLoad) Snapshot() map[indexer.Worker]routing.Load {
+	c.snapshots.Add(1)
+	return c.fixedLoad.Snapshot()
+}
+
+// TestChangesWaitingForACoalescedReportDoNotWakeTheShare: once a change report is held back
+// for Coalesce, the changes signalled meanwhile stay in the Changes channel for that report
+// instead of waking the share one by one (a busy replica signals three times a request),
+// while the share goes on with its full reports.
+func TestChangesWaitingForACoalescedReportDoNotWakeTheShare(t *testing.T) {
+	fn := newFakeNet()
+	local := &countedLoad{}
+	changes := make(chan struct{}, 1)
+	s, err := NewLoadShare(LoadShareConfig{Messenger: fn.join("a", ""), Local: local, Changes: changes, Coalesce: time.Hour,
+		Remote: routing.NewRemoteLoad(local, time.Hour), Interval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	taken := func() error {
+		if len(changes) != 0 {
+			return errors.New("the share has not taken the change")
+		}
+		return nil
+	}
+	// The first change is reported at once; the second, within Coalesce, starts the hold.
+	for i := range 2 {
+		changes <- struct{}{}
+		if err := poll.Wait(10*time.Second, taken); err != nil {
+			t.Fatalf("change %d: %v", i+1, err)
+		}
+	}
+	changes <- struct{}{}
+	// Two full reports later the share has been back at its select with the third change
+	// ready more than once.
+	from := local.snapshots.Load()
+	if err := poll.Wait(10*time.Second, func() error {
+		if n := local.snapshots.Load() - from; n < 2 {
+			return fmt.Errorf("%d reports since", n)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if len(changes) != 1 {
+		t.Fatal("the share took a change signalled while its report was held back: each such change wakes it")
 	}
 }

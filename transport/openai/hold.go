@@ -95,7 +95,7 @@ func (s *Server) hold(ctx context.Context, h http.Header, body []byte, opts Hold
 	if err != nil {
 		return nil, routeError(err)
 	}
-	req, apiErr := s.routingRequest(ctx, h, p, false)
+	req, apiErr := s.routingRequest(ctx, h, p, false, nil, nil)
 	if apiErr != nil {
 		return nil, apiErr
 	}

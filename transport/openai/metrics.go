@@ -3,6 +3,8 @@ package openai
 import (
 	"fmt"
 	"net/http"
+	"sync"
+	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -20,10 +22,12 @@ type metrics struct {
 	migrations *prometheus.CounterVec
 	// dispatches counts requests sent to each worker, by why it was that worker.
 	dispatches *prometheus.CounterVec
-	ttft       prometheus.Histogram
-	selection  prometheus.Histogram
-	kvHit      prometheus.Histogram
-	predError  prometheus.Histogram
+	// dispatchesBy and modelsBy are dispatches' and models' children, resolved once.
+	dispatchesBy, modelsBy children
+	ttft                   prometheus.Histogram
+	selection              prometheus.Histogram
+	kvHit                  prometheus.Histogram
+	predError              prometheus.Histogram
 	// Disaggregation: requests by plan outcome, and the phases of the disaggregated ones.
 	disagg           *prometheus.CounterVec
 	prefillSelection prometheus.Histogram
@@ -42,7 +46,7 @@ type metrics struct {
 }
 
 func newMetrics() *metrics {
-	return &metrics{
+	m := &metrics{
 		models: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_model_requests_total",
 			Help: "Requests by the model they name: each model the fleet serves has its own value, every other name counts as \"" + routing.OtherModel + "\" (answered 404 model_not_found once every worker's models are known).",
@@ -132,6 +136,9 @@ func newMetrics() *metrics {
 				"reservation (reservations past its rate), open_reservations (past its open reservations).",
 		}, []string{"what"}),
 	}
+	m.dispatchesBy.vec, m.dispatchesBy.labels = m.dispatches, 2
+	m.modelsBy.vec, m.modelsBy.labels = m.models, 1
+	return m
 }
 
 func (m *metrics) register(reg prometheus.Registerer, c prometheus.Collector) error {
@@ -217,4 +224,48 @@ func AdminHandler(g prometheus.Gatherer) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}))
 	return mux
+}
+
+// children resolves a CounterVec's child for a set of label values (one or two) once, for the
+// counters every request adds to: WithLabelValues hashes the values and takes the vector's
+// lock on every call. The values are bounded by what the counter's labels are (workers,
+// models), and the vector keeps every child it made anyway; the map is replaced, never
+// changed, when a new one comes.
+type children struct {
+	vec    *prometheus.CounterVec
+	labels int        // the vector's: 1 or 2
+	mu     sync.Mutex // serialises additions
+	byKV   atomic.Pointer[map[[2]string]prometheus.Counter]
+}
+
+// with returns the child for label values a and b (b is "" for a vector of one label).
+func (c *children) with(a, b string) prometheus.Counter {
+	k := [2]string{a, b}
+	if m := c.byKV.Load(); m != nil {
+		if ctr, ok := (*m)[k]; ok {
+			return ctr
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var old map[[2]string]prometheus.Counter
+	if m := c.byKV.Load(); m != nil {
+		if ctr, ok := (*m)[k]; ok {
+			return ctr
+		}
+		old = *m
+	}
+	var ctr prometheus.Counter
+	if c.labels == 1 {
+		ctr = c.vec.WithLabelValues(a)
+	} else {
+		ctr = c.vec.WithLabelValues(a, b)
+	}
+	next := make(map[[2]string]prometheus.Counter, len(old)+1)
+	for key, v := range old {
+		next[key] = v
+	}
+	next[k] = ctr
+	c.byKV.Store(&next)
+	return ctr
 }

@@ -5,8 +5,10 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"hash/maphash"
 	"net/http"
 	"strconv"
+	"sync/atomic"
 	"unicode/utf16"
 	"unicode/utf8"
 
@@ -93,45 +95,55 @@ func (r *Request) PromptTokens() int {
 // runs only to word the error for a body that is not JSON. Keys match exactly, as a worker
 // decoding into a map would; a key repeated takes its last value.
 func Parse(k Kind, body []byte) (*Request, error) {
+	req := new(Request)
+	if err := parseInto(k, body, req, nil); err != nil {
+		return nil, err
+	}
+	return req, nil
+}
+
+// parseInto is Parse into req, which it overwrites: so that a caller can keep the request
+// in memory of its own. The model's name comes from models (nil: a new string).
+func parseInto(k Kind, body []byte, req *Request, models *names) error {
 	var f topFields
 	switch scanTop(body, &f) {
 	case topNotJSON:
 		var probe json.RawMessage
-		return nil, invalid(jsonerr.Describe(json.Unmarshal(body, &probe)))
+		return invalid(jsonerr.Describe(json.Unmarshal(body, &probe)))
 	case topNotObject:
-		return nil, invalid("", "request body must be a JSON object")
+		return invalid("", "request body must be a JSON object")
 	}
-	req := &Request{Kind: k, Body: body}
+	*req = Request{Kind: k, Body: body}
 
 	// kv_transfer_params tell a worker to pull a prompt's KV from another worker, or to hold
 	// it for one; they are the router's to set between the legs of a disaggregated request.
 	// From a client they would make a decode worker pull from any address the client names
 	// and pin KV on a prefill worker, so they are refused, not forwarded.
 	if _, ok := present(f.kvTransfer); ok {
-		return nil, invalid("kv_transfer_params", "kv_transfer_params is set by the router between prefill and decode workers; a client may not send it")
+		return invalid("kv_transfer_params", "kv_transfer_params is set by the router between prefill and decode workers; a client may not send it")
 	}
 	if raw, ok := present(f.cacheSalt); ok {
 		// vLLM takes a non-empty string, and keys the prompt's first block with it.
 		if req.CacheSalt, ok = jsonString(raw); !ok || req.CacheSalt == "" {
-			return nil, invalid("cache_salt", "cache_salt must be a non-empty string")
+			return invalid("cache_salt", "cache_salt must be a non-empty string")
 		}
 	}
 	if k >= KindResponses {
 		if err := parseAPI(k, body, req); err != nil {
-			return nil, err
+			return err
 		}
-		return req, nil
+		return nil
 	}
 
 	model, ok := present(f.model)
 	if !ok {
-		return nil, invalid("model", "missing required field: model")
+		return invalid("model", "missing required field: model")
 	}
-	if req.Model, ok = jsonString(model); !ok {
-		return nil, invalid("model", "model must be a string")
+	if req.Model, ok = models.jsonString(model); !ok {
+		return invalid("model", "model must be a string")
 	}
 	if req.Model == "" {
-		return nil, invalid("model", "model must be a non-empty string")
+		return invalid("model", "model must be a non-empty string")
 	}
 
 	if raw, ok := present(f.stream); ok {
@@ -140,7 +152,7 @@ func Parse(k Kind, body []byte) (*Request, error) {
 			req.Stream = true
 		case "false":
 		default:
-			return nil, invalid("stream", "stream must be a boolean")
+			return invalid("stream", "stream must be a boolean")
 		}
 	}
 
@@ -148,26 +160,26 @@ func Parse(k Kind, body []byte) (*Request, error) {
 	case KindChat:
 		raw, ok := present(f.messages)
 		if !ok {
-			return nil, invalid("messages", "missing required field: messages")
+			return invalid("messages", "missing required field: messages")
 		}
 		text, err := renderMessages(raw)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		req.Text = text
 		req.Messages = raw
 	case KindCompletion:
 		raw, ok := present(f.prompt)
 		if !ok {
-			return nil, invalid("prompt", "missing required field: prompt")
+			return invalid("prompt", "missing required field: prompt")
 		}
 		if err := parsePrompt(raw, req); err != nil {
-			return nil, err
+			return err
 		}
 	default:
-		return nil, fmt.Errorf("parse: unknown request kind %d", k)
+		return fmt.Errorf("parse: unknown request kind %d", k)
 	}
-	return req, nil
+	return nil
 }
 
 // DetectKind guesses a body's kind for /v1/route, which takes either: a JSON object with a
@@ -463,6 +475,44 @@ func jsonString(raw []byte) (string, bool) {
 	}
 	b, ok := appendString(nil, raw)
 	return string(b), ok
+}
+
+// names interns strings that requests repeat (model names), so that a common one is not a
+// new string on every request: a table of the last name seen in each of a few slots, by
+// hash. A name that misses replaces its slot's; any number of names stays correct, a few
+// dozen in turn only allocate as before. Safe for concurrent use.
+type names struct {
+	seed  maphash.Seed
+	slots [namesSlots]atomic.Pointer[string]
+}
+
+// namesSlots is the table's size: a fleet's models, and more.
+const namesSlots = 64
+
+func newNames() *names { return &names{seed: maphash.MakeSeed()} }
+
+// intern returns b as a string, the table's when it holds it.
+func (n *names) intern(b []byte) string {
+	if n == nil {
+		return string(b)
+	}
+	slot := &n.slots[maphash.Bytes(n.seed, b)%namesSlots]
+	if p := slot.Load(); p != nil && *p == string(b) {
+		return *p
+	}
+	s := string(b)
+	slot.Store(&s)
+	return s
+}
+
+// jsonString is the package's jsonString, with a plain string interned.
+func (n *names) jsonString(raw []byte) (string, bool) {
+	if isString(raw) {
+		if s := raw[1 : len(raw)-1]; plainRun(s, 0, true) == len(s) {
+			return n.intern(s), true
+		}
+	}
+	return jsonString(raw)
 }
 
 func isString(raw []byte) bool {

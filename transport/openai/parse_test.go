@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
@@ -186,6 +187,14 @@ func FuzzParse(f *testing.F) {
 			kind = KindChat
 		}
 		req, err := Parse(kind, body)
+		// The model names the server interns read as Parse reads them, twice over.
+		models := newNames()
+		for range 2 {
+			var in Request
+			if ierr := parseInto(kind, body, &in, models); (ierr == nil) != (err == nil) || err == nil && in.Model != req.Model {
+				t.Fatalf("with interned names: model %q, error %v; Parse's %v", in.Model, ierr, err)
+			}
+		}
 		if err != nil {
 			var apiErr *Error
 			if !errors.As(err, &apiErr) || apiErr.Status != http.StatusBadRequest || apiErr.Message == "" {
@@ -345,4 +354,42 @@ func FuzzParseMatchesEncodingJSON(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestNamesInternTheNamesRequestsRepeat checks that a model name given again is the string
+// the table holds (no new one), and that interning never changes what a JSON string reads as.
+func TestNamesInternTheNamesRequestsRepeat(t *testing.T) {
+	cases := []struct {
+		name     string
+		raw      string
+		interned bool // the second read returns the first one's string
+	}{
+		{name: "plain", raw: `"tp-model"`, interned: true},
+		{name: "a long name", raw: `"meta-llama/Llama-3.1-8B-Instruct"`, interned: true},
+		{name: "escaped", raw: `"tp-\u006dodel"`},
+		{name: "non-ASCII", raw: `"modèle"`},
+		{name: "empty", raw: `""`},
+		{name: "not a string", raw: `42`},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			n := newNames()
+			want, wantOK := jsonString([]byte(tc.raw))
+			first, ok := n.jsonString([]byte(tc.raw))
+			if first != want || ok != wantOK {
+				t.Fatalf("read %q, %v; jsonString reads %q, %v", first, ok, want, wantOK)
+			}
+			second, _ := (*names)(nil).jsonString([]byte(tc.raw))
+			if second != want {
+				t.Fatalf("without a table: %q, want %q", second, want)
+			}
+			again, _ := n.jsonString([]byte(tc.raw))
+			if again != want {
+				t.Fatalf("read again %q, want %q", again, want)
+			}
+			if same := len(want) > 0 && unsafe.StringData(again) == unsafe.StringData(first); same != tc.interned {
+				t.Fatalf("the second read shares the first's string: %v, want %v", same, tc.interned)
+			}
+		})
+	}
 }

@@ -290,7 +290,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	if res, fail, ok := s.disaggregate(c); !ok {
 		return res, fail
 	}
-	s.metrics.dispatches.WithLabelValues(d.Target.Worker.String(), by).Inc()
+	s.metrics.dispatchesBy.with(d.Target.Worker.String(), by).Inc()
 	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
 	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, s.upstreamRequest(c.r, c.body, d.Target), firstBy)
 	if err != nil {
@@ -312,7 +312,7 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, keepFailedAnswer))
 		return retry, failure{cause: "upstream_status",
 			err:    fmt.Errorf("worker %s answered %s", d.Target.Worker, resp.Status),
-			answer: &failedAnswer{worker: d, resp: resp, body: body}}
+			answer: &failedAnswer{worker: d, resp: ownHead(resp), body: body}}
 	}
 
 	if c.mig.moving() && (resp.StatusCode < 200 || resp.StatusCode >= 300 || !isEventStream(resp.Header)) {
@@ -677,7 +677,7 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 	copyHeaders(h, resp.Header)
 	// The names are canonical already, so the map is written directly; the values share
 	// one backing array.
-	vals := make([]string, 7)
+	vals := c.w.scratch.headerValues(7)
 	set := func(k, v string) {
 		vals[0] = v
 		h[k] = vals[:1:1]
@@ -915,7 +915,8 @@ type upstreamReader struct {
 	body    *upBody
 	firstBy time.Time
 	idle    time.Duration
-	// deadline is the read deadline in force on the connection; roundTrip leaves firstBy.
+	// deadline is the read deadline this reader set last; roundTrip leaves one at firstBy
+	// or a little later (exchangeDeadline), which serves as firstBy.
 	deadline time.Time
 	idling   bool // deadline is an idle one
 	gotBytes bool

@@ -174,12 +174,14 @@ type Server struct {
 	copyBuffers sync.Pool
 	answers     sync.Pool
 	metrics     *metrics
-	ready       atomic.Pointer[func() error]
-	models      *modelCache
-	handler     http.Handler
-	res         reservations
-	clients     *clients
-	made        made
+	// modelNames interns the model names requests give.
+	modelNames *names
+	ready      atomic.Pointer[func() error]
+	models     *modelCache
+	handler    http.Handler
+	res        reservations
+	clients    *clients
+	made       made
 	// tokenizeWarn spaces the warnings of a failing tokenizer.
 	tokenizeWarn *ratelog.Limiter
 	// respWarn spaces the warnings of stored responses that could not be bound.
@@ -211,6 +213,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		transport:    newTransport(cfg),
 		upstream:     newUpstream(cfg.ConnectTimeout, cfg.WorkerTLS),
 		metrics:      newMetrics(),
+		modelNames:   newNames(),
 	}
 	s.clients = newClients(s.cfg.ClientLimits, time.Now)
 	s.models = newModelCache(s)
@@ -287,6 +290,35 @@ type recorder struct {
 	gone bool
 	// anthropic: errors go out in Anthropic's shape (the Messages API).
 	anthropic bool
+	// scratch is the memory a completion takes on its way, allocated with the recorder.
+	scratch scratch
+}
+
+// scratchHashes is how many block keys a prompt has in the request's own memory: a short
+// prompt's (at 16 tokens a block, 128 tokens; 512 bytes of text); a longer one's get a
+// slice of their own, of their exact size. More would add bytes to every request for the
+// sake of few.
+const scratchHashes = 8
+
+// scratch is what a completion request needs for its whole life, in one allocation with its
+// recorder rather than one for each: the parsed request, routing's input and attempt, the
+// prompt's block keys and the router's answer headers. Nothing in it is reused by another request.
+type scratch struct {
+	parsed Request
+	routed routing.Scratch
+	hashes [scratchHashes]uint64
+	// vals are writeHeaders' values; valsUsed once they are taken.
+	vals     [7]string
+	valsUsed bool
+}
+
+// headerValues returns n strings for the answer's headers: the scratch's the first time.
+func (sc *scratch) headerValues(n int) []string {
+	if sc.valsUsed || n > len(sc.vals) {
+		return make([]string, n)
+	}
+	sc.valsUsed = true
+	return sc.vals[:n]
 }
 
 // WriteHeader implements http.ResponseWriter.
@@ -451,7 +483,9 @@ func readToEOF(src io.Reader, buf []byte) ([]byte, error) {
 }
 
 // routingRequest turns a parsed request and its headers into routing's input.
-func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, queryOnly bool) (*routing.Request, *Error) {
+// It fills dst (nil: a new one) and returns it; hashes, when not nil, is memory for the
+// prompt's block keys.
+func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, queryOnly bool, dst *routing.Request, hashes []uint64) (*routing.Request, *Error) {
 	session, apiErr := s.sessionKey(h)
 	if apiErr != nil {
 		return nil, apiErr
@@ -470,15 +504,15 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	catalog := s.workers.Catalog()
 	alias, apiErr := s.alias(p.Model, catalog)
 	if apiErr != nil {
-		s.metrics.models.WithLabelValues(routing.OtherModel).Inc()
+		s.metrics.modelsBy.with(routing.OtherModel, "").Inc()
 		return nil, apiErr
 	}
 	if alias != nil {
 		// An alias the fleet serves a target of counts as a model the fleet serves: the
 		// label's values stay bounded by the replicated aliases (at most fsm.MaxAliases).
-		s.metrics.models.WithLabelValues(p.Model).Inc()
+		s.metrics.modelsBy.with(p.Model, "").Inc()
 	} else {
-		s.metrics.models.WithLabelValues(catalog.Label(p.Model)).Inc()
+		s.metrics.modelsBy.with(catalog.Label(p.Model), "").Inc()
 		if p.Model != "" && !catalog.Known(p.Model) {
 			return nil, modelNotFound(p.Model)
 		}
@@ -487,7 +521,11 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 	if catalog.Adapter(p.Model) {
 		lora = p.Model
 	}
-	req := &routing.Request{
+	if dst == nil {
+		dst = new(routing.Request)
+	}
+	req := dst
+	*req = routing.Request{
 		PromptTokens: p.PromptTokens(),
 		Session:      session,
 		Target:       target,
@@ -504,21 +542,22 @@ func (s *Server) routingRequest(ctx context.Context, h http.Header, p *Request, 
 		req.Keys = func(ctx context.Context, model string) ([]uint64, int) {
 			q := *p
 			q.Model = model
-			return s.promptKeys(ctx, &q, lora)
+			return s.promptKeys(ctx, &q, lora, nil)
 		}
 	} else {
-		req.Hashes, req.PromptTokens = s.promptKeys(ctx, p, lora)
+		req.Hashes, req.PromptTokens = s.promptKeys(ctx, p, lora, hashes)
 	}
 	return req, nil
 }
 
 // promptKeys are p's block keys and its prompt length in tokens: from its token ids, from the
 // tokenizer's answer (asked as p.Model), or, without either, from its text.
-func (s *Server) promptKeys(ctx context.Context, p *Request, lora string) (hashes []uint64, promptTokens int) {
+// The keys go into dst's array when they fit (dst is empty; nil: a new array).
+func (s *Server) promptKeys(ctx context.Context, p *Request, lora string, dst []uint64) (hashes []uint64, promptTokens int) {
 	promptTokens = p.PromptTokens()
 	switch {
 	case p.HasTokens:
-		hashes = s.router.HashTokensWithSalt(p.Tokens, lora, p.CacheSalt, nil)
+		hashes = s.router.HashTokensWithSalt(p.Tokens, lora, p.CacheSalt, dst)
 	case s.cfg.Tokenizer != nil:
 		tctx, span := s.tr.start(ctx, "tokenize", trace.SpanKindClient)
 		tokens, err := s.cfg.Tokenizer.Tokenize(tctx, p)
@@ -528,7 +567,7 @@ func (s *Server) promptKeys(ctx context.Context, p *Request, lora string) (hashe
 		}
 		span.End()
 		if err == nil {
-			return s.router.HashTokensWithSalt(tokens, lora, p.CacheSalt, nil), len(tokens)
+			return s.router.HashTokensWithSalt(tokens, lora, p.CacheSalt, dst), len(tokens)
 		}
 		// The request still routes, on approximate keys; the failure is counted and said,
 		// at most once per tokenizeWarnEvery so that a tokenizer down cannot flood the log.
@@ -544,9 +583,9 @@ func (s *Server) promptKeys(ctx context.Context, p *Request, lora string) (hashe
 		} else {
 			s.log.Debug("tokenize failed; routing on text chunks", "reason", reason, "error", err)
 		}
-		hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
+		hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, dst)
 	default:
-		hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, nil)
+		hashes = s.router.HashTextWithSalt(p.Text, lora, p.CacheSalt, dst)
 	}
 	return hashes, promptTokens
 }
@@ -711,12 +750,12 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		s.fail(w, r, apiErr)
 		return
 	}
-	p, err := Parse(kind, body)
-	if err != nil {
+	p := &w.scratch.parsed
+	if err := parseInto(kind, body, p, s.modelNames); err != nil {
 		s.fail(w, r, routeError(err))
 		return
 	}
-	req, apiErr := s.routingRequest(r.Context(), r.Header, p, false)
+	req, apiErr := s.routingRequest(r.Context(), r.Header, p, false, &w.scratch.routed.Request, w.scratch.hashes[:0])
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
 		return
@@ -738,7 +777,7 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 	if sspan.IsRecording() {
 		sspan.SetAttributes(attrSession.Bool(req.Session != ""), attrTokens.Int(req.PromptTokens))
 	}
-	att, err := s.router.Route(sctx, req)
+	att, err := s.router.RouteScratch(sctx, &w.scratch.routed)
 	if err != nil {
 		failSpan(sspan, "select", err)
 		sspan.End()
@@ -798,7 +837,7 @@ func (s *Server) decisionRequest(w *recorder, r *http.Request, queryOnly bool) *
 		s.fail(w, r, routeError(err))
 		return nil
 	}
-	req, apiErr := s.routingRequest(r.Context(), r.Header, p, queryOnly)
+	req, apiErr := s.routingRequest(r.Context(), r.Header, p, queryOnly, nil, nil)
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
 		return nil

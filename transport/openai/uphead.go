@@ -18,7 +18,7 @@ const maxCommonHeadLines = 64
 // Trailer), all of it already in the read buffer. For anything else it consumes nothing and
 // reports !ok, and ReadResponse reads the head instead. An error is one reading the first
 // byte, as ReadResponse reports it.
-func (c *upConn) readCommonHead(probe *http.Request) (*http.Response, bool, error) {
+func (c *upConn) readCommonHead(probe *http.Request) (*answer, bool, error) {
 	if _, err := c.br.Peek(1); err != nil {
 		if err == io.EOF {
 			err = io.ErrUnexpectedEOF
@@ -92,10 +92,20 @@ func (c *upConn) readCommonHead(probe *http.Request) (*http.Response, bool, erro
 		return nil, false, nil
 	}
 	// One string holds every name and value; the values' slices share one array, as
-	// ReadMIMEHeader's do.
+	// ReadMIMEHeader's do, inside the answer when they fit.
 	s := string(cp)
-	h := make(http.Header, n)
-	vals := make([]string, n)
+	h := c.header
+	if h == nil {
+		h = make(http.Header, n)
+		c.header = h
+	} else {
+		clear(h)
+	}
+	a := &answer{}
+	vals := a.vals[:]
+	if n > len(vals) {
+		vals = make([]string, n)
+	}
 	for _, f := range fields[:n] {
 		k, v := s[f.k0:f.k1], s[f.v0:f.v1]
 		if vv, dup := h[k]; dup {
@@ -106,16 +116,28 @@ func (c *upConn) readCommonHead(probe *http.Request) (*http.Response, bool, erro
 		h[k] = vals[:1:1]
 		vals = vals[1:]
 	}
-	resp := &http.Response{
+	a.resp = http.Response{
 		Status: s[9 : eol-1], StatusCode: code, Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1,
 		Header: h, ContentLength: length, Request: probe, Body: http.NoBody,
 	}
 	if length > 0 {
 		c.body = fixedBody{r: c.br, n: length}
-		resp.Body = &c.body
+		a.resp.Body = &c.body
 	}
 	_, _ = c.br.Discard(end + 4)
-	return resp, true, nil
+	return a, true, nil
+}
+
+// answerValues is how many header values an answer holds without a slice of their own:
+// the common answer's few (type, length, and a server's date or request id).
+const answerValues = 6
+
+// answer is one exchange's answer from a worker: its head, the body the proxy reads, and
+// the common head's header values, in one allocation rather than one for each.
+type answer struct {
+	resp http.Response
+	body upBody
+	vals [answerValues]string
 }
 
 // headerSpan is one header line's name and value, as offsets in the head copy.

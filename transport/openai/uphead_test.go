@@ -120,7 +120,7 @@ func checkCommonHead(t *testing.T, in, method string) bool {
 	t.Helper()
 	probe := &http.Request{Method: method}
 	c := &upConn{br: bufio.NewReaderSize(bytes.NewReader([]byte(in)), readBufferSize)}
-	got, ok, gerr := c.readCommonHead(probe)
+	a, ok, gerr := c.readCommonHead(probe)
 	wr := bufio.NewReaderSize(bytes.NewReader([]byte(in)), readBufferSize)
 	want, werr := http.ReadResponse(wr, probe)
 	if gerr != nil {
@@ -135,6 +135,7 @@ func checkCommonHead(t *testing.T, in, method string) bool {
 		}
 		return false
 	}
+	got := &a.resp
 	if werr != nil {
 		t.Fatalf("%q: read as %d, but ReadResponse fails: %v", in, got.StatusCode, werr)
 	}

@@ -90,8 +90,10 @@ type outbound struct {
 
 // roundTrip sends req to the worker at base and reads the answer's status and headers,
 // all before the deadline firstBy. The body reads on the caller's goroutine, each read
-// under a deadline the caller sets; reading it to the end returns the connection to the
-// pool, closing it early drops the connection. Cancelling ctx aborts any read or write in
+// under a deadline the caller sets; closing it once read to the end returns the connection
+// to the pool, closing it early drops the connection. The answer's Header map is the
+// connection's, reused by its next exchange: it is the caller's until it closes the body
+// (ownHead keeps a copy past that). Cancelling ctx aborts any read or write in
 // progress; the error then wraps context.Cause(ctx). A missed deadline gives an error that
 // wraps errNoAnswer and is a net.Error timeout.
 func (u *upstream) roundTrip(ctx context.Context, base string, req outbound, firstBy time.Time) (*http.Response, *upBody, error) {
@@ -360,13 +362,17 @@ type upConn struct {
 
 	out      net.Buffers // the request being written, over outArray
 	outArray [2][]byte
-	// head is readCommonHead's copy of an answer head being canonicalised, and body the
-	// answer body it reads, reused by every exchange (only the exchange's upBody reads it).
-	head []byte
-	body fixedBody
+	// head is readCommonHead's copy of an answer head being canonicalised, body the answer
+	// body it reads and header the answer's Header, reused by every exchange (only the
+	// exchange's upBody reads the body; the Header is its holder's until it closes that).
+	head   []byte
+	body   fixedBody
+	header http.Header
 
 	mu        sync.Mutex
 	cancelled bool
+	// readBy and writeBy are the deadlines in force (zero: none), as set under mu.
+	readBy, writeBy time.Time
 }
 
 // cancel ends whatever the connection is waiting for, for good.
@@ -377,17 +383,37 @@ func (c *upConn) cancel() {
 	c.mu.Unlock()
 }
 
-// setDeadline sets the read deadline, or both, unless the connection was cancelled.
-func (c *upConn) setDeadline(t time.Time, write bool) {
+// setReadDeadline sets the read deadline, unless the connection was cancelled.
+func (c *upConn) setReadDeadline(t time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	switch {
-	case c.cancelled:
-	case write:
-		_ = c.conn.SetDeadline(t)
-	default:
+	if !c.cancelled {
 		_ = c.conn.SetReadDeadline(t)
+		c.readBy = t
 	}
+}
+
+// exchangeDeadline sets the read and write deadlines to t for an exchange, a 64th of the
+// time left later than asked; or leaves the ones in force when they are already that far
+// out, or less. Moving a deadline costs two timer updates, and on a busy connection each
+// exchange's deadline is only a little later than the last one's, which then still serves:
+// the time an exchange is allowed is between the one asked and a 64th more.
+func (c *upConn) exchangeDeadline(t time.Time) {
+	slack := time.Until(t) / 64
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.cancelled || withinSlack(c.readBy, t, slack) && withinSlack(c.writeBy, t, slack) {
+		return
+	}
+	t = t.Add(slack)
+	_ = c.conn.SetDeadline(t)
+	c.readBy, c.writeBy = t, t
+}
+
+// withinSlack reports whether the deadline d in force serves for one asked at t: it is not
+// earlier, nor later by more than slack.
+func withinSlack(d, t time.Time, slack time.Duration) bool {
+	return !d.Before(t) && d.Sub(t) <= slack
 }
 
 // Read implements io.Reader for the buffered reader.
@@ -410,13 +436,13 @@ func (c *upConn) close() { _ = c.conn.Close() }
 
 // exchange writes the request and reads the answer's head before the deadline.
 func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadline time.Time) (*http.Response, *upBody, error) {
-	stop := context.AfterFunc(ctx, c.cancelFunc)
+	stop := afterDone(ctx, c.cancelFunc)
 	fail := func(err error) (*http.Response, *upBody, error) {
 		stop()
 		c.close()
 		return nil, nil, err
 	}
-	c.setDeadline(deadline, true)
+	c.exchangeDeadline(deadline)
 	// One writev for head and body; the slices live in the connection so that they need no
 	// allocation, and are dropped once written.
 	c.out = append(c.outArray[:0], head, req.body)
@@ -425,25 +451,43 @@ func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadli
 	if werr != nil {
 		// A worker may answer (say, 413) and close before taking the whole body; its answer
 		// is then already here and better than the write error.
-		resp, err := c.readHead(req.method)
+		a, err := c.readHead(req.method)
 		if err != nil {
 			return fail(fmt.Errorf("send request to %s: %w", c.pool.addr, werr))
 		}
-		body := &upBody{src: resp.Body, conn: c, stop: stop}
-		resp.Body = body
-		return resp, body, nil
+		a.body = upBody{src: a.resp.Body, conn: c, stop: stop}
+		a.resp.Body = &a.body
+		return &a.resp, &a.body, nil
 	}
-	resp, err := c.readHead(req.method)
+	a, err := c.readHead(req.method)
 	if err != nil {
 		return fail(err)
 	}
-	body := &upBody{src: resp.Body, conn: c, stop: stop, reuse: !resp.Close}
-	resp.Body = body
-	return resp, body, nil
+	a.body = upBody{src: a.resp.Body, conn: c, stop: stop, reuse: !a.resp.Close}
+	a.resp.Body = &a.body
+	return &a.resp, &a.body, nil
+}
+
+// afterFuncer is a context that runs a function once it is done, and says so itself; it is
+// the method context.AfterFunc looks for.
+type afterFuncer interface {
+	AfterFunc(f func()) (stop func() bool)
+}
+
+// afterDone runs f once ctx is done, as context.AfterFunc does; a context with an AfterFunc
+// method of its own is asked directly. context.AfterFunc would ask it too, but through a
+// child context of its own and the closures around it: four allocations on every exchange
+// for nothing. (The request contexts of net/http and, today, transport/h1 have no such
+// method: they take context.AfterFunc's way, a child in their children map.)
+func afterDone(ctx context.Context, f func()) (stop func() bool) {
+	if a, ok := ctx.(afterFuncer); ok {
+		return a.AfterFunc(f)
+	}
+	return context.AfterFunc(ctx, f)
 }
 
 // readHead reads the answer's status line and headers, skipping informational answers.
-func (c *upConn) readHead(method string) (*http.Response, error) {
+func (c *upConn) readHead(method string) (*answer, error) {
 	// The budget covers what the buffered reader takes ahead of the head, too.
 	c.budget = maxResponseHead + readBufferSize
 	defer func() { c.budget = -1 }()
@@ -452,14 +496,14 @@ func (c *upConn) readHead(method string) (*http.Response, error) {
 		probe = &http.Request{Method: method}
 	}
 	for range maxInformational {
-		resp, ok, err := c.readCommonHead(probe)
+		a, ok, err := c.readCommonHead(probe)
 		if err != nil {
 			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
 		}
 		if ok {
-			return resp, nil
+			return a, nil
 		}
-		resp, err = http.ReadResponse(c.br, probe)
+		resp, err := http.ReadResponse(c.br, probe)
 		if err != nil {
 			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
 		}
@@ -467,14 +511,15 @@ func (c *upConn) readHead(method string) (*http.Response, error) {
 		case resp.StatusCode == http.StatusSwitchingProtocols:
 			return nil, fmt.Errorf("worker %s switched protocols", c.pool.addr)
 		case resp.StatusCode >= 200:
-			return resp, nil
+			return &answer{resp: *resp}, nil
 		}
 		// 1xx answers other than 101 precede the real one.
 	}
 	return nil, fmt.Errorf("worker %s sent more than %d informational answers", c.pool.addr, maxInformational)
 }
 
-// upBody is a worker's response body. Its end gives the connection back to the pool.
+// upBody is a worker's response body. Closing it at its end gives the connection back to
+// the pool.
 type upBody struct {
 	src   io.ReadCloser
 	conn  *upConn
@@ -494,8 +539,9 @@ func (b *upBody) Read(p []byte) (int, error) {
 	}
 	n, err := b.src.Read(p)
 	if errors.Is(err, io.EOF) {
+		// The connection goes back to the pool at Close: its holder may still read the
+		// answer's Header, which the connection's next exchange reuses.
 		b.eof = true
-		b.release()
 	}
 	return n, err
 }
@@ -503,11 +549,12 @@ func (b *upBody) Read(p []byte) (int, error) {
 // setReadDeadline bounds the reads that follow.
 func (b *upBody) setReadDeadline(t time.Time) {
 	if !b.done {
-		b.conn.setDeadline(t, false)
+		b.conn.setReadDeadline(t)
 	}
 }
 
-// Close implements io.Closer: an answer not read to its end takes its connection with it.
+// Close implements io.Closer: an answer read to its end gives its connection back to the
+// pool, one not read to its end takes its connection with it.
 func (b *upBody) Close() error {
 	b.release()
 	return nil
@@ -533,4 +580,13 @@ func (c *upConn) isCancelled() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.cancelled
+}
+
+// ownHead is a copy of an answer's head that outlives its body: its Header is the
+// connection's, which the connection's next exchange reuses once the body is closed.
+func ownHead(resp *http.Response) *http.Response {
+	own := *resp
+	own.Header = resp.Header.Clone()
+	own.Body = http.NoBody
+	return &own
 }

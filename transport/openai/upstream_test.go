@@ -11,6 +11,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"reflect"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -434,12 +436,229 @@ func TestUpstreamReusesAConnectionWhoseLastDeadlinePassed(t *testing.T) {
 		p.mu.Unlock()
 		t.Fatalf("%d idle connections, want 1", len(p.idle))
 	}
-	_ = p.idle[0].conn.SetDeadline(aLongTimeAgo)
+	c := p.idle[0]
 	p.mu.Unlock()
+	c.mu.Lock()
+	_ = c.conn.SetDeadline(aLongTimeAgo)
+	c.readBy, c.writeBy = aLongTimeAgo, aLongTimeAgo
+	c.mu.Unlock()
 	if _, body := send(t, u, srv.URL, post("{}")); body != "ok" {
 		t.Fatalf("body %q, want ok", body)
 	}
 	if n := cc.opened.Load(); n != 1 {
 		t.Fatalf("%d connections, want the pooled one reused", n)
+	}
+}
+
+// deadlineConn is a net.Conn that records the deadlines set on it.
+type deadlineConn struct {
+	net.Conn
+	sets            int
+	readBy, writeBy time.Time
+}
+
+func (c *deadlineConn) SetDeadline(t time.Time) error {
+	c.sets++
+	c.readBy, c.writeBy = t, t
+	return nil
+}
+
+func (c *deadlineConn) SetReadDeadline(t time.Time) error {
+	c.sets++
+	c.readBy = t
+	return nil
+}
+
+// TestExchangeKeepsADeadlineThatStillServes checks that an exchange moves the connection's
+// deadlines only when the ones in force are earlier than asked or later by more than a 64th
+// of the time left, and that what is in force afterwards is never earlier than asked.
+func TestExchangeKeepsADeadlineThatStillServes(t *testing.T) {
+	base := time.Now().Add(time.Hour)
+	cases := []struct {
+		name    string
+		readBy  time.Time // in force before (writeBy the same unless readOnly)
+		writeBy time.Time
+		ask     time.Time
+		moved   bool
+	}{
+		{name: "none in force", ask: base, moved: true},
+		{name: "a later exchange on a busy connection", readBy: base, writeBy: base, ask: base.Add(-time.Second)},
+		{name: "the same deadline", readBy: base, writeBy: base, ask: base},
+		{name: "an earlier one in force", readBy: base, writeBy: base, ask: base.Add(time.Second), moved: true},
+		{name: "too far out", readBy: base.Add(2 * time.Minute), writeBy: base.Add(2 * time.Minute), ask: base, moved: true},
+		{name: "a stream's idle read deadline", readBy: base.Add(-time.Minute), writeBy: base, ask: base, moved: true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dc := &deadlineConn{readBy: tc.readBy, writeBy: tc.writeBy}
+			c := &upConn{conn: dc, readBy: tc.readBy, writeBy: tc.writeBy}
+			c.exchangeDeadline(tc.ask)
+			if moved := dc.sets > 0; moved != tc.moved {
+				t.Fatalf("deadline moved: %v, want %v", moved, tc.moved)
+			}
+			if dc.readBy.Before(tc.ask) || dc.writeBy.Before(tc.ask) {
+				t.Fatalf("deadlines in force %v (read), %v (write): earlier than the %v asked", dc.readBy, dc.writeBy, tc.ask)
+			}
+			if slack := time.Until(tc.ask) / 64; dc.readBy.Sub(tc.ask) > slack+time.Second {
+				t.Fatalf("read deadline %v is %v past the one asked", dc.readBy, dc.readBy.Sub(tc.ask))
+			}
+		})
+	}
+}
+
+// ownAfterFuncCtx is a request context that runs functions once it is cancelled through an
+// AfterFunc method of its own, the kind a server can give its requests; Done and Value it
+// does not serve (the exchange must not need them), and it counts the stops.
+type ownAfterFuncCtx struct {
+	t *testing.T
+	context.Context
+	mu      sync.Mutex
+	err     error
+	waiting map[int]func()
+	next    int
+	stops   int
+}
+
+func (c *ownAfterFuncCtx) Done() <-chan struct{} {
+	c.t.Error("the exchange watched the context's Done channel instead of asking its AfterFunc")
+	return nil
+}
+
+func (c *ownAfterFuncCtx) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+func (c *ownAfterFuncCtx) AfterFunc(f func()) func() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	id := c.next
+	c.next++
+	c.waiting[id] = f
+	return func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		_, ok := c.waiting[id]
+		delete(c.waiting, id)
+		c.stops++
+		return ok
+	}
+}
+
+// cancel ends the context and runs what waits for it.
+func (c *ownAfterFuncCtx) cancel() {
+	c.mu.Lock()
+	c.err = context.Canceled
+	fs := c.waiting
+	c.waiting = nil
+	c.mu.Unlock()
+	for _, f := range fs {
+		f()
+	}
+}
+
+// TestUpstreamAsksAContextWithItsOwnAfterFunc: an exchange under a context that has an
+// AfterFunc method registers its abort there (not through a child context that watches
+// Done), stops it when the answer is read, and is cut at once when the context ends.
+func TestUpstreamAsksAContextWithItsOwnAfterFunc(t *testing.T) {
+	release := make(chan struct{})
+	srv, cc := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if r.URL.Query().Get("hang") == "" {
+			_, _ = io.WriteString(w, "answer")
+			return
+		}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	})
+	t.Cleanup(func() { close(release) })
+	u := testUpstream(t)
+	// The connection is dialled under a plain context; the exchanges reuse it.
+	send(t, u, srv.URL, post("{}"))
+
+	ctx := &ownAfterFuncCtx{t: t, Context: context.Background(), waiting: map[int]func(){}}
+	if _, body := send(t, u, srv.URL, post("{}")); body != "answer" {
+		t.Fatalf("body %q", body)
+	}
+	resp, err := trip(ctx, u, srv.URL, post("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := io.ReadAll(resp.Body); err != nil || string(b) != "answer" {
+		t.Fatalf("body %q, %v", b, err)
+	}
+	resp.Body.Close()
+	ctx.mu.Lock()
+	stops, waiting := ctx.stops, len(ctx.waiting)
+	ctx.mu.Unlock()
+	if stops != 1 || waiting != 0 {
+		t.Fatalf("%d stops, %d functions left waiting; want the exchange's one registered and stopped", stops, waiting)
+	}
+
+	hang := post("{}")
+	hang.target += "?hang=1"
+	errc := make(chan error, 1)
+	go func() {
+		_, err := trip(ctx, u, srv.URL, hang)
+		errc <- err
+	}()
+	poll.Holds(t, 10*time.Second, "the exchange to wait on the context", func() bool {
+		ctx.mu.Lock()
+		defer ctx.mu.Unlock()
+		return len(ctx.waiting) == 1
+	})
+	ctx.cancel()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("error %v, want the context's", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the exchange went on after its context ended")
+	}
+	poll.Holds(t, 10*time.Second, "the worker to see the connection close", func() bool { return cc.closed.Load() >= 1 })
+}
+
+// TestUpstreamAnswerHeadersAreTheConnectionsUntilClose: an answer read to its end gives its
+// connection back when its body is closed, not before (its holder may still read its
+// headers); the connection's next exchange reuses the Header map, and ownHead's copy of the
+// first answer's head keeps what it said.
+func TestUpstreamAnswerHeadersAreTheConnectionsUntilClose(t *testing.T) {
+	var n atomic.Int64
+	srv, cc := countedServer(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("X-Answer", strconv.FormatInt(n.Add(1), 10))
+		_, _ = io.WriteString(w, "answer")
+	})
+	u := testUpstream(t)
+	first, err := trip(context.Background(), u, srv.URL, post("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := io.ReadAll(first.Body); err != nil || string(b) != "answer" {
+		t.Fatalf("body %q, %v", b, err)
+	}
+	if n := idleConns(t, u, srv.URL); n != 0 {
+		t.Fatalf("%d idle connections with the answer read but its body open, want 0", n)
+	}
+	own := ownHead(first)
+	first.Body.Close()
+	if n := idleConns(t, u, srv.URL); n != 1 {
+		t.Fatalf("%d idle connections after the close, want 1", n)
+	}
+	second, _ := send(t, u, srv.URL, post("{}"))
+	if n := cc.opened.Load(); n != 1 {
+		t.Fatalf("%d connections, want the first one reused", n)
+	}
+	if got := second.Header.Get("X-Answer"); got != "2" {
+		t.Fatalf("second answer's X-Answer %q, want 2", got)
+	}
+	if reflect.ValueOf(first.Header).UnsafePointer() != reflect.ValueOf(second.Header).UnsafePointer() {
+		t.Fatal("the second exchange made a Header map of its own")
+	}
+	if got := own.Header.Get("X-Answer"); got != "1" || own.StatusCode != http.StatusOK {
+		t.Fatalf("the first answer's own head: %d, X-Answer %q; want 200, 1", own.StatusCode, got)
 	}
 }
