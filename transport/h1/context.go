@@ -27,10 +27,15 @@ type requestContext struct {
 }
 
 func newRequestContext() *requestContext {
-	inner, cancel := context.WithCancel(context.Background())
-	r := &requestContext{Context: inner, cancelInner: cancel}
-	r.funcs = r.first[:0]
+	r := new(requestContext)
+	r.init()
 	return r
+}
+
+// init makes r a request's context not done yet (in memory of the caller's).
+func (r *requestContext) init() {
+	r.Context, r.cancelInner = context.WithCancel(context.Background())
+	r.funcs = r.first[:0]
 }
 
 // AfterFunc runs f in its own goroutine once r is done (at once if it is), as

@@ -113,14 +113,24 @@ func bytesToLower(s string) string { return string(bytes.ToLower([]byte(s))) }
 // A read error (the client went away, a deadline) comes back as it is; a refusal is a
 // *badRequest.
 func readHead(br *bufio.Reader, maxBytes int) (*head, error) {
+	h := &head{}
+	if err := h.read(br, maxBytes); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// read is readHead into h (a connection's own, reused by its requests: the request takes
+// copies of its fields, never h).
+func (h *head) read(br *bufio.Reader, maxBytes int) error {
+	*h = head{}
 	lr := lineReader{br: br, left: maxBytes}
 	line, err := lr.line()
 	if err != nil {
-		return nil, err
+		return err
 	}
-	h := &head{length: 0}
 	if err := h.requestLine(line); err != nil {
-		return nil, err
+		return err
 	}
 	// The values are gathered in one buffer and made one string, which the header's
 	// values slice: two allocations for all of them (as net/textproto does).
@@ -133,24 +143,24 @@ func readHead(br *bufio.Reader, maxBytes int) (*head, error) {
 	for {
 		line, err := lr.line()
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if len(line) == 0 {
 			break
 		}
 		key, value, err := field(line)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		switch key {
 		case "Content-Length":
 			lengths++
 			n, ok := parseLength(value)
 			if !ok {
-				return nil, bad(http.StatusBadRequest, "invalid Content-Length")
+				return bad(http.StatusBadRequest, "invalid Content-Length")
 			}
 			if lengths > 1 && n != h.length {
-				return nil, bad(http.StatusBadRequest, "Content-Length headers that disagree")
+				return bad(http.StatusBadRequest, "Content-Length headers that disagree")
 			}
 			h.length = n
 		case "Transfer-Encoding":
@@ -172,7 +182,7 @@ func readHead(br *bufio.Reader, maxBytes int) (*head, error) {
 			h.header[f.key] = vals[i : i+1 : i+1]
 		}
 	}
-	return h, h.check(lengths, encodings, hosts)
+	return h.check(lengths, encodings, hosts)
 }
 
 // headField is one header line's canonical name and where its value lies in the head's

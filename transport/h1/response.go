@@ -40,12 +40,18 @@ type response struct {
 
 // newResponse is the writer of req's answer (req and h nil: a refusal's).
 func (c *conn) newResponse(req *http.Request, h *head) *response {
-	w := &response{c: c, req: req, header: make(http.Header, 8), length: -1, hold: c.hold[:0], minor: 1}
+	w := new(response)
+	c.initResponse(w, req, h)
+	return w
+}
+
+// initResponse makes w the writer of req's answer (newResponse's, in memory of the caller's).
+func (c *conn) initResponse(w *response, req *http.Request, h *head) {
+	*w = response{c: c, req: req, header: make(http.Header, 8), length: -1, hold: c.hold[:0], minor: 1}
 	if h != nil {
 		w.minor = h.minor
 		w.noBody = h.method == http.MethodHead
 	}
-	return w
 }
 
 // Header implements http.ResponseWriter.

@@ -271,6 +271,17 @@ type conn struct {
 	broken bool
 	// hold is the buffer of an answer's held bytes, reused by the connection's answers.
 	hold []byte
+	// head is the request head being served (its fields are copied into the request).
+	head head
+}
+
+// exchange is one request's own memory, in one allocation: its answer's writer, its body's
+// reader and its context. Nothing in it is reused by the next request: a handler's goroutine
+// that outlives its request finds that request's, done.
+type exchange struct {
+	w    response
+	body body
+	ctx  requestContext
 }
 
 // Read implements io.Reader for br: the watcher's bytes first, then the connection. The
@@ -379,8 +390,8 @@ func (c *conn) serve() {
 // serveOne reads one request and answers it; false ends the connection.
 func (c *conn) serveOne() bool {
 	s := c.srv
-	h, err := readHead(c.br, s.cfg.MaxHeaderBytes)
-	if err != nil {
+	h := &c.head
+	if err := h.read(c.br, s.cfg.MaxHeaderBytes); err != nil {
 		var br *badRequest
 		if errors.As(err, &br) {
 			s.log.Debug("h1: request refused", "remote", c.remote, "status", br.status, "why", br.why)
@@ -390,7 +401,9 @@ func (c *conn) serveOne() bool {
 		}
 		return false
 	}
-	ctx := newRequestContext()
+	x := new(exchange)
+	ctx := &x.ctx
+	ctx.init()
 	defer ctx.cancel()
 	c.req.p.Store(ctx)
 	defer c.req.p.Store(nil)
@@ -411,7 +424,8 @@ func (c *conn) serveOne() bool {
 	var b *body
 	next, at := phaseBody, s.after(s.cfg.BodyTimeout)
 	if h.chunked || h.length > 0 {
-		b = &body{c: c, expect100: h.expect100}
+		b = &x.body
+		*b = body{c: c, expect100: h.expect100}
 		if h.chunked {
 			b.r = newBodyReader(c.br, h, s.cfg.MaxHeaderBytes)
 		} else {
@@ -432,7 +446,8 @@ func (c *conn) serveOne() bool {
 		return false
 	}
 	req := r.WithContext(ctx)
-	w := c.newResponse(req, h)
+	w := &x.w
+	c.initResponse(w, req, h)
 	w.reqBody = b
 	s.cfg.Handler.ServeHTTP(w, req)
 	w.finish()
