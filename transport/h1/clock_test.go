@@ -180,3 +180,25 @@ func TestShutdownEndsAWatchedIdleConnection(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestARepeatedTargetIsTheRequestsOwnURL: a connection's requests for one target each get
+// their own URL, whatever a handler did to the one before.
+func TestARepeatedTargetIsTheRequestsOwnURL(t *testing.T) {
+	_, addr := serveFast(t, Config{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, r.URL.Path+"?"+r.URL.RawQuery+" "+r.RequestURI)
+		r.URL.Path, r.URL.RawQuery = "/changed", "by=handler"
+	})})
+	c := dial(t, addr)
+	for _, tc := range []struct{ target, want string }{
+		{"/v1/completions?a=1", "/v1/completions?a=1 /v1/completions?a=1"},
+		{"/v1/completions?a=1", "/v1/completions?a=1 /v1/completions?a=1"},
+		{"/v1/completions?a=1", "/v1/completions?a=1 /v1/completions?a=1"},
+		{"/v1/completions?a=2", "/v1/completions?a=2 /v1/completions?a=2"},
+		{"/v1/completions?a=2", "/v1/completions?a=2 /v1/completions?a=2"},
+	} {
+		c.send(t, "GET "+tc.target+" HTTP/1.1\r\nHost: a\r\n\r\n")
+		if resp, body := c.answer(t); resp == nil || body != tc.want {
+			t.Fatalf("%s: answer %v %q; want %q", tc.target, resp, body, tc.want)
+		}
+	}
+}

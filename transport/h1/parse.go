@@ -29,6 +29,12 @@ type head struct {
 	close bool
 	// expect100: the client waits for 100 Continue before it sends the body.
 	expect100 bool
+	// last is the last target this head parsed and its URL (kept across reads of a
+	// connection's head: a client mostly sends one path again and again).
+	last struct {
+		target string
+		url    url.URL
+	}
 }
 
 // badRequest is a request the server refuses before any handler sees it: the status it is
@@ -123,7 +129,9 @@ func readHead(br *bufio.Reader, maxBytes int) (*head, error) {
 // read is readHead into h (a connection's own, reused by its requests: the request takes
 // copies of its fields, never h).
 func (h *head) read(br *bufio.Reader, maxBytes int) error {
+	last := h.last
 	*h = head{}
+	h.last = last
 	lr := lineReader{br: br, left: maxBytes}
 	line, err := lr.line()
 	if err != nil {
@@ -244,10 +252,18 @@ func (h *head) requestLine(line []byte) error {
 		return bad(http.StatusBadRequest, "malformed request line")
 	}
 	h.method = methodString(method)
-	h.target = string(target)
 	if h.method == http.MethodConnect {
 		return bad(http.StatusMethodNotAllowed, "CONNECT is not served")
 	}
+	if h.last.target != "" && string(target) == h.last.target {
+		// The same target as the connection's last: its string, and a copy of its URL (the
+		// handler's own, which it may change).
+		h.target = h.last.target
+		u := h.last.url
+		h.url = &u
+		return nil
+	}
+	h.target = string(target)
 	if h.target == "*" && h.method == http.MethodOptions {
 		h.url = &url.URL{Path: "*"}
 		return nil
@@ -257,6 +273,7 @@ func (h *head) requestLine(line []byte) error {
 		return bad(http.StatusBadRequest, "invalid request target")
 	}
 	h.url = u
+	h.last.target, h.last.url = h.target, *u
 	return nil
 }
 
