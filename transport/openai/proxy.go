@@ -643,6 +643,16 @@ func copyHeaders(dst, src http.Header) {
 	}
 }
 
+// lengthValue is the Content-Length value for a body of n bytes: the worker's own string
+// when it says exactly that (the common answer, relayed as it came), else a new one.
+func lengthValue(src http.Header, n int) string {
+	var buf [20]byte
+	if vs := src["Content-Length"]; len(vs) == 1 && vs[0] == string(strconv.AppendInt(buf[:0], int64(n), 10)) {
+		return vs[0]
+	}
+	return strconv.Itoa(n)
+}
+
 // isHop reports whether k names a hop-by-hop header (RFC 9110 section 7.6.1), which a proxy
 // must not forward, or one that describes this hop's framing.
 func isHop(k string) bool {
@@ -685,7 +695,7 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 	}
 	delete(h, "Content-Length")
 	if bodyLen >= 0 {
-		set("Content-Length", strconv.Itoa(bodyLen))
+		set("Content-Length", lengthValue(resp.Header, bodyLen))
 	}
 	set(HeaderWorker, d.Target.Worker.String())
 	if s.cfg.ReplicaID != "" {
