@@ -292,7 +292,9 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 	}
 	s.metrics.dispatchesBy.with(d.Target.Worker.String(), by).Inc()
 	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
-	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, s.upstreamRequest(c.r, c.body, d.Target), firstBy)
+	out := s.upstreamRequest(c.r, c.body, d.Target)
+	out.answer = c.w.scratch.answerMemory()
+	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, out, firstBy)
 	if err != nil {
 		if ctx.Err() != nil {
 			s.fail(c.w, c.r, nil)

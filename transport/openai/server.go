@@ -302,7 +302,7 @@ const scratchHashes = 8
 
 // scratch is what a completion request needs for its whole life, in one allocation with its
 // recorder rather than one for each: the parsed request, routing's input and attempt, the
-// prompt's block keys and the router's answer headers. Nothing in it is reused by another request.
+// prompt's block keys, the router's answer headers and the worker's answer. Nothing in it is reused by another request.
 type scratch struct {
 	parsed Request
 	routed routing.Scratch
@@ -310,6 +310,19 @@ type scratch struct {
 	// vals are writeHeaders' values; valsUsed once they are taken.
 	vals     [7]string
 	valsUsed bool
+	// answer is the first worker answer's memory (outbound.answer); answerUsed once taken.
+	answer     answer
+	answerUsed bool
+}
+
+// answerMemory returns the scratch's answer the first time, nil after: an answer in use is
+// never overwritten by a later exchange's (a retry on another worker allocates its own).
+func (sc *scratch) answerMemory() *answer {
+	if sc.answerUsed {
+		return nil
+	}
+	sc.answerUsed = true
+	return &sc.answer
 }
 
 // headerValues returns n strings for the answer's headers: the scratch's the first time.

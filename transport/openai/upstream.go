@@ -86,6 +86,9 @@ type outbound struct {
 	target string
 	forwarding
 	body []byte
+	// answer is memory for the worker's answer (a zero one), for one exchange: the request's
+	// scratch's, the first time; nil: the exchange allocates its own.
+	answer *answer
 }
 
 // roundTrip sends req to the worker at base and reads the answer's status and headers,
@@ -451,7 +454,7 @@ func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadli
 	if werr != nil {
 		// A worker may answer (say, 413) and close before taking the whole body; its answer
 		// is then already here and better than the write error.
-		a, err := c.readHead(req.method)
+		a, err := c.readHead(req.method, req.answer)
 		if err != nil {
 			return fail(fmt.Errorf("send request to %s: %w", c.pool.addr, werr))
 		}
@@ -459,7 +462,7 @@ func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadli
 		a.resp.Body = &a.body
 		return &a.resp, &a.body, nil
 	}
-	a, err := c.readHead(req.method)
+	a, err := c.readHead(req.method, req.answer)
 	if err != nil {
 		return fail(err)
 	}
@@ -487,7 +490,7 @@ func afterDone(ctx context.Context, f func()) (stop func() bool) {
 }
 
 // readHead reads the answer's status line and headers, skipping informational answers.
-func (c *upConn) readHead(method string) (*answer, error) {
+func (c *upConn) readHead(method string, into *answer) (*answer, error) {
 	// The budget covers what the buffered reader takes ahead of the head, too.
 	c.budget = maxResponseHead + readBufferSize
 	defer func() { c.budget = -1 }()
@@ -496,7 +499,7 @@ func (c *upConn) readHead(method string) (*answer, error) {
 		probe = &http.Request{Method: method}
 	}
 	for range maxInformational {
-		a, ok, err := c.readCommonHead(probe)
+		a, ok, err := c.readCommonHead(probe, into)
 		if err != nil {
 			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
 		}
@@ -511,7 +514,9 @@ func (c *upConn) readHead(method string) (*answer, error) {
 		case resp.StatusCode == http.StatusSwitchingProtocols:
 			return nil, fmt.Errorf("worker %s switched protocols", c.pool.addr)
 		case resp.StatusCode >= 200:
-			return &answer{resp: *resp}, nil
+			a := newAnswer(into)
+			a.resp = *resp
+			return a, nil
 		}
 		// 1xx answers other than 101 precede the real one.
 	}

@@ -662,3 +662,37 @@ func TestUpstreamAnswerHeadersAreTheConnectionsUntilClose(t *testing.T) {
 		t.Fatalf("the first answer's own head: %d, X-Answer %q; want 200, 1", own.StatusCode, got)
 	}
 }
+
+func TestUpstreamAnswerIsReadIntoTheMemoryTheRequestGives(t *testing.T) {
+	tests := []struct {
+		name, answer string
+	}{
+		{"common head", "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"},
+		{"chunked, read by net/http", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"},
+		{"after an informational answer", "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+				for readRequest(t, br) {
+					if _, err := io.WriteString(conn, tt.answer); err != nil {
+						return
+					}
+				}
+			})
+			u := testUpstream(t)
+			var sc scratch
+			for i, want := range []bool{true, false} {
+				req := post(`{"prompt":"x"}`)
+				req.answer = sc.answerMemory()
+				resp, body := send(t, u, base, req)
+				if body != "{}" || resp.StatusCode != http.StatusOK {
+					t.Fatalf("answer %d: %d %q", i, resp.StatusCode, body)
+				}
+				if got := resp == &sc.answer.resp; got != want {
+					t.Errorf("answer %d in the scratch's memory: %v, want %v", i, got, want)
+				}
+			}
+		})
+	}
+}
