@@ -291,9 +291,10 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return res, fail
 	}
 	s.metrics.dispatchesBy.with(d.Target.Worker.String(), by).Inc()
-	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
+	now := time.Now()
+	firstBy := now.Add(s.cfg.FirstByteTimeout)
 	out := s.upstreamRequest(c.r, c.body, d.Target)
-	out.answer = c.w.scratch.answerMemory()
+	out.at, out.answer = now, c.w.scratch.answerMemory()
 	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, out, firstBy)
 	if err != nil {
 		if ctx.Err() != nil {
