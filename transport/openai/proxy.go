@@ -102,7 +102,7 @@ type call struct {
 	client  string
 	arrived time.Time
 	// firstAt is when the current dispatch's first body bytes arrived (zero: not yet), and
-	// boundAt when its binding was, the first byte's other condition.
+	// boundAt when its binding was, the first byte's other condition (zero without a session).
 	firstAt time.Time
 	boundAt time.Time
 	// ended: the current dispatch's answer reached its end (the worker finished it), with
@@ -454,7 +454,11 @@ func (s *Server) bind(c *call) (binding routing.Binding, res outcome, fail failu
 	}
 	wasBound := c.att.Decision().Bound
 	binding, err := c.att.Commit(bctx)
-	c.boundAt = time.Now()
+	if c.session != "" {
+		// Only a session's binding can keep the first byte waiting: without a session Commit
+		// waits for nothing, and the first byte's one condition is the worker's (firstAt).
+		c.boundAt = time.Now()
+	}
 	if err == nil && c.session != "" {
 		s.madeSession(c.client, wasBound, binding)
 	}
