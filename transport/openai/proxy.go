@@ -102,7 +102,7 @@ type call struct {
 	client  string
 	arrived time.Time
 	// firstAt is when the current dispatch's first body bytes arrived (zero: not yet), and
-	// boundAt when its binding was, the first byte's other condition.
+	// boundAt when its binding was, the first byte's other condition (zero without a session).
 	firstAt time.Time
 	boundAt time.Time
 	// ended: the current dispatch's answer reached its end (the worker finished it), with
@@ -291,8 +291,11 @@ func (s *Server) dispatch(c *call) (outcome, failure) {
 		return res, fail
 	}
 	s.metrics.dispatchesBy.with(d.Target.Worker.String(), by).Inc()
-	firstBy := time.Now().Add(s.cfg.FirstByteTimeout)
-	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, s.upstreamRequest(c.r, c.body, d.Target), firstBy)
+	now := time.Now()
+	firstBy := now.Add(s.cfg.FirstByteTimeout)
+	out := s.upstreamRequest(c.r, c.body, d.Target)
+	out.at, out.answer = now, c.w.scratch.answerMemory()
+	resp, ub, err := s.upstream.roundTrip(ctx, d.Target.Spec.URL, out, firstBy)
 	if err != nil {
 		if ctx.Err() != nil {
 			s.fail(c.w, c.r, nil)
@@ -451,7 +454,11 @@ func (s *Server) bind(c *call) (binding routing.Binding, res outcome, fail failu
 	}
 	wasBound := c.att.Decision().Bound
 	binding, err := c.att.Commit(bctx)
-	c.boundAt = time.Now()
+	if c.session != "" {
+		// Only a session's binding can keep the first byte waiting: without a session Commit
+		// waits for nothing, and the first byte's one condition is the worker's (firstAt).
+		c.boundAt = time.Now()
+	}
 	if err == nil && c.session != "" {
 		s.madeSession(c.client, wasBound, binding)
 	}
@@ -643,6 +650,16 @@ func copyHeaders(dst, src http.Header) {
 	}
 }
 
+// lengthValue is the Content-Length value for a body of n bytes: the worker's own string
+// when it says exactly that (the common answer, relayed as it came), else a new one.
+func lengthValue(src http.Header, n int) string {
+	var buf [20]byte
+	if vs := src["Content-Length"]; len(vs) == 1 && vs[0] == string(strconv.AppendInt(buf[:0], int64(n), 10)) {
+		return vs[0]
+	}
+	return strconv.Itoa(n)
+}
+
 // isHop reports whether k names a hop-by-hop header (RFC 9110 section 7.6.1), which a proxy
 // must not forward, or one that describes this hop's framing.
 func isHop(k string) bool {
@@ -685,7 +702,7 @@ func (s *Server) writeHeaders(c *call, resp *http.Response, d routing.Decision, 
 	}
 	delete(h, "Content-Length")
 	if bodyLen >= 0 {
-		set("Content-Length", strconv.Itoa(bodyLen))
+		set("Content-Length", lengthValue(resp.Header, bodyLen))
 	}
 	set(HeaderWorker, d.Target.Worker.String())
 	if s.cfg.ReplicaID != "" {

@@ -3,6 +3,7 @@ package openai
 import (
 	"io"
 	"net"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -91,5 +92,37 @@ func TestUpstreamReaderMovesTheIdleDeadlineOnlyWhenDue(t *testing.T) {
 	read()
 	if conn.reads != 2 || conn.last.Before(before.Add(idle)) {
 		t.Fatalf("%d updates, deadline %v: want 2, at least %v away", conn.reads, conn.last.Sub(before), idle)
+	}
+}
+
+func TestContentLengthRelaysTheWorkersStringWhenItSaysTheSame(t *testing.T) {
+	tests := []struct {
+		name   string
+		worker []string
+		n      int
+		want   string
+		reused bool
+	}{
+		{"the worker's length", []string{"1234"}, 1234, "1234", true},
+		{"a rewritten body", []string{"1234"}, 99999, "99999", false},
+		{"a leading zero", []string{"01234"}, 1234, "1234", false},
+		{"no length", nil, 1234, "1234", false},
+		{"two lengths", []string{"1234", "1234"}, 1234, "1234", false},
+		{"empty body", []string{"0"}, 0, "0", true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := http.Header{}
+			if tt.worker != nil {
+				h["Content-Length"] = tt.worker
+			}
+			if got := lengthValue(h, tt.n); got != tt.want {
+				t.Fatalf("lengthValue = %q, want %q", got, tt.want)
+			}
+			allocs := testing.AllocsPerRun(100, func() { _ = lengthValue(h, tt.n) })
+			if tt.reused && allocs != 0 {
+				t.Errorf("lengthValue allocates %.0f times; the worker's string says the same", allocs)
+			}
+		})
 	}
 }

@@ -227,10 +227,11 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		}
 	}
 	mux := http.NewServeMux()
-	mux.Handle("/v1/chat/completions", s.endpoint("chat", http.MethodPost, func(w *recorder, r *http.Request) {
+	rt := &routes{mux: mux}
+	rt.handle("/v1/chat/completions", s.endpoint("chat", http.MethodPost, func(w *recorder, r *http.Request) {
 		s.serveCompletion(w, r, KindChat)
 	}))
-	mux.Handle("/v1/completions", s.endpoint("completions", http.MethodPost, func(w *recorder, r *http.Request) {
+	rt.handle("/v1/completions", s.endpoint("completions", http.MethodPost, func(w *recorder, r *http.Request) {
 		s.serveCompletion(w, r, KindCompletion)
 	}))
 	for _, api := range []struct {
@@ -243,7 +244,7 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		{"/v1/messages", "messages", KindMessages, true},
 		{"/v1/messages/count_tokens", "count_tokens", KindCountTokens, true},
 	} {
-		mux.Handle(api.path, s.endpoint(api.name, http.MethodPost, func(w *recorder, r *http.Request) {
+		rt.handle(api.path, s.endpoint(api.name, http.MethodPost, func(w *recorder, r *http.Request) {
 			w.anthropic = api.anthropic
 			s.serveCompletion(w, r, api.kind)
 		}))
@@ -259,8 +260,45 @@ func NewServer(cfg Config, router *routing.Router, workers *routing.Registry, tr
 		(&Error{Status: http.StatusNotFound, Message: "unknown path: " + r.URL.Path, Type: TypeNotFound,
 			Code: "unknown_path"}).write(w)
 	}))
-	s.handler = mux
+	s.handler = rt
 	return s, nil
+}
+
+// routes is the client-facing handler: the completion endpoints (POSTs to a fixed path) by
+// an exact match, the rest by the mux. The mux would find the same handler, but looking it
+// up (cleaning the path, walking its tree) is a share of a busy router's CPU; a request the
+// match does not take (another method, a path to clean or redirect, an escaped path such as
+// "/v1%2Fcompletions", which the mux reads as one segment) gets the mux's answer as before.
+// No handler reads r.Pattern, which only the mux sets.
+type routes struct {
+	exact []exactRoute
+	mux   *http.ServeMux
+}
+
+// exactRoute is a path the routes match exactly, and its handler.
+type exactRoute struct {
+	path string
+	h    http.Handler
+}
+
+// handle registers h for POSTs to path, with the mux too (for its method answer and the
+// requests the exact match leaves to it).
+func (rt *routes) handle(path string, h http.Handler) {
+	rt.exact = append(rt.exact, exactRoute{path: path, h: h})
+	rt.mux.Handle(path, h)
+}
+
+// ServeHTTP implements http.Handler.
+func (rt *routes) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method == http.MethodPost && r.URL.RawPath == "" {
+		for _, e := range rt.exact {
+			if r.URL.Path == e.path {
+				e.h.ServeHTTP(w, r)
+				return
+			}
+		}
+	}
+	rt.mux.ServeHTTP(w, r)
 }
 
 // Handler returns the client-facing HTTP handler.
@@ -302,7 +340,7 @@ const scratchHashes = 8
 
 // scratch is what a completion request needs for its whole life, in one allocation with its
 // recorder rather than one for each: the parsed request, routing's input and attempt, the
-// prompt's block keys and the router's answer headers. Nothing in it is reused by another request.
+// prompt's block keys, the router's answer headers and the worker's answer. Nothing in it is reused by another request.
 type scratch struct {
 	parsed Request
 	routed routing.Scratch
@@ -310,6 +348,19 @@ type scratch struct {
 	// vals are writeHeaders' values; valsUsed once they are taken.
 	vals     [7]string
 	valsUsed bool
+	// answer is the first worker answer's memory (outbound.answer); answerUsed once taken.
+	answer     answer
+	answerUsed bool
+}
+
+// answerMemory returns the scratch's answer the first time, nil after: an answer in use is
+// never overwritten by a later exchange's (a retry on another worker allocates its own).
+func (sc *scratch) answerMemory() *answer {
+	if sc.answerUsed {
+		return nil
+	}
+	sc.answerUsed = true
+	return &sc.answer
 }
 
 // headerValues returns n strings for the answer's headers: the scratch's the first time.

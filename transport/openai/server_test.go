@@ -1032,3 +1032,60 @@ func TestEventEndFindsAWholeEventAcrossReads(t *testing.T) {
 		}
 	}
 }
+
+func TestCompletionPathsAreMatchedExactlyAndTheRestGetTheMuxsAnswer(t *testing.T) {
+	// Each handler answers with the pattern the mux set: none when the exact match served.
+	seen := func(w http.ResponseWriter, r *http.Request) { fmt.Fprintf(w, "pattern %q", r.Pattern) }
+	build := func(exact bool) http.Handler {
+		mux := http.NewServeMux()
+		rt := &routes{mux: mux}
+		for _, p := range []string{"/v1/completions", "/v1/chat/completions"} {
+			if exact {
+				rt.handle(p, http.HandlerFunc(seen))
+			} else {
+				mux.HandleFunc(p, seen)
+			}
+		}
+		mux.HandleFunc("/v1/models/{id...}", seen)
+		mux.HandleFunc("/", seen)
+		return rt
+	}
+	tests := []struct {
+		method, target string
+		exact          bool // served by the exact match, with the mux's handler
+	}{
+		{http.MethodPost, "/v1/completions", true},
+		{http.MethodPost, "/v1/chat/completions", true},
+		{http.MethodPost, "/v1/completions?stream=1", true},
+		{http.MethodGet, "/v1/completions", false},
+		{http.MethodPut, "/v1/chat/completions", false},
+		{http.MethodPost, "/v1//completions", false},       // the mux's redirect to the clean path
+		{http.MethodPost, "/v1/./completions", false},      // likewise
+		{http.MethodPost, "/v1/%63ompletions", false},      // escaped, the same path to the mux
+		{http.MethodPost, "/v1%2Fcompletions", false},      // one segment to the mux: "/"
+		{http.MethodPost, "/v1/completions/", false},       // "/"
+		{http.MethodPost, "/V1/completions", false},        // "/"
+		{http.MethodPost, "/v1/models/a/b", false},         // a wildcard
+		{http.MethodPost, "/v1/chat/completions/x", false}, // "/"
+	}
+	fast, mux := build(true), build(false)
+	for _, tt := range tests {
+		t.Run(tt.method+" "+tt.target, func(t *testing.T) {
+			want := httptest.NewRecorder()
+			mux.ServeHTTP(want, httptest.NewRequest(tt.method, tt.target, nil))
+			got := httptest.NewRecorder()
+			fast.ServeHTTP(got, httptest.NewRequest(tt.method, tt.target, nil))
+			if tt.exact {
+				if got.Code != http.StatusOK || got.Body.String() != `pattern ""` {
+					t.Fatalf("got %d %q, want the handler without the mux", got.Code, got.Body)
+				}
+				return
+			}
+			if got.Code != want.Code || got.Header().Get("Location") != want.Header().Get("Location") ||
+				got.Body.String() != want.Body.String() {
+				t.Fatalf("got %d %q Location %q, the mux answers %d %q Location %q", got.Code, got.Body,
+					got.Header().Get("Location"), want.Code, want.Body, want.Header().Get("Location"))
+			}
+		})
+	}
+}

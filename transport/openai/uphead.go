@@ -17,8 +17,8 @@ const maxCommonHeadLines = 64
 // headers that change the framing or the header set (Transfer-Encoding, Connection, Pragma,
 // Trailer), all of it already in the read buffer. For anything else it consumes nothing and
 // reports !ok, and ReadResponse reads the head instead. An error is one reading the first
-// byte, as ReadResponse reports it.
-func (c *upConn) readCommonHead(probe *http.Request) (*answer, bool, error) {
+// byte, as ReadResponse reports it. The answer is into when that is not nil.
+func (c *upConn) readCommonHead(probe *http.Request, into *answer) (*answer, bool, error) {
 	if _, err := c.br.Peek(1); err != nil {
 		if err == io.EOF {
 			err = io.ErrUnexpectedEOF
@@ -101,7 +101,7 @@ func (c *upConn) readCommonHead(probe *http.Request) (*answer, bool, error) {
 	} else {
 		clear(h)
 	}
-	a := &answer{}
+	a := newAnswer(into)
 	vals := a.vals[:]
 	if n > len(vals) {
 		vals = make([]string, n)
@@ -138,6 +138,14 @@ type answer struct {
 	resp http.Response
 	body upBody
 	vals [answerValues]string
+}
+
+// newAnswer is into, when there is one, else a new answer.
+func newAnswer(into *answer) *answer {
+	if into == nil {
+		return new(answer)
+	}
+	return into
 }
 
 // headerSpan is one header line's name and value, as offsets in the head copy.

@@ -120,7 +120,7 @@ func checkCommonHead(t *testing.T, in, method string) bool {
 	t.Helper()
 	probe := &http.Request{Method: method}
 	c := &upConn{br: bufio.NewReaderSize(bytes.NewReader([]byte(in)), readBufferSize)}
-	a, ok, gerr := c.readCommonHead(probe)
+	a, ok, gerr := c.readCommonHead(probe, nil)
 	wr := bufio.NewReaderSize(bytes.NewReader([]byte(in)), readBufferSize)
 	want, werr := http.ReadResponse(wr, probe)
 	if gerr != nil {

@@ -86,6 +86,12 @@ type outbound struct {
 	target string
 	forwarding
 	body []byte
+	// at is when the caller read the clock for the first-byte deadline (zero: not said), the
+	// exchange's now when it goes out at once on a pooled connection.
+	at time.Time
+	// answer is memory for the worker's answer (a zero one), for one exchange: the request's
+	// scratch's, the first time; nil: the exchange allocates its own.
+	answer *answer
 }
 
 // roundTrip sends req to the worker at base and reads the answer's status and headers,
@@ -124,7 +130,13 @@ func (u *upstream) roundTrip(ctx context.Context, base string, req outbound, fir
 			}
 			return nil, nil, err
 		}
-		resp, body, err := c.exchange(ctx, head, req, firstBy)
+		// The caller's time serves as the exchange's now unless a dial or a failed
+		// exchange came between.
+		now := req.at
+		if !reused || attempt > 0 || now.IsZero() {
+			now = time.Now()
+		}
+		resp, body, err := c.exchange(ctx, head, req, now, firstBy)
 		switch {
 		case err == nil:
 			return resp, body, nil
@@ -394,12 +406,12 @@ func (c *upConn) setReadDeadline(t time.Time) {
 }
 
 // exchangeDeadline sets the read and write deadlines to t for an exchange, a 64th of the
-// time left later than asked; or leaves the ones in force when they are already that far
+// time left (from now, the time it is) later than asked; or leaves the ones in force when they are already that far
 // out, or less. Moving a deadline costs two timer updates, and on a busy connection each
 // exchange's deadline is only a little later than the last one's, which then still serves:
 // the time an exchange is allowed is between the one asked and a 64th more.
-func (c *upConn) exchangeDeadline(t time.Time) {
-	slack := time.Until(t) / 64
+func (c *upConn) exchangeDeadline(now, t time.Time) {
+	slack := t.Sub(now) / 64
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.cancelled || withinSlack(c.readBy, t, slack) && withinSlack(c.writeBy, t, slack) {
@@ -434,15 +446,16 @@ func (c *upConn) Read(b []byte) (int, error) {
 
 func (c *upConn) close() { _ = c.conn.Close() }
 
-// exchange writes the request and reads the answer's head before the deadline.
-func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadline time.Time) (*http.Response, *upBody, error) {
+// exchange writes the request and reads the answer's head before the deadline; now is the
+// time it is.
+func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, now, deadline time.Time) (*http.Response, *upBody, error) {
 	stop := afterDone(ctx, c.cancelFunc)
 	fail := func(err error) (*http.Response, *upBody, error) {
 		stop()
 		c.close()
 		return nil, nil, err
 	}
-	c.exchangeDeadline(deadline)
+	c.exchangeDeadline(now, deadline)
 	// One writev for head and body; the slices live in the connection so that they need no
 	// allocation, and are dropped once written.
 	c.out = append(c.outArray[:0], head, req.body)
@@ -451,7 +464,7 @@ func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadli
 	if werr != nil {
 		// A worker may answer (say, 413) and close before taking the whole body; its answer
 		// is then already here and better than the write error.
-		a, err := c.readHead(req.method)
+		a, err := c.readHead(req.method, req.answer)
 		if err != nil {
 			return fail(fmt.Errorf("send request to %s: %w", c.pool.addr, werr))
 		}
@@ -459,7 +472,7 @@ func (c *upConn) exchange(ctx context.Context, head []byte, req outbound, deadli
 		a.resp.Body = &a.body
 		return &a.resp, &a.body, nil
 	}
-	a, err := c.readHead(req.method)
+	a, err := c.readHead(req.method, req.answer)
 	if err != nil {
 		return fail(err)
 	}
@@ -487,7 +500,7 @@ func afterDone(ctx context.Context, f func()) (stop func() bool) {
 }
 
 // readHead reads the answer's status line and headers, skipping informational answers.
-func (c *upConn) readHead(method string) (*answer, error) {
+func (c *upConn) readHead(method string, into *answer) (*answer, error) {
 	// The budget covers what the buffered reader takes ahead of the head, too.
 	c.budget = maxResponseHead + readBufferSize
 	defer func() { c.budget = -1 }()
@@ -496,7 +509,7 @@ func (c *upConn) readHead(method string) (*answer, error) {
 		probe = &http.Request{Method: method}
 	}
 	for range maxInformational {
-		a, ok, err := c.readCommonHead(probe)
+		a, ok, err := c.readCommonHead(probe, into)
 		if err != nil {
 			return nil, fmt.Errorf("read response from %s: %w", c.pool.addr, err)
 		}
@@ -511,7 +524,9 @@ func (c *upConn) readHead(method string) (*answer, error) {
 		case resp.StatusCode == http.StatusSwitchingProtocols:
 			return nil, fmt.Errorf("worker %s switched protocols", c.pool.addr)
 		case resp.StatusCode >= 200:
-			return &answer{resp: *resp}, nil
+			a := newAnswer(into)
+			a.resp = *resp
+			return a, nil
 		}
 		// 1xx answers other than 101 precede the real one.
 	}

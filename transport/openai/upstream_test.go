@@ -473,7 +473,8 @@ func (c *deadlineConn) SetReadDeadline(t time.Time) error {
 // deadlines only when the ones in force are earlier than asked or later by more than a 64th
 // of the time left, and that what is in force afterwards is never earlier than asked.
 func TestExchangeKeepsADeadlineThatStillServes(t *testing.T) {
-	base := time.Now().Add(time.Hour)
+	now := time.Now()
+	base := now.Add(time.Hour)
 	cases := []struct {
 		name    string
 		readBy  time.Time // in force before (writeBy the same unless readOnly)
@@ -492,14 +493,14 @@ func TestExchangeKeepsADeadlineThatStillServes(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			dc := &deadlineConn{readBy: tc.readBy, writeBy: tc.writeBy}
 			c := &upConn{conn: dc, readBy: tc.readBy, writeBy: tc.writeBy}
-			c.exchangeDeadline(tc.ask)
+			c.exchangeDeadline(now, tc.ask)
 			if moved := dc.sets > 0; moved != tc.moved {
 				t.Fatalf("deadline moved: %v, want %v", moved, tc.moved)
 			}
 			if dc.readBy.Before(tc.ask) || dc.writeBy.Before(tc.ask) {
 				t.Fatalf("deadlines in force %v (read), %v (write): earlier than the %v asked", dc.readBy, dc.writeBy, tc.ask)
 			}
-			if slack := time.Until(tc.ask) / 64; dc.readBy.Sub(tc.ask) > slack+time.Second {
+			if slack := tc.ask.Sub(now) / 64; dc.readBy.Sub(tc.ask) > slack {
 				t.Fatalf("read deadline %v is %v past the one asked", dc.readBy, dc.readBy.Sub(tc.ask))
 			}
 		})
@@ -660,5 +661,88 @@ func TestUpstreamAnswerHeadersAreTheConnectionsUntilClose(t *testing.T) {
 	}
 	if got := own.Header.Get("X-Answer"); got != "1" || own.StatusCode != http.StatusOK {
 		t.Fatalf("the first answer's own head: %d, X-Answer %q; want 200, 1", own.StatusCode, got)
+	}
+}
+
+func TestUpstreamAnswerIsReadIntoTheMemoryTheRequestGives(t *testing.T) {
+	tests := []struct {
+		name, answer string
+	}{
+		{"common head", "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"},
+		{"chunked, read by net/http", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"},
+		{"after an informational answer", "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+				for readRequest(t, br) {
+					if _, err := io.WriteString(conn, tt.answer); err != nil {
+						return
+					}
+				}
+			})
+			u := testUpstream(t)
+			var sc scratch
+			for i, want := range []bool{true, false} {
+				req := post(`{"prompt":"x"}`)
+				req.answer = sc.answerMemory()
+				resp, body := send(t, u, base, req)
+				if body != "{}" || resp.StatusCode != http.StatusOK {
+					t.Fatalf("answer %d: %d %q", i, resp.StatusCode, body)
+				}
+				if got := resp == &sc.answer.resp; got != want {
+					t.Errorf("answer %d in the scratch's memory: %v, want %v", i, got, want)
+				}
+			}
+		})
+	}
+}
+
+func TestExchangeDeadlineCountsFromTheCallersTimeOnlyOnAPooledConnection(t *testing.T) {
+	base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+		for readRequest(t, br) {
+			if _, err := io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"); err != nil {
+				return
+			}
+		}
+	})
+	u := testUpstream(t)
+	// The caller's time is an hour old: counted from it, the slack is a 64th of an hour
+	// and the timeout (about a minute); counted from the clock, a 64th of the timeout (a few
+	// seconds).
+	tests := []struct {
+		name string
+		// timeout grows from one exchange to the next, so that each moves the deadline
+		timeout   time.Duration
+		fromAt    bool // the deadline's slack counts from the caller's time
+		sayNoTime bool
+	}{
+		{name: "a dialed connection: the clock", timeout: time.Minute},
+		{name: "a pooled connection: the caller's time", timeout: 2 * time.Minute, fromAt: true},
+		{name: "no time said: the clock", timeout: 3 * time.Minute, sayNoTime: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			firstBy := time.Now().Add(tt.timeout)
+			req := post(`{}`)
+			if !tt.sayNoTime {
+				req.at = firstBy.Add(-time.Hour - tt.timeout)
+			}
+			_, body, err := u.roundTrip(context.Background(), base, req, firstBy)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := body.conn
+			c.mu.Lock()
+			slack := c.readBy.Sub(firstBy)
+			c.mu.Unlock()
+			if _, err := io.Copy(io.Discard, body); err != nil {
+				t.Fatal(err)
+			}
+			body.Close()
+			if fromAt := slack > 30*time.Second; fromAt != tt.fromAt {
+				t.Fatalf("deadline %v past the one asked: counted from the caller's time %v, want %v", slack, fromAt, tt.fromAt)
+			}
+		})
 	}
 }
