@@ -405,11 +405,12 @@ func (c *upConn) setReadDeadline(t time.Time) {
 	}
 }
 
-// exchangeDeadline sets the read and write deadlines to t for an exchange, a 64th of the
-// time left (from now, the time it is) later than asked; or leaves the ones in force when they are already that far
-// out, or less. Moving a deadline costs two timer updates, and on a busy connection each
-// exchange's deadline is only a little later than the last one's, which then still serves:
-// the time an exchange is allowed is between the one asked and a 64th more.
+// exchangeDeadline sets the read and write deadlines for an exchange due by t to t plus a
+// 64th of the time left (from now, the time it is), or leaves the ones in force when they
+// are neither earlier than t nor later by more than that. Moving a deadline costs two timer
+// updates, and on a busy connection each exchange's deadline is only a little later than
+// the last one's, which then still serves: the time an exchange is allowed is between the
+// one asked and a 64th more.
 func (c *upConn) exchangeDeadline(now, t time.Time) {
 	slack := t.Sub(now) / 64
 	c.mu.Lock()
@@ -488,10 +489,10 @@ type afterFuncer interface {
 }
 
 // afterDone runs f once ctx is done, as context.AfterFunc does; a context with an AfterFunc
-// method of its own is asked directly. context.AfterFunc would ask it too, but through a
-// child context of its own and the closures around it: four allocations on every exchange
-// for nothing. (The request contexts of net/http and, today, transport/h1 have no such
-// method: they take context.AfterFunc's way, a child in their children map.)
+// method of its own (transport/h1's request context) is asked directly. context.AfterFunc
+// would ask it too, but through a child context of its own and the closures around it: four
+// allocations on every exchange for nothing. (net/http's request context has no such
+// method: it takes context.AfterFunc's way, a child in its children map.)
 func afterDone(ctx context.Context, f func()) (stop func() bool) {
 	if a, ok := ctx.(afterFuncer); ok {
 		return a.AfterFunc(f)
