@@ -56,11 +56,21 @@ func (s *Server) after(d time.Duration) int64 {
 	return s.nowMs() + (d + s.cfg.Tick).Milliseconds()
 }
 
-// move changes c's phase from from to to, with to's time at; false when the clock (or
-// Shutdown) changed the phase first, which ends the request or the connection.
+// phases is a set of phases, for move.
+func phases(ps ...uint64) uint64 {
+	var set uint64
+	for _, p := range ps {
+		set |= 1 << p
+	}
+	return set
+}
+
+// move changes c's phase, when it is one of the set from (phases), to to, with to's time
+// at; false when it is not, or when the clock (or Shutdown) changed it first, which ends the
+// request or the connection.
 func (c *conn) move(from, to uint64, at int64) bool {
 	old := c.state.Load()
-	if phaseOf(old) != from {
+	if from&(1<<phaseOf(old)) == 0 {
 		return false
 	}
 	return c.state.CompareAndSwap(old, state(to, at))
@@ -131,16 +141,10 @@ func (c *conn) expire(st uint64) {
 	}
 }
 
-// expireIdle ends c's wait for a next request (Shutdown's close of an idle connection).
+// expireIdle ends c's wait for a next request (Shutdown's close of an idle connection). A
+// failed move is one out of the idle phases: a request came, or the clock expired it.
 func (c *conn) expireIdle() {
-	for {
-		st := c.state.Load()
-		if p := phaseOf(st); p != phaseIdle && p != phaseWatchedIdle {
-			return
-		}
-		if c.state.CompareAndSwap(st, state(phaseExpired, 0)) {
-			_ = c.rwc.SetReadDeadline(aLongTimeAgo)
-			return
-		}
+	if c.move(phases(phaseIdle, phaseWatchedIdle), phaseExpired, 0) {
+		_ = c.rwc.SetReadDeadline(aLongTimeAgo)
 	}
 }

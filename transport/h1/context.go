@@ -26,12 +26,6 @@ type requestContext struct {
 	first [2]func()
 }
 
-func newRequestContext() *requestContext {
-	r := new(requestContext)
-	r.init()
-	return r
-}
-
 // init makes r a request's context not done yet (in memory of the caller's).
 func (r *requestContext) init() {
 	r.Context, r.cancelInner = context.WithCancel(context.Background())

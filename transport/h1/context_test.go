@@ -18,7 +18,8 @@ type ctxKey struct{}
 // end with it; and none of them leaves a goroutine waiting on it.
 func TestRequestContextEndsWhatHangsOnIt(t *testing.T) {
 	before := runtime.NumGoroutine()
-	r := newRequestContext()
+	r := new(requestContext)
+	r.init()
 	var ran, stoppedRan atomic.Int32
 	r.AfterFunc(func() { ran.Add(1) })
 	stop := r.AfterFunc(func() { stoppedRan.Add(1) })

@@ -142,8 +142,7 @@ func (w *response) body(p []byte) {
 	}
 	bw := w.c.bw
 	if w.chunked {
-		var n [16]byte
-		_, _ = bw.Write(strconv.AppendInt(n[:0], int64(len(p)), 16))
+		_, _ = bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(len(p)), 16))
 		_, _ = bw.WriteString("\r\n")
 		_, _ = bw.Write(p)
 		_, _ = bw.WriteString("\r\n")
@@ -201,7 +200,7 @@ func (w *response) sendHead(final bool) {
 	writeHeader(bw, h)
 	if setLength {
 		_, _ = bw.WriteString("Content-Length: ")
-		writeDecimal(bw, w.length)
+		_, _ = bw.Write(strconv.AppendInt(bw.AvailableBuffer(), w.length, 10))
 		_, _ = bw.WriteString("\r\n")
 	}
 	if !hasDate {
@@ -245,12 +244,10 @@ func (w *response) SetReadDeadline(t time.Time) error {
 	if !t.IsZero() {
 		at = max(t.UnixMilli()+c.srv.cfg.Tick.Milliseconds(), 1)
 	}
-	for {
-		st := c.state.Load()
-		if phaseOf(st) != phaseBody || c.state.CompareAndSwap(st, state(phaseBody, at)) {
-			return nil
-		}
-	}
+	// Only the clock's expiry moves a body's phase meanwhile: a failed move is a body
+	// whose time already ran out, or one read to its end.
+	c.move(phases(phaseBody), phaseBody, at)
+	return nil
 }
 
 // SetWriteDeadline sets the connection's write deadline (http.ResponseController's).
@@ -292,28 +289,10 @@ func writeStatus(bw *bufio.Writer, minor, code int) {
 	} else {
 		_, _ = bw.WriteString("HTTP/1.1 ")
 	}
-	writeDecimal(bw, int64(code))
+	_, _ = bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(code), 10))
 	_ = bw.WriteByte(' ')
 	_, _ = bw.WriteString(http.StatusText(code))
 	_, _ = bw.WriteString("\r\n")
-}
-
-// writeDecimal writes n (not negative) in decimal, with no allocation: bufio.Writer's Write
-// lets a caller's slice escape.
-func writeDecimal(bw *bufio.Writer, n int64) {
-	var d [20]byte
-	i := len(d)
-	for {
-		i--
-		d[i] = byte('0' + n%10)
-		n /= 10
-		if n == 0 {
-			break
-		}
-	}
-	for _, c := range d[i:] {
-		_ = bw.WriteByte(c)
-	}
 }
 
 // writeHeader writes h's fields: a name that is not a token is left out and a CR or LF in

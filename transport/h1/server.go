@@ -294,7 +294,7 @@ func (c *conn) Read(p []byte) (int, error) {
 	}
 	n, err := c.rwc.Read(p)
 	if n > 0 && phaseOf(c.state.Load()) == phaseIdle &&
-		!c.move(phaseIdle, phaseHead, c.srv.after(c.srv.cfg.HeaderTimeout)) {
+		!c.move(phases(phaseIdle), phaseHead, c.srv.after(c.srv.cfg.HeaderTimeout)) {
 		return 0, os.ErrDeadlineExceeded
 	}
 	return n, err
@@ -374,7 +374,7 @@ func (c *conn) serve() {
 				return
 			}
 			c.pending = c.wbuf[:r.n]
-			if !c.move(phaseWatchedIdle, phaseHead, s.after(s.cfg.HeaderTimeout)) {
+			if !c.move(phases(phaseWatchedIdle), phaseHead, s.after(s.cfg.HeaderTimeout)) {
 				return
 			}
 		}
@@ -442,7 +442,7 @@ func (c *conn) serveOne() bool {
 	}
 	// The head may have come whole with a watch's bytes or a pipelined request (phaseHead or
 	// phaseIdle); a failed move is the clock's expiry.
-	if !c.move(phaseHead, next, at) && !c.move(phaseIdle, next, at) {
+	if !c.move(phases(phaseHead, phaseIdle), next, at) {
 		return false
 	}
 	req := r.WithContext(ctx)
@@ -462,11 +462,11 @@ func (c *conn) serveOne() bool {
 		return false
 	}
 	idle := s.after(s.cfg.IdleTimeout)
-	if c.move(phaseHandling, phaseIdle, idle) || c.move(phasePipelined, phaseIdle, idle) {
+	if c.move(phases(phaseHandling, phasePipelined), phaseIdle, idle) {
 		return true
 	}
 	// The watch of the answer goes on as the wait for the next request.
-	c.watching = c.move(phaseWatched, phaseWatchedIdle, idle)
+	c.watching = c.move(phases(phaseWatched), phaseWatchedIdle, idle)
 	return c.watching
 }
 
@@ -543,7 +543,7 @@ func (b *body) Read(p []byte) (int, error) {
 	}
 	n, err := b.r.Read(p)
 	if errors.Is(err, io.EOF) {
-		if next, at := b.c.handling(); !b.c.move(phaseBody, next, at) {
+		if next, at := b.c.handling(); !b.c.move(phases(phaseBody), next, at) {
 			// The body's time ran out as its end came.
 			b.err = os.ErrDeadlineExceeded
 			return n, b.err

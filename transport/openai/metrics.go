@@ -255,12 +255,7 @@ func (c *children) with(a, b string) prometheus.Counter {
 		}
 		old = *m
 	}
-	var ctr prometheus.Counter
-	if c.labels == 1 {
-		ctr = c.vec.WithLabelValues(a)
-	} else {
-		ctr = c.vec.WithLabelValues(a, b)
-	}
+	ctr := c.vec.WithLabelValues(k[:c.labels]...)
 	next := make(map[[2]string]prometheus.Counter, len(old)+1)
 	for key, v := range old {
 		next[key] = v
