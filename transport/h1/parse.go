@@ -35,6 +35,9 @@ type head struct {
 		target string
 		url    url.URL
 	}
+	// spare is the header map the next read fills (a connection's head lends it to one
+	// request at a time: serveOne gives it back once the answer is finished).
+	spare spareHeader
 }
 
 // badRequest is a request the server refuses before any handler sees it: the status it is
@@ -129,9 +132,9 @@ func readHead(br *bufio.Reader, maxBytes int) (*head, error) {
 // read is readHead into h (a connection's own, reused by its requests: the request takes
 // copies of its fields, never h).
 func (h *head) read(br *bufio.Reader, maxBytes int) error {
-	last := h.last
+	last, spare := h.last, h.spare
 	*h = head{}
-	h.last = last
+	h.last, h.spare = last, spare
 	lr := lineReader{br: br, left: maxBytes}
 	line, err := lr.line()
 	if err != nil {
@@ -181,7 +184,7 @@ func (h *head) read(br *bufio.Reader, maxBytes int) error {
 	}
 	all := string(values)
 	vals := make([]string, len(list))
-	h.header = make(http.Header, len(list))
+	h.header = h.spare.take(len(list))
 	for i, f := range list {
 		vals[i] = all[f.start:f.end]
 		if prev, ok := h.header[f.key]; ok {

@@ -47,15 +47,22 @@ func (c *conn) newResponse(req *http.Request, h *head) *response {
 
 // initResponse makes w the writer of req's answer (newResponse's, in memory of the caller's).
 func (c *conn) initResponse(w *response, req *http.Request, h *head) {
-	*w = response{c: c, req: req, header: make(http.Header, 8), length: -1, hold: c.hold[:0], minor: 1}
+	*w = response{c: c, req: req, header: c.answerHeader.take(8), length: -1, hold: c.hold[:0], minor: 1}
 	if h != nil {
 		w.minor = h.minor
 		w.noBody = h.method == http.MethodHead
 	}
 }
 
-// Header implements http.ResponseWriter.
-func (w *response) Header() http.Header { return w.header }
+// Header implements http.ResponseWriter. Once the handler returned, the map is the
+// connection's next answer's (spareHeader): a stray late caller gets a map of its own, which
+// no answer reads.
+func (w *response) Header() http.Header {
+	if w.done {
+		return http.Header{}
+	}
+	return w.header
+}
 
 // WriteHeader implements http.ResponseWriter. A 1xx status goes out at once (and may be
 // followed by the real one); a second final status is ignored.

@@ -273,6 +273,8 @@ type conn struct {
 	hold []byte
 	// head is the request head being served (its fields are copied into the request).
 	head head
+	// answerHeader is the answers' header map, lent to one answer at a time.
+	answerHeader spareHeader
 }
 
 // exchange is one request's own memory, in one allocation: its answer's writer, its body's
@@ -451,6 +453,10 @@ func (c *conn) serveOne() bool {
 	w.reqBody = b
 	s.cfg.Handler.ServeHTTP(w, req)
 	w.finish()
+	// The handler returned and its answer is out: its header maps are free for the next
+	// request (spareHeader says why nothing holds them now).
+	c.answerHeader.give(w.header)
+	h.spare.give(h.header)
 	if c.broken || w.closeAfter || h.close {
 		return false
 	}

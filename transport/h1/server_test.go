@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"slices"
@@ -599,5 +600,45 @@ func TestAWriteAfterTheHandlerReturnedFails(t *testing.T) {
 	c.send(t, "GET /second HTTP/1.1\r\nHost: a\r\n\r\n")
 	if resp, body := c.answer(t); resp == nil || body != "/second" {
 		t.Fatalf("second: %v %q", resp, body)
+	}
+}
+
+// TestHeaderMapsDoNotCarryIntoTheNextRequest: the fast server lends a connection's header
+// maps to one request at a time (spareHeader); a request's fields, its answer's and a stray
+// late caller's of Header() reach no later request on the connection.
+func TestHeaderMapsDoNotCarryIntoTheNextRequest(t *testing.T) {
+	for _, kind := range servers {
+		t.Run(kind, func(t *testing.T) {
+			late := make(chan http.ResponseWriter, 1)
+			addr := start(t, kind, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				r.Header.Set("X-Added-By-Handler", "1")
+				keys := slices.Sorted(maps.Keys(r.Header))
+				if r.URL.Path == "/first" {
+					w.Header().Set("X-First-Answer", "1")
+					late <- w
+				}
+				_, _ = io.WriteString(w, strings.Join(keys, ","))
+			}))
+			c := dial(t, addr)
+			c.send(t, "GET /first HTTP/1.1\r\nHost: a\r\nX-Only-First: yes\r\n\r\n")
+			resp, body := c.answer(t)
+			if resp == nil || resp.Header.Get("X-First-Answer") != "1" || body != "X-Added-By-Handler,X-Only-First" {
+				t.Fatalf("first: %v %q", resp, body)
+			}
+			(<-late).Header().Set("X-Late", "1")
+			c.send(t, "GET /second HTTP/1.1\r\nHost: a\r\nX-Only-Second: yes\r\n\r\n")
+			resp, body = c.answer(t)
+			if resp == nil {
+				t.Fatal("no second answer")
+			}
+			if body != "X-Added-By-Handler,X-Only-Second" {
+				t.Errorf("the second request's header: %q", body)
+			}
+			for _, k := range []string{"X-First-Answer", "X-Late"} {
+				if v := resp.Header.Get(k); v != "" {
+					t.Errorf("the second answer carries %s: %q", k, v)
+				}
+			}
+		})
 	}
 }
