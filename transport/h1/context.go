@@ -4,19 +4,24 @@ import (
 	"context"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // requestContext is a request's context: done when the client hangs up, a write to it
 // fails, the handler returns or the server closes. Its AfterFunc method (which
 // context.AfterFunc asks, and transport/openai's exchange directly) registers a function in
 // the request's own list: no child context, no map entry, no closure but the stop function.
-// Everything else is the cancelCtx it wraps, so that a context derived from it, through a
-// value context too (a tracing span's), registers with that cancelCtx as with any, and no
-// goroutine waits on it. Its parent is no other context: the server's Close cancels the
-// requests in flight one by one, so no request registers with a context every request of a
-// connection (or of the server) shares.
+// Its Done, and its Value once Done was asked, are those of a cancelCtx it makes on first
+// demand (most requests never ask: a request answered without it costs no cancelCtx and no
+// cancel function), so that a context derived from it, through a value context too (a
+// tracing span's), registers with that cancelCtx as with any, and no goroutine waits on it.
+// Its parent is no other context: the server's Close cancels the requests in flight one by
+// one, so no request registers with a context every request of a connection (or of the
+// server) shares.
 type requestContext struct {
-	context.Context
+	// made: inner and cancelInner are set (under mu, before made is), and read freely after.
+	made        atomic.Bool
+	inner       context.Context
 	cancelInner context.CancelFunc
 
 	mu    sync.Mutex
@@ -26,10 +31,59 @@ type requestContext struct {
 	first [2]func()
 }
 
-// init makes r a request's context not done yet (in memory of the caller's).
+// init makes r a request's context not done yet (in memory of the caller's, zeroed).
 func (r *requestContext) init() {
-	r.Context, r.cancelInner = context.WithCancel(context.Background())
 	r.funcs = r.first[:0]
+}
+
+// cancelCtx returns r's cancelCtx, made on first demand; one made after r ended is
+// cancelled before it is returned.
+func (r *requestContext) cancelCtx() context.Context {
+	if r.made.Load() {
+		return r.inner
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.made.Load() {
+		r.inner, r.cancelInner = context.WithCancel(context.Background())
+		if r.ended {
+			r.cancelInner()
+		}
+		r.made.Store(true)
+	}
+	return r.inner
+}
+
+// Deadline implements context.Context: a request's context has none.
+func (r *requestContext) Deadline() (time.Time, bool) { return time.Time{}, false }
+
+// Done implements context.Context (the cancelCtx's channel).
+func (r *requestContext) Done() <-chan struct{} { return r.cancelCtx().Done() }
+
+// Err implements context.Context: context.Canceled once r ended (the cancelCtx's, once made).
+func (r *requestContext) Err() error {
+	if r.made.Load() {
+		return r.inner.Err()
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch {
+	case r.made.Load():
+		return r.inner.Err()
+	case r.ended:
+		return context.Canceled
+	}
+	return nil
+}
+
+// Value implements context.Context: the cancelCtx's once made (which answers the context
+// package's own lookup of it, asked only after Done), else nil, as it would answer every
+// other key.
+func (r *requestContext) Value(key any) any {
+	if r.made.Load() {
+		return r.inner.Value(key)
+	}
+	return nil
 }
 
 // AfterFunc runs f in its own goroutine once r is done (at once if it is), as
@@ -64,8 +118,11 @@ func (r *requestContext) cancel() {
 	}
 	r.ended = true
 	funcs := r.funcs
+	made := r.made.Load()
 	r.mu.Unlock()
-	r.cancelInner()
+	if made {
+		r.cancelInner()
+	}
 	for _, f := range funcs {
 		if f != nil {
 			go f()

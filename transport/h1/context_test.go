@@ -2,8 +2,10 @@ package h1
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -63,6 +65,61 @@ func TestRequestContextEndsWhatHangsOnIt(t *testing.T) {
 		t.Fatal("stop after the end reported true")
 	}
 	<-late
+}
+
+// TestRequestContextAskedAfterItsEnd: the cancelCtx a request's context makes on first
+// demand, made after the request ended, is done at once, and so is what derives from it;
+// before that, the context answers Err and Value as the cancelCtx would.
+func TestRequestContextAskedAfterItsEnd(t *testing.T) {
+	r := new(requestContext)
+	r.init()
+	if r.Err() != nil || r.Value(ctxKey{}) != nil || context.Cause(r) != nil {
+		t.Fatal("a request's context not ended says it is, or has a value")
+	}
+	if _, ok := r.Deadline(); ok {
+		t.Fatal("a request's context has a deadline")
+	}
+	r.cancel()
+	if r.made.Load() {
+		t.Fatal("ending a request's context nobody asked made its cancelCtx")
+	}
+	if !errors.Is(r.Err(), context.Canceled) || !errors.Is(context.Cause(r), context.Canceled) {
+		t.Fatalf("ended, Err %v and Cause %v", r.Err(), context.Cause(r))
+	}
+	d, cancel := context.WithCancel(context.WithValue(r, ctxKey{}, 1))
+	defer cancel()
+	for _, c := range []context.Context{r, d} {
+		select {
+		case <-c.Done():
+		default:
+			t.Fatal("a context asked after the request ended is not done")
+		}
+	}
+	if !errors.Is(r.Err(), context.Canceled) || !errors.Is(d.Err(), context.Canceled) {
+		t.Fatalf("Err %v and the derived one's %v", r.Err(), d.Err())
+	}
+}
+
+// TestRequestContextAskedWhileItEnds: goroutines that ask for Done while the request ends
+// (the race detector watches the cancelCtx made on demand) all see it done.
+func TestRequestContextAskedWhileItEnds(t *testing.T) {
+	for range 50 {
+		r := new(requestContext)
+		r.init()
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Go(func() {
+				_ = r.Err()
+				select {
+				case <-r.Done():
+				case <-time.After(5 * time.Second):
+					t.Error("a context asked as the request ended never ended")
+				}
+			})
+		}
+		r.cancel()
+		wg.Wait()
+	}
 }
 
 // TestCloseCancelsTheRequestsInFlight: the server's Close ends every request's context.
