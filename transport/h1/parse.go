@@ -18,7 +18,9 @@ import (
 type head struct {
 	method, target string
 	// minor is the HTTP/1.x minor version (0 or 1).
-	minor  int
+	minor int
+	// url is the target's URL: the head's own (last's, once parsed), which the request
+	// copies, as a handler may change it.
 	url    *url.URL
 	header http.Header
 	host   string
@@ -259,11 +261,9 @@ func (h *head) requestLine(line []byte) error {
 		return bad(http.StatusMethodNotAllowed, "CONNECT is not served")
 	}
 	if h.last.target != "" && string(target) == h.last.target {
-		// The same target as the connection's last: its string, and a copy of its URL (the
-		// handler's own, which it may change).
+		// The same target as the connection's last: its string and its URL.
 		h.target = h.last.target
-		u := h.last.url
-		h.url = &u
+		h.url = &h.last.url
 		return nil
 	}
 	h.target = string(target)
@@ -275,8 +275,8 @@ func (h *head) requestLine(line []byte) error {
 	if err != nil {
 		return bad(http.StatusBadRequest, "invalid request target")
 	}
-	h.url = u
 	h.last.target, h.last.url = h.target, *u
+	h.url = &h.last.url
 	return nil
 }
 

@@ -18,6 +18,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httputil"
+	"net/url"
 	"os"
 	"runtime/debug"
 	"sync"
@@ -278,12 +279,14 @@ type conn struct {
 }
 
 // exchange is one request's own memory, in one allocation: its answer's writer, its body's
-// reader and its context. Nothing in it is reused by the next request: a handler's goroutine
+// reader, its context and its URL. Nothing in it is reused by the next request: a handler's goroutine
 // that outlives its request finds that request's, done.
 type exchange struct {
 	w    response
 	body body
 	ctx  requestContext
+	// url is the request's URL, a copy of its head's.
+	url url.URL
 }
 
 // Read implements io.Reader for br: the watcher's bytes first, then the connection. The
@@ -418,8 +421,9 @@ func (c *conn) serveOne() bool {
 	if h.minor == 0 {
 		proto = "HTTP/1.0"
 	}
+	x.url = *h.url
 	r := &http.Request{
-		Method: h.method, URL: h.url, Proto: proto, ProtoMajor: 1, ProtoMinor: h.minor,
+		Method: h.method, URL: &x.url, Proto: proto, ProtoMajor: 1, ProtoMinor: h.minor,
 		Header: h.header, ContentLength: h.length, Close: h.close, Host: h.host,
 		RemoteAddr: c.remote, RequestURI: h.target, TLS: c.tls,
 	}
