@@ -146,7 +146,8 @@ func (h *head) read(br *bufio.Reader, maxBytes int) error {
 		return err
 	}
 	// The values are gathered in one buffer and made one string, which the header's
-	// values slice: two allocations for all of them (as net/textproto does).
+	// values slice: two allocations for all of them (as net/textproto does), when they
+	// are at most maxSharedValues bytes (values).
 	var (
 		fields                    [32]headField
 		list                      = fields[:0]
@@ -184,11 +185,18 @@ func (h *head) read(br *bufio.Reader, maxBytes int) error {
 		list = append(list, headField{key: key, start: len(values), end: len(values) + len(value)})
 		values = append(values, value...)
 	}
-	all := string(values)
+	all, shared := "", len(values) <= maxSharedValues
+	if shared {
+		all = string(values)
+	}
 	vals := make([]string, len(list))
 	h.header = h.spare.take(len(list))
 	for i, f := range list {
-		vals[i] = all[f.start:f.end]
+		if shared {
+			vals[i] = all[f.start:f.end]
+		} else {
+			vals[i] = string(values[f.start:f.end])
+		}
 		if prev, ok := h.header[f.key]; ok {
 			h.header[f.key] = append(prev, vals[i])
 		} else {
@@ -197,6 +205,13 @@ func (h *head) read(br *bufio.Reader, maxBytes int) error {
 	}
 	return h.check(lengths, encodings, hosts)
 }
+
+// maxSharedValues bounds the bytes of a head's values that share one string. A value a
+// handler keeps long holds its whole string alive (transport/openai's session key is kept
+// in the binding tables for the binding's life): past this bound each value is a string
+// of its own, so that a kept value holds at most this much of its request, not a head of
+// up to MaxHeaderBytes.
+const maxSharedValues = 1024
 
 // headField is one header line's canonical name and where its value lies in the head's
 // values.

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/net/http/httpguts"
 )
@@ -162,5 +163,31 @@ func TestParserRefusals(t *testing.T) {
 				t.Fatalf("%v; want a refusal with %d", err, tc.status)
 			}
 		})
+	}
+}
+
+// TestLargeHeadsValuesAreStringsOfTheirOwn: a head's values share one string up to
+// maxSharedValues bytes (each starts where the one before ends), and past it each is its
+// own, so that a value kept long holds no more of its head alive.
+func TestLargeHeadsValuesAreStringsOfTheirOwn(t *testing.T) {
+	for _, tc := range []struct {
+		size   int
+		shared bool
+	}{{100, true}, {maxSharedValues/2 - 100, true}, {maxSharedValues / 2, false}} {
+		a, b := strings.Repeat("a", tc.size), strings.Repeat("b", tc.size+50)
+		head := "GET / HTTP/1.1\r\nHost: h\r\nX-A: " + a + "\r\nX-B: " + b + "\r\n\r\n"
+		h, err := readHead(bufio.NewReaderSize(strings.NewReader(head), 4096), 64<<10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		va, vb := h.header.Get("X-A"), h.header.Get("X-B")
+		if va != a || vb != b {
+			t.Fatalf("values %q and %q", va, vb)
+		}
+		// Separate strings cannot be adjacent: the first's size class rounds it up.
+		adjacent := uintptr(unsafe.Pointer(unsafe.StringData(vb))) == uintptr(unsafe.Pointer(unsafe.StringData(va)))+uintptr(len(va))
+		if adjacent != tc.shared {
+			t.Errorf("values of %d and %d bytes: one string %v, want %v", len(va), len(vb), adjacent, tc.shared)
+		}
 	}
 }
