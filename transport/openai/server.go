@@ -797,7 +797,8 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		return
 	}
 	p := &w.scratch.parsed
-	if err := parseInto(kind, body, p, s.modelNames); err != nil {
+	// The body is readBody's, and no one writes it (Request.Body): the prompt may share it.
+	if err := parseInto(kind, body, p, s.modelNames, true); err != nil {
 		s.fail(w, r, routeError(err))
 		return
 	}
