@@ -86,6 +86,8 @@ type PrefixIndex interface {
 
 // DecisionRecorder learns from routing decisions (the approximate index).
 type DecisionRecorder interface {
+	// Record records seq's blocks on w. It must not keep seq past its return (copy what it
+	// keeps): a request's end records from memory of the request's own (Scratch).
 	Record(w indexer.Worker, seq []uint64)
 }
 

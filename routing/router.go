@@ -297,22 +297,41 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 	return r.route(ctx, req, new(Attempt))
 }
 
+// ScratchKeys is how many block keys a Scratch holds: a short prompt's (at 16 tokens a
+// block, up to 160 tokens) and the stand-ins of a short answer after them (outputBlocks). A
+// longer prompt's keys, or a longer sequence at the end, get a slice of their own. 10 keeps openai's request memory (its recorder, with the runtime's 8-byte
+// header of a large object) in the 1152-byte size class it had with room for 8 prompt keys
+// only.
+const ScratchKeys = 10
+
 // Scratch is the memory of one request's routing, for a caller that keeps it in memory of
-// the request's own: its Request, and room for the Attempt that RouteScratch makes. It must
-// not be copied once routed.
+// the request's own: its Request, room for the Attempt that RouteScratch makes, and room
+// for the prompt's block keys (Keys). It must not be copied once routed.
 type Scratch struct {
 	// Request is what RouteScratch routes.
 	Request Request
 	attempt Attempt
-	used    bool
+	// keys is Keys' memory: the prompt's keys from its start, then the stand-ins that the
+	// scratch's own Attempt records after them when the request ends (recordEnd).
+	keys [ScratchKeys]uint64
+	used bool
 }
 
+// Keys returns the scratch's room for the prompt's block keys, empty, as the dst of
+// HashTokensWithSalt or HashTextWithSalt for s.Request.Hashes. Nothing else may use it: the
+// room after the prompt's keys is the scratch's Attempt's, for the sequence it records at
+// the end.
+func (s *Scratch) Keys() []uint64 { return s.keys[:0] }
+
 // RouteScratch is Route for s.Request, whose Attempt is in s the first time (after that, one
-// of its own): one allocation fewer a request.
+// of its own): one allocation fewer a request. That first Attempt also records the
+// sequence at the request's end in s's keys when it fits (one more fewer).
 func (r *Router) RouteScratch(ctx context.Context, s *Scratch) (*Attempt, error) {
 	a := &s.attempt
 	if s.used {
 		a = new(Attempt)
+	} else {
+		a.keys = &s.keys
 	}
 	s.used = true
 	return r.route(ctx, &s.Request, a)
@@ -718,6 +737,10 @@ type Attempt struct {
 	// pending is a new session's binding proposed at dispatch (Propose) whose outcome no
 	// method has taken yet; while it is set, only its goroutine touches the lease.
 	pending *proposal
+	// keys is the Scratch's key room of the Attempt that RouteScratch put in it (nil for any
+	// other): recordEnd writes the stand-ins after the prompt's keys there, when the prompt's
+	// keys are at its start. Only this Attempt writes past the prompt, once (completed).
+	keys *[ScratchKeys]uint64
 }
 
 // proposal is a new session's binding in flight beside the worker's prefill.
@@ -1113,9 +1136,22 @@ func (a *Attempt) recordEnd(outputTokens int) {
 	}
 	seq := a.req.Hashes
 	if n := outputBlockCount(a.req.PromptTokens, outputTokens, cfg.BlockSize); n > 0 {
-		seq = outputBlocks(seq, a.req.PromptTokens, n)
+		seq = outputBlocks(seq, a.req.PromptTokens, n, a.endRoom(n))
 	}
+	// Record does not keep seq (indexer.Index and cluster/hints.Decisions copy what they
+	// keep), so the scratch's room is free again, for nobody, once it returns.
 	r.Record(a.decision.Target.Worker, seq)
+}
+
+// endRoom is the scratch's key room for recordEnd's sequence of the prompt and n stand-ins:
+// the prompt's own keys at its start and room after them for n more; nil when the attempt
+// has no room, the prompt's keys are elsewhere, or they do not fit.
+func (a *Attempt) endRoom(n int) []uint64 {
+	prompt := a.req.Hashes
+	if a.keys == nil || len(prompt) == 0 || len(prompt)+n > len(a.keys) || &prompt[0] != &a.keys[0] {
+		return nil
+	}
+	return a.keys[:len(prompt)]
 }
 
 // maxOutputBlocks bounds the stand-ins one answer adds (a worker's usage is not trusted
@@ -1131,14 +1167,18 @@ func outputBlockCount(promptTokens, outputTokens, blockSize int) int {
 	return min((promptTokens%blockSize+outputTokens)/blockSize, maxOutputBlocks)
 }
 
-// outputBlocks returns a new slice: prompt (a prompt's sequence hashes, left as it is)
-// followed by n stand-ins for the blocks of its generated tokens, chained after it. The
-// router never sees those tokens' ids, so the stand-ins never match a later prompt; they only
-// take the room in the worker's cache that the real blocks take. They depend on the prompt
-// and the block's place only, so a prompt sent again (whose answer a greedy engine repeats)
-// refreshes them instead of adding more.
-func outputBlocks(prompt []uint64, promptTokens, n int) []uint64 {
-	seq := slices.Grow(slices.Clip(prompt), n)
+// outputBlocks returns prompt (a prompt's sequence hashes, left as it is) followed by n
+// stand-ins for the blocks of its generated tokens, chained after it: in room, when it is
+// not nil (the prompt itself, with room for n more after it that no one else uses), else in
+// a new slice. The router never sees those tokens' ids, so the stand-ins never match a later
+// prompt; they only take the room in the worker's cache that the real blocks take. They
+// depend on the prompt and the block's place only, so a prompt sent again (whose answer a
+// greedy engine repeats) refreshes them instead of adding more.
+func outputBlocks(prompt []uint64, promptTokens, n int, room []uint64) []uint64 {
+	seq := room
+	if seq == nil {
+		seq = slices.Grow(slices.Clip(prompt), n)
+	}
 	tail := seq[len(seq) : len(seq)+n]
 	for i := range tail {
 		tail[i] = mix64(uint64(promptTokens)<<20 ^ uint64(i) ^ 0x6f75747075740000)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -570,16 +571,17 @@ func TestOutputBlockCount(t *testing.T) {
 	}
 }
 
-// TestOutputBlocksLeaveThePromptAlone: the stand-ins go into a new slice, never into the
-// spare room of the request's own hashes (which the request may still read).
+// TestOutputBlocksLeaveThePromptAlone: without room of their own (a Scratch's), the
+// stand-ins go into a new slice, never into the spare room of the request's own hashes
+// (which the request may still read).
 func TestOutputBlocksLeaveThePromptAlone(t *testing.T) {
 	backing := []uint64{1, 2, 3, 0, 0}
 	prompt := backing[:3]
-	seq := outputBlocks(prompt, 48, 2)
+	seq := outputBlocks(prompt, 48, 2, nil)
 	if len(seq) != 5 || !slices.Equal(seq[:3], prompt) || backing[3] != 0 || backing[4] != 0 {
 		t.Fatalf("seq %v, backing %v: want the prompt then 2 stand-ins, the backing untouched", seq, backing)
 	}
-	if again := outputBlocks(prompt, 48, 2); !slices.Equal(again, seq) {
+	if again := outputBlocks(prompt, 48, 2, nil); !slices.Equal(again, seq) {
 		t.Fatalf("the same prompt's stand-ins differ: %v then %v", seq, again)
 	}
 }
@@ -856,5 +858,79 @@ func TestRouteScratchKeepsTheAttemptInTheScratch(t *testing.T) {
 			t.Fatalf("route %d: attempt in the scratch %v, want %v", i, inScratch, wantInScratch)
 		}
 		a.Finish()
+	}
+}
+
+// lastRecord is a DecisionRecorder that keeps the slice of its last Record call itself (a
+// real recorder must not), to show which memory a record came from.
+type lastRecord struct {
+	mu  sync.Mutex
+	seq []uint64
+}
+
+func (l *lastRecord) Record(_ indexer.Worker, seq []uint64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.seq = seq
+}
+
+// TestScratchAttemptRecordsTheEndInItsRoom: the Scratch's own Attempt records the prompt and
+// its answer's stand-ins from the scratch's key room, after the prompt's keys and leaving
+// them as they are; a second Attempt of the same scratch (a retry) records from a slice of
+// its own and never writes into the room.
+func TestScratchAttemptRecordsTheEndInItsRoom(t *testing.T) {
+	reg, err := NewRegistry(specs(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &lastRecord{}
+	router, err := New(Config{}, Deps{Recorder: rec, Workers: reg, Tracker: NewTracker()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var s Scratch
+	prompt := []uint64{5, 6, 7, 8}
+	s.Request = Request{PromptTokens: 70, Hashes: append(s.Keys(), prompt...), DPRank: -1}
+	want := outputBlocks(prompt, 70, 4, nil) // (6 + 58) / 16 = 4 stand-ins
+	for i, wantRoom := range []bool{true, false} {
+		a, err := router.RouteScratch(context.Background(), &s)
+		if err != nil {
+			t.Fatalf("route %d: %v", i, err)
+		}
+		if _, err := a.Commit(context.Background()); err != nil {
+			t.Fatalf("commit %d: %v", i, err)
+		}
+		a.Complete(58)
+		a.Finish()
+		if !slices.Equal(rec.seq, want) {
+			t.Fatalf("attempt %d recorded %v, want %v", i, rec.seq, want)
+		}
+		if inRoom := &rec.seq[0] == &s.keys[0]; inRoom != wantRoom {
+			t.Fatalf("attempt %d recorded from the scratch's room %v, want %v", i, inRoom, wantRoom)
+		}
+		if !slices.Equal(s.Request.Hashes, prompt) {
+			t.Fatalf("attempt %d left the prompt's keys %v, want %v", i, s.Request.Hashes, prompt)
+		}
+		clear(s.keys[len(prompt):]) // what the second attempt must leave alone
+	}
+	if tail := s.keys[len(prompt):]; slices.ContainsFunc(tail, func(k uint64) bool { return k != 0 }) {
+		t.Fatalf("the retry wrote into the scratch's room: %v", tail)
+	}
+}
+
+// TestOutputBlocksFitOrLeaveTheRoom: a sequence longer than the scratch's room, or a prompt
+// whose keys are not at its start, records from a new slice.
+func TestOutputBlocksFitOrLeaveTheRoom(t *testing.T) {
+	var s Scratch
+	a := &Attempt{keys: &s.keys, req: &Request{Hashes: append(s.Keys(), 1, 2, 3)}}
+	if room := a.endRoom(ScratchKeys - 3); len(room) != 3 || &room[0] != &s.keys[0] {
+		t.Fatalf("endRoom for a sequence that fits = %v, want the prompt's keys in the room", room)
+	}
+	if room := a.endRoom(ScratchKeys - 2); room != nil {
+		t.Fatalf("endRoom for a sequence longer than the room = %v, want nil", room)
+	}
+	a.req.Hashes = []uint64{1, 2, 3}
+	if room := a.endRoom(1); room != nil {
+		t.Fatalf("endRoom for a prompt elsewhere = %v, want nil", room)
 	}
 }

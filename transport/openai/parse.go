@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"unicode/utf16"
 	"unicode/utf8"
+	"unsafe"
 
 	"github.com/kvrouter-ha/kvrouter-ha/internal/jsonerr"
 )
@@ -66,7 +67,8 @@ type Request struct {
 	HasTokens bool
 	// Messages is a chat request's messages as sent, for a worker's /tokenize.
 	Messages json.RawMessage
-	// Body is the request exactly as the client sent it.
+	// Body is the request exactly as the client sent it. It is never written: Text may
+	// share its memory (parseInto's shared).
 	Body []byte
 	// PreviousResponseID is a Responses request's previous_response_id ("" for none): the
 	// stored answer it continues, which lives on the worker that made it.
@@ -96,15 +98,18 @@ func (r *Request) PromptTokens() int {
 // decoding into a map would; a key repeated takes its last value.
 func Parse(k Kind, body []byte) (*Request, error) {
 	req := new(Request)
-	if err := parseInto(k, body, req, nil); err != nil {
+	if err := parseInto(k, body, req, nil, false); err != nil {
 		return nil, err
 	}
 	return req, nil
 }
 
 // parseInto is Parse into req, which it overwrites: so that a caller can keep the request
-// in memory of its own. The model's name comes from models (nil: a new string).
-func parseInto(k Kind, body []byte, req *Request, models *names) error {
+// in memory of its own. The model's name comes from models (nil: a new string). shared: body
+// is the request's own and no one writes it again (a body the handler read itself, not a
+// caller's buffer), so a completion prompt with nothing to decode is a string that shares
+// body's memory instead of a copy of it.
+func parseInto(k Kind, body []byte, req *Request, models *names, shared bool) error {
 	var f topFields
 	switch scanTop(body, &f) {
 	case topNotJSON:
@@ -173,7 +178,7 @@ func parseInto(k Kind, body []byte, req *Request, models *names) error {
 		if !ok {
 			return invalid("prompt", "missing required field: prompt")
 		}
-		if err := parsePrompt(raw, req); err != nil {
+		if err := parsePrompt(raw, req, shared); err != nil {
 			return err
 		}
 	default:
@@ -285,7 +290,7 @@ func renderMessages(raw []byte) (string, error) {
 		}
 		out = append(out, '\n')
 	}
-	return string(out), nil
+	return ownedString(out), nil
 }
 
 // objects returns the elements of the JSON array raw, appended to dst, when all are
@@ -359,9 +364,11 @@ func appendContent(out, raw []byte, isAssistant bool, msg int) ([]byte, error) {
 	return out, nil
 }
 
-func parsePrompt(raw []byte, req *Request) error {
+// parsePrompt reads a completion's prompt into req; shared: raw is in memory no one writes
+// again, which a plain string prompt may share (parseInto).
+func parsePrompt(raw []byte, req *Request, shared bool) error {
 	const shape = "prompt must be a string or an array of token ids"
-	if s, ok := jsonString(raw); ok {
+	if s, ok := decodeString(raw, shared); ok {
 		req.Text = s
 		return nil
 	}
@@ -390,7 +397,7 @@ func parsePrompt(raw []byte, req *Request) error {
 		if n != 1 {
 			return invalid("prompt", "prompt must hold exactly one string; batches of prompts are not supported")
 		}
-		req.Text = string(text)
+		req.Text = ownedString(text)
 		return nil
 	case len(inner) > 0 && inner[0] == '[':
 		var first []byte
@@ -465,16 +472,30 @@ func tokenArray(raw []byte) ([]uint32, int) {
 }
 
 // jsonString decodes raw when it is a JSON string.
-func jsonString(raw []byte) (string, bool) {
+func jsonString(raw []byte) (string, bool) { return decodeString(raw, false) }
+
+// decodeString decodes raw when it is a JSON string. shared: raw is in memory that no one
+// writes again, so a string with nothing to decode is that memory rather than a copy.
+func decodeString(raw []byte, shared bool) (string, bool) {
 	if !isString(raw) {
 		return "", false
 	}
 	// Plain ASCII, the common case, is found in one pass; then other text without escapes.
 	if s := raw[1 : len(raw)-1]; plainRun(s, 0, true) == len(s) || (bytes.IndexByte(s, '\\') < 0 && utf8.Valid(s)) {
+		if shared {
+			return ownedString(s), true
+		}
 		return string(s), true
 	}
 	b, ok := appendString(nil, raw)
-	return string(b), ok
+	return ownedString(b), ok
+}
+
+// ownedString is b as a string without a copy, for memory that no one writes again: a
+// buffer its caller made and drops (as strings.Builder does with its own), or part of a
+// request body the handler read itself (Request.Body is never written).
+func ownedString(b []byte) string {
+	return unsafe.String(unsafe.SliceData(b), len(b))
 }
 
 // names interns strings that requests repeat (model names), so that a common one is not a

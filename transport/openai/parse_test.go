@@ -188,11 +188,13 @@ func FuzzParse(f *testing.F) {
 		}
 		req, err := Parse(kind, body)
 		// The model names the server interns read as Parse reads them, twice over.
+		// So do the prompts that share the body's memory.
 		models := newNames()
-		for range 2 {
+		for _, shared := range []bool{false, true} {
 			var in Request
-			if ierr := parseInto(kind, body, &in, models); (ierr == nil) != (err == nil) || err == nil && in.Model != req.Model {
-				t.Fatalf("with interned names: model %q, error %v; Parse's %v", in.Model, ierr, err)
+			if ierr := parseInto(kind, body, &in, models, shared); (ierr == nil) != (err == nil) ||
+				err == nil && (in.Model != req.Model || in.Text != req.Text) {
+				t.Fatalf("with interned names (shared body %v): model %q, text %q, error %v; Parse's %v", shared, in.Model, in.Text, ierr, err)
 			}
 		}
 		if err != nil {
@@ -389,6 +391,60 @@ func TestNamesInternTheNamesRequestsRepeat(t *testing.T) {
 			}
 			if same := len(want) > 0 && unsafe.StringData(again) == unsafe.StringData(first); same != tc.interned {
 				t.Fatalf("the second read shares the first's string: %v, want %v", same, tc.interned)
+			}
+		})
+	}
+}
+
+// TestPromptSharesOnlyAReadBody: a plain completion prompt shares the body's memory only
+// when parseInto is told the body is the handler's own (shared); Parse's caller keeps its
+// buffer, so a prompt from Parse stays as it was when that buffer is written again, and
+// so do an escaped prompt and a chat rendering, which are decoded into memory of their own.
+func TestPromptSharesOnlyAReadBody(t *testing.T) {
+	within := func(s string, body []byte) bool {
+		p := uintptr(unsafe.Pointer(unsafe.StringData(s)))
+		b := uintptr(unsafe.Pointer(unsafe.SliceData(body)))
+		return p >= b && p < b+uintptr(len(body))
+	}
+	tests := []struct {
+		name  string
+		kind  Kind
+		body  string
+		text  string
+		share bool // with shared, Text is in the body
+	}{
+		{"plain prompt", KindCompletion, `{"model":"m","prompt":"hello there"}`, "hello there", true},
+		{"escaped prompt", KindCompletion, `{"model":"m","prompt":"hello\nthere"}`, "hello\nthere", false},
+		{"chat", KindChat, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`, "user\nhi\n", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			for _, shared := range []bool{false, true} {
+				body := []byte(tt.body)
+				var p Request
+				if shared {
+					if err := parseInto(tt.kind, body, &p, nil, true); err != nil {
+						t.Fatal(err)
+					}
+				} else {
+					q, err := Parse(tt.kind, body)
+					if err != nil {
+						t.Fatal(err)
+					}
+					p = *q
+				}
+				if p.Text != tt.text {
+					t.Fatalf("shared %v: text %q, want %q", shared, p.Text, tt.text)
+				}
+				if in := within(p.Text, body); in != (shared && tt.share) {
+					t.Fatalf("shared %v: text in the body's memory %v, want %v", shared, in, shared && tt.share)
+				}
+				if !shared {
+					clear(body) // Parse's caller reuses its buffer
+					if p.Text != tt.text {
+						t.Fatalf("Parse's text %q changed with its caller's buffer, want %q", p.Text, tt.text)
+					}
+				}
 			}
 		})
 	}

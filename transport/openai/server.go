@@ -332,19 +332,14 @@ type recorder struct {
 	scratch scratch
 }
 
-// scratchHashes is how many block keys a prompt has in the request's own memory: a short
-// prompt's (at 16 tokens a block, 128 tokens; 512 bytes of text); a longer one's get a
-// slice of their own, of their exact size. More would add bytes to every request for the
-// sake of few.
-const scratchHashes = 8
-
 // scratch is what a completion request needs for its whole life, in one allocation with its
 // recorder rather than one for each: the parsed request, routing's input and attempt, the
-// prompt's block keys, the router's answer headers and the worker's answer. Nothing in it is reused by another request.
+// prompt's block keys (routing.Scratch.Keys, with room for a short answer's blocks after
+// them), the router's answer headers and the worker's answer. Nothing in it is reused by
+// another request.
 type scratch struct {
 	parsed Request
 	routed routing.Scratch
-	hashes [scratchHashes]uint64
 	// vals are writeHeaders' values; valsUsed once they are taken.
 	vals     [7]string
 	valsUsed bool
@@ -802,11 +797,12 @@ func (s *Server) serveCompletion(w *recorder, r *http.Request, kind Kind) {
 		return
 	}
 	p := &w.scratch.parsed
-	if err := parseInto(kind, body, p, s.modelNames); err != nil {
+	// The body is readBody's, and no one writes it (Request.Body): the prompt may share it.
+	if err := parseInto(kind, body, p, s.modelNames, true); err != nil {
 		s.fail(w, r, routeError(err))
 		return
 	}
-	req, apiErr := s.routingRequest(r.Context(), r.Header, p, false, &w.scratch.routed.Request, w.scratch.hashes[:0])
+	req, apiErr := s.routingRequest(r.Context(), r.Header, p, false, &w.scratch.routed.Request, w.scratch.routed.Keys())
 	if apiErr != nil {
 		s.fail(w, r, apiErr)
 		return
