@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -178,7 +179,8 @@ func (a *Affinity) Acquire(ctx context.Context, session string, explicit *indexe
 		}
 		if ls == nil {
 			ls = &localSession{}
-			a.local[session] = ls
+			// The key outlives the request: its own copy, not a slice of the request's head.
+			a.local[strings.Clone(session)] = ls
 		}
 		b, ok := a.currentLocked(session)
 		if err := a.n.ReadValid(); err != nil {

@@ -3,6 +3,7 @@ package routing
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -66,6 +67,8 @@ func (m *MemoryAffinity) Acquire(ctx context.Context, key string, explicit *inde
 					return nil, fmt.Errorf("%d sessions bound: %w", m.max, ErrTooManySessions)
 				}
 			}
+			// The key outlives the request: its own copy, not a slice of the request's head.
+			key = strings.Clone(key)
 			s = &session{binding: Binding{Session: key}, active: 1}
 			s.init.Take()
 			m.sessions[key] = s

@@ -3,9 +3,11 @@ package routing
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 type fakeClock struct {
@@ -235,5 +237,32 @@ func TestSessionCapAnswersTooManySessions(t *testing.T) {
 		if _, ok, _ := m.Peek(ctx, s); !ok {
 			t.Fatalf("live session %s was evicted", s)
 		}
+	}
+}
+
+// TestABindingKeepsItsOwnCopyOfTheKey: the key a session is bound under is not the caller's
+// string (a slice of a request's head, which it would keep alive as long as the binding).
+func TestABindingKeepsItsOwnCopyOfTheKey(t *testing.T) {
+	m := NewMemoryAffinity(time.Minute, 0)
+	ctx := context.Background()
+	head := "x-session-id: s1\r\n" + strings.Repeat("x", 4096)
+	key := head[len("x-session-id: ") : len("x-session-id: ")+2]
+	l, err := m.Acquire(ctx, key, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Commit(ctx, worker("w1"), ""); err != nil {
+		t.Fatal(err)
+	}
+	l.Release()
+	b, ok, err := m.Peek(ctx, "s1")
+	if err != nil || !ok {
+		t.Fatalf("peek = %v, %v", ok, err)
+	}
+	if b.Session != key {
+		t.Fatalf("bound under %q, want %q", b.Session, key)
+	}
+	if unsafe.StringData(b.Session) == unsafe.StringData(key) {
+		t.Fatal("the binding keeps the caller's string, and with it the whole head")
 	}
 }

@@ -277,6 +277,9 @@ func (m *made) add(client, session string, revision uint64) {
 	}
 	if old, ok := m.bySession[session]; ok {
 		m.dropLocked(session, old)
+	} else {
+		// Both outlive the request: their own copies, not slices of the request's head.
+		session, client = strings.Clone(session), strings.Clone(client)
 	}
 	m.bySession[session] = madeBinding{client: client, revision: revision}
 	m.byClient[client]++

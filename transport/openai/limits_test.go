@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvrouter-ha/kvrouter-ha/indexer"
 )
@@ -308,4 +309,26 @@ func TestLiveSessionsPerClientAreCapped(t *testing.T) {
 			t.Fatalf("limited live sessions counted %v, want 3", got)
 		}
 	})
+}
+
+// TestMadeBindingsKeepTheirOwnCopies: the session and client a binding is counted under are
+// not the caller's strings (slices of a request's head, kept alive as long as the binding).
+func TestMadeBindingsKeepTheirOwnCopies(t *testing.T) {
+	head := "x-session-id: s1\r\nx-client: c1\r\n" + strings.Repeat("x", 4096)
+	session, client := head[14:16], head[28:30]
+	var m made
+	m.add(client, session, 1)
+	for k, b := range m.bySession {
+		if k != session || b.client != client {
+			t.Fatalf("counted %q for %q, want %q for %q", k, b.client, session, client)
+		}
+		if unsafe.StringData(k) == unsafe.StringData(session) || unsafe.StringData(b.client) == unsafe.StringData(client) {
+			t.Fatal("a made binding keeps the caller's strings, and with them the whole head")
+		}
+	}
+	for k := range m.byClient {
+		if unsafe.StringData(k) == unsafe.StringData(client) {
+			t.Fatal("the client count keeps the caller's string")
+		}
+	}
 }
