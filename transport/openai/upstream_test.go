@@ -746,3 +746,34 @@ func TestExchangeDeadlineCountsFromTheCallersTimeOnlyOnAPooledConnection(t *test
 		})
 	}
 }
+
+// TestUpstreamSendsBodiesOfEverySizeWhole: a body small enough to go behind its head in one
+// write and a larger one in a writev beside it both reach the worker whole, in turn on one
+// connection, and no body is left in the pooled head buffer for the next request.
+func TestUpstreamSendsBodiesOfEverySizeWhole(t *testing.T) {
+	var mu sync.Mutex
+	var got []string
+	srv, cc := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		got = append(got, string(body))
+		mu.Unlock()
+		_, _ = io.WriteString(w, "ok")
+	})
+	u := testUpstream(t)
+	for i, n := range []int{0, 1, 300, inlineBody, inlineBody + 1, 200 << 10, 7, 0} {
+		body := strings.Repeat(string(rune('a'+i)), n)
+		if _, answer := send(t, u, srv.URL, post(body)); answer != "ok" {
+			t.Fatalf("body of %d bytes: answer %q", n, answer)
+		}
+		mu.Lock()
+		seen := got[len(got)-1]
+		mu.Unlock()
+		if seen != body {
+			t.Fatalf("body of %d bytes: the worker read %d bytes (%.20q...)", n, len(seen), seen)
+		}
+	}
+	if n := cc.opened.Load(); n != 1 {
+		t.Fatalf("%d connections for requests in turn, want 1", n)
+	}
+}
