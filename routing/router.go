@@ -299,9 +299,9 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Attempt, error) {
 
 // ScratchKeys is how many block keys a Scratch holds: a short prompt's (at 16 tokens a
 // block, up to 160 tokens) and the stand-ins of a short answer after them (outputBlocks). A
-// longer prompt's keys, or a longer sequence at the end, get a slice of their own. 10 keeps openai's request memory (its recorder, with the runtime's 8-byte
-// header of a large object) in the 1152-byte size class it had with room for 8 prompt keys
-// only.
+// longer prompt's keys, or a longer sequence at the end, get a slice of their own. 10 keeps
+// openai's request memory (its recorder, with the runtime's 8-byte header of a large
+// object) in the 1152-byte size class it had with room for 8 prompt keys only.
 const ScratchKeys = 10
 
 // Scratch is the memory of one request's routing, for a caller that keeps it in memory of

@@ -36,6 +36,15 @@ func (c *connCounter) track(_ net.Conn, s http.ConnState) {
 	}
 }
 
+// lastSeen is what a test worker saw of the latest request it served.
+type lastSeen struct {
+	mu   sync.Mutex
+	last string
+}
+
+func (l *lastSeen) set(v string) { l.mu.Lock(); l.last = v; l.mu.Unlock() }
+func (l *lastSeen) get() string  { l.mu.Lock(); defer l.mu.Unlock(); return l.last }
+
 // countedServer serves h and counts its connections.
 func countedServer(t *testing.T, h http.HandlerFunc) (*httptest.Server, *connCounter) {
 	t.Helper()
@@ -90,13 +99,10 @@ func idleConns(t *testing.T, u *upstream, base string) int {
 }
 
 func TestUpstreamSendsTheRequestAndReusesTheConnection(t *testing.T) {
-	var mu sync.Mutex
-	var got []string
+	var seen lastSeen
 	srv, cc := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
-		mu.Lock()
-		got = append(got, r.Method+" "+r.URL.RequestURI()+" "+r.Host+" "+r.Header.Get("Content-Type")+" "+string(body))
-		mu.Unlock()
+		seen.set(r.Method + " " + r.URL.RequestURI() + " " + r.Host + " " + r.Header.Get("Content-Type") + " " + string(body))
 		if r.URL.Query().Get("chunked") != "" {
 			_, _ = io.WriteString(w, "part1,")
 			http.NewResponseController(w).Flush()
@@ -116,10 +122,7 @@ func TestUpstreamSendsTheRequestAndReusesTheConnection(t *testing.T) {
 		if body != want {
 			t.Fatalf("request %d: body %q, want %q", i, body, want)
 		}
-		mu.Lock()
-		line := got[len(got)-1]
-		mu.Unlock()
-		if wantLine := "POST " + target + " " + host + " application/json " + `{"n":1}`; line != wantLine {
+		if line, wantLine := seen.get(), "POST "+target+" "+host+" application/json "+`{"n":1}`; line != wantLine {
 			t.Fatalf("worker saw %q, want %q", line, wantLine)
 		}
 	}
@@ -751,13 +754,10 @@ func TestExchangeDeadlineCountsFromTheCallersTimeOnlyOnAPooledConnection(t *test
 // write and a larger one in a writev beside it both reach the worker whole, in turn on one
 // connection, and no body is left in the pooled head buffer for the next request.
 func TestUpstreamSendsBodiesOfEverySizeWhole(t *testing.T) {
-	var mu sync.Mutex
-	var got []string
+	var seen lastSeen
 	srv, cc := countedServer(t, func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
-		mu.Lock()
-		got = append(got, string(body))
-		mu.Unlock()
+		seen.set(string(body))
 		_, _ = io.WriteString(w, "ok")
 	})
 	u := testUpstream(t)
@@ -766,11 +766,8 @@ func TestUpstreamSendsBodiesOfEverySizeWhole(t *testing.T) {
 		if _, answer := send(t, u, srv.URL, post(body)); answer != "ok" {
 			t.Fatalf("body of %d bytes: answer %q", n, answer)
 		}
-		mu.Lock()
-		seen := got[len(got)-1]
-		mu.Unlock()
-		if seen != body {
-			t.Fatalf("body of %d bytes: the worker read %d bytes (%.20q...)", n, len(seen), seen)
+		if got := seen.get(); got != body {
+			t.Fatalf("body of %d bytes: the worker read %d bytes (%.20q...)", n, len(got), got)
 		}
 	}
 	if n := cc.opened.Load(); n != 1 {
