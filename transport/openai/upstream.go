@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -293,6 +294,12 @@ func (p *hostPool) dial(ctx context.Context, deadline time.Time) (*upConn, error
 	}
 	c := &upConn{pool: p, conn: conn, budget: -1}
 	c.cancelFunc = c.cancel
+	if tc, ok := conn.(*net.TCPConn); ok {
+		if raw, err := tc.SyscallConn(); err == nil {
+			c.raw = raw
+			c.sendStep = c.step
+		}
+	}
 	c.br = bufio.NewReaderSize(c, readBufferSize)
 	return c, nil
 }
@@ -383,6 +390,14 @@ type upConn struct {
 
 	out      net.Buffers // the request being written, over outArray
 	outArray [2][]byte
+	// raw is a plain TCP connection's descriptor (nil under TLS), through which send writes
+	// the request from inside the wait for its answer; sendStep (a func value made once) is
+	// that wait's step, and sendHead, sendBody, sent and sendErr its state for one request.
+	raw                syscall.RawConn
+	sendStep           func(uintptr) bool
+	sendHead, sendBody []byte
+	sent               bool
+	sendErr            error
 	// head is readCommonHead's copy of an answer head being canonicalised, body the answer
 	// body it reads and header the answer's Header, reused by every exchange (only the
 	// exchange's upBody reads the body; the Header is its holder's until it closes that).
@@ -466,18 +481,7 @@ func (c *upConn) exchange(ctx context.Context, head, body []byte, req outbound, 
 		return nil, nil, err
 	}
 	c.exchangeDeadline(now, deadline)
-	// One write for a head with its body in it, one writev for a head and a larger body; the
-	// writev's slices live in the connection so that they need no allocation, and are dropped
-	// once written.
-	var werr error
-	if len(body) == 0 {
-		_, werr = c.conn.Write(head)
-	} else {
-		c.out = append(c.outArray[:0], head, body)
-		_, werr = c.out.WriteTo(c.conn)
-		c.outArray = [2][]byte{}
-	}
-	if werr != nil {
+	if werr := c.send(head, body, now); werr != nil {
 		// A worker may answer (say, 413) and close before taking the whole body; its answer
 		// is then already here and better than the write error.
 		a, err := c.readHead(req.method, req.answer)
@@ -495,6 +499,69 @@ func (c *upConn) exchange(ctx context.Context, head, body []byte, req outbound, 
 	a.body = upBody{src: a.resp.Body, conn: c, stop: stop, reuse: !a.resp.Close}
 	a.resp.Body = &a.body
 	return &a.resp, &a.body, nil
+}
+
+// rawWaitIdle is the longest a pooled connection may have been idle for send to wait for its
+// answer before reading it (see send).
+const rawWaitIdle = time.Second
+
+// send writes the request (now is the time it is): one write for a head with its body in it,
+// one writev for a head and a larger body (the writev's slices live in the connection so
+// that they need no allocation, and are dropped once written).
+//
+// On a plain TCP connection it writes from inside a raw read that then waits, without
+// reading, until the socket has something to read. Go's reads try the socket before they
+// wait, and right after a request nothing has come yet: a system call that finds nothing on
+// every exchange (1.6-1.9 µs on the 2-core machine). A raw read's wait begins by forgetting
+// the readiness seen before it, so the write must come after that beginning, inside it, for
+// no answer to be missed: what wakes the wait is the answer's first bytes, the worker's
+// close or reset, or a deadline, and the buffered reader's read that follows finds which. A
+// wait that ends in an error after the write leaves that error to the read, which meets it
+// again.
+//
+// What that forgetting can lose is a close that came while the connection was idle: a worker
+// that closes fully resets the request when it comes, which wakes the wait, but one that
+// only stops sending and goes on reading (a lingering close) would leave the wait to the
+// first-byte deadline rather than to the retry on a new connection that the read's end of
+// file starts. Workers close idle connections after seconds of keep-alive, so a connection
+// idle for more than rawWaitIdle reads first, as Go does.
+func (c *upConn) send(head, body []byte, now time.Time) error {
+	if c.raw == nil || !c.idleSince.IsZero() && now.Sub(c.idleSince) > rawWaitIdle {
+		return c.write(head, body)
+	}
+	c.sendHead, c.sendBody, c.sent, c.sendErr = head, body, false, nil
+	err := c.raw.Read(c.sendStep)
+	sent, werr := c.sent, c.sendErr
+	c.sendHead, c.sendBody, c.sendErr = nil, nil, nil
+	if !sent {
+		// The wait failed before its first step (a deadline passed, the connection closed):
+		// nothing was written.
+		return err
+	}
+	return werr
+}
+
+// step is send's raw read step: the first writes the request and asks for a wait, unless
+// the write failed; the next, after the wait, ends it without reading.
+func (c *upConn) step(uintptr) bool {
+	if c.sent {
+		return true
+	}
+	c.sent = true
+	c.sendErr = c.write(c.sendHead, c.sendBody)
+	return c.sendErr != nil
+}
+
+// write writes head and body.
+func (c *upConn) write(head, body []byte) error {
+	if len(body) == 0 {
+		_, err := c.conn.Write(head)
+		return err
+	}
+	c.out = append(c.outArray[:0], head, body)
+	_, err := c.out.WriteTo(c.conn)
+	c.outArray = [2][]byte{}
+	return err
 }
 
 // afterFuncer is a context that runs a function once it is done, and says so itself; it is

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -772,5 +773,159 @@ func TestUpstreamSendsBodiesOfEverySizeWhole(t *testing.T) {
 	}
 	if n := cc.opened.Load(); n != 1 {
 		t.Fatalf("%d connections for requests in turn, want 1", n)
+	}
+}
+
+// readCalls is the number of read system calls this process has made (/proc/self/io's syscr),
+// those that found nothing included.
+func readCalls(t *testing.T) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/io")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "syscr: "); ok {
+			n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("no syscr in /proc/self/io: %q", b)
+	return 0
+}
+
+// TestUpstreamReadsAnAnswerOnlyOnceItCame: after sending a request the client waits for the
+// worker's answer before reading, rather than reading first and finding nothing (Go's way):
+// one read of the answer an exchange. The worker reads with blocking system calls, one a
+// request, so the process's reads are the client's and one per exchange.
+func TestUpstreamReadsAnAnswerOnlyOnceItCame(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = l.Close() })
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		conn, err := l.Accept()
+		if err != nil {
+			return
+		}
+		f, err := conn.(*net.TCPConn).File()
+		_ = conn.Close()
+		if err != nil {
+			return
+		}
+		defer f.Close()
+		fd := int(f.Fd()) // in blocking mode from here on
+		answer := []byte("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		buf := make([]byte, 64<<10)
+		for {
+			if n, err := syscall.Read(fd, buf); n <= 0 || err != nil {
+				return
+			}
+			if _, err := syscall.Write(fd, answer); err != nil {
+				return
+			}
+		}
+	}()
+	u := newUpstream(2*time.Second, nil)
+	base := "http://" + l.Addr().String()
+	send(t, u, base, post("{}")) // dials
+	const exchanges = 100
+	before := readCalls(t)
+	for range exchanges {
+		if _, body := send(t, u, base, post("{}")); body != "ok" {
+			t.Fatalf("body %q", body)
+		}
+	}
+	reads := readCalls(t) - before
+	u.close()
+	<-served
+	// Reading first would find nothing on nearly every exchange: three reads each.
+	if per := float64(reads) / exchanges; per > 2.2 {
+		t.Fatalf("%d read system calls for %d exchanges (%.2f each), want 2 each: the worker's and the answer's", reads, exchanges, per)
+	}
+}
+
+// TestUpstreamCancelEndsTheWaitForAnAnswer: a request cancelled while its worker has it and
+// has not answered ends at once, with the cancel's cause, and its connection is dropped.
+func TestUpstreamCancelEndsTheWaitForAnAnswer(t *testing.T) {
+	got := make(chan struct{}, 1)
+	release := make(chan struct{})
+	var closed atomic.Bool
+	base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+		if readRequest(t, br) {
+			got <- struct{}{}
+		}
+		// The connection's end (or the test's) is the next thing the worker reads.
+		_, err := br.ReadByte()
+		closed.Store(err != nil)
+		<-release
+	})
+	t.Cleanup(func() { close(release) })
+	u := testUpstream(t)
+	ctx, cancel := context.WithCancelCause(context.Background())
+	go func() {
+		<-got
+		cancel(errIdle)
+	}()
+	if _, _, err := u.roundTrip(ctx, base, post("{}"), time.Now().Add(time.Minute)); !errors.Is(err, errIdle) {
+		t.Fatalf("error %v, want the cancel's cause %v", err, errIdle)
+	}
+	poll.Holds(t, 10*time.Second, "the worker to see the connection close", closed.Load)
+	if n := idleConns(t, u, base); n != 0 {
+		t.Fatalf("%d connections pooled after a cancel, want 0", n)
+	}
+}
+
+// TestUpstreamRetriesAtOnceWhenALongIdleConnectionWasHalfClosed: a worker that stops sending
+// on an idle connection but goes on reading it (a lingering close) would never answer a
+// request sent on it; a connection idle that long is read before the wait, whose end of
+// file sends the request again on a new connection at once rather than at the first-byte
+// deadline.
+func TestUpstreamRetriesAtOnceWhenALongIdleConnectionWasHalfClosed(t *testing.T) {
+	halfClosed := make(chan struct{}, 1)
+	var conns atomic.Int64
+	base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
+		first := conns.Add(1) == 1
+		for readRequest(t, br) {
+			if _, err := io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"); err != nil {
+				return
+			}
+			if first {
+				_ = conn.(*net.TCPConn).CloseWrite()
+				halfClosed <- struct{}{}
+				// Read (and drop) whatever comes until the client closes.
+				_, _ = io.Copy(io.Discard, br)
+				return
+			}
+		}
+	})
+	u := testUpstream(t)
+	send(t, u, base, post("{}"))
+	<-halfClosed
+	p, err := u.host(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.mu.Lock()
+	if len(p.idle) != 1 {
+		p.mu.Unlock()
+		t.Fatalf("%d pooled connections, want 1", len(p.idle))
+	}
+	p.idle[0].idleSince = time.Now().Add(-2 * rawWaitIdle)
+	p.mu.Unlock()
+	resp, _, err := u.roundTrip(context.Background(), base, post("{}"), time.Now().Add(20*time.Second))
+	if err != nil {
+		t.Fatalf("the request on a half-closed connection: %v", err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(b) != "ok" || conns.Load() != 2 {
+		t.Fatalf("body %q over %d connections, want ok over a second one", b, conns.Load())
 	}
 }
