@@ -800,14 +800,27 @@ func readCalls(t *testing.T) int64 {
 // TestUpstreamReadsAnAnswerOnlyOnceItCame: after sending a request the client waits for the
 // worker's answer before reading, rather than reading first and finding nothing (Go's way):
 // one read of the answer an exchange. The worker reads with blocking system calls, one a
-// request, so the process's reads are the client's and one per exchange.
+// request, and answers after a moment, as a model does, so the process's reads are the
+// client's and one per exchange.
 func TestUpstreamReadsAnAnswerOnlyOnceItCame(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = l.Close() })
 	served := make(chan struct{})
+	// worker is the worker's descriptor while it is open (-1: none), under mu.
+	var mu sync.Mutex
+	worker := -1
+	t.Cleanup(func() {
+		_ = l.Close()
+		// A shutdown wakes the worker's blocking read, if it still reads.
+		mu.Lock()
+		if worker >= 0 {
+			_ = syscall.Shutdown(worker, syscall.SHUT_RDWR)
+		}
+		mu.Unlock()
+		<-served
+	})
 	go func() {
 		defer close(served)
 		conn, err := l.Accept()
@@ -819,20 +832,33 @@ func TestUpstreamReadsAnAnswerOnlyOnceItCame(t *testing.T) {
 		if err != nil {
 			return
 		}
-		defer f.Close()
 		fd := int(f.Fd()) // in blocking mode from here on
+		mu.Lock()
+		worker = fd
+		mu.Unlock()
+		defer func() {
+			mu.Lock()
+			worker = -1
+			_ = f.Close()
+			mu.Unlock()
+		}()
 		answer := []byte("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 		buf := make([]byte, 64<<10)
 		for {
 			if n, err := syscall.Read(fd, buf); n <= 0 || err != nil {
 				return
 			}
+			// A model takes time to answer: the client is at its read (or its wait)
+			// before the answer comes. It computes rather than sleeps: a timer's wake-up
+			// costs the runtime a read of its own.
+			for start := time.Now(); time.Since(start) < 200*time.Microsecond; {
+			}
 			if _, err := syscall.Write(fd, answer); err != nil {
 				return
 			}
 		}
 	}()
-	u := newUpstream(2*time.Second, nil)
+	u := testUpstream(t)
 	base := "http://" + l.Addr().String()
 	send(t, u, base, post("{}")) // dials
 	const exchanges = 100
@@ -843,8 +869,6 @@ func TestUpstreamReadsAnAnswerOnlyOnceItCame(t *testing.T) {
 		}
 	}
 	reads := readCalls(t) - before
-	u.close()
-	<-served
 	// Reading first would find nothing on nearly every exchange: three reads each.
 	if per := float64(reads) / exchanges; per > 2.2 {
 		t.Fatalf("%d read system calls for %d exchanges (%.2f each), want 2 each: the worker's and the answer's", reads, exchanges, per)
