@@ -90,6 +90,25 @@ func send(t *testing.T, u *upstream, base string, req outbound) (*http.Response,
 	return resp, string(b)
 }
 
+// okAnswer is a worker's whole answer "ok", as raw HTTP.
+const okAnswer = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+// withOnlyPooled runs f on the one connection pooled for base, under its pool's lock, and
+// fails unless there is exactly one.
+func withOnlyPooled(t *testing.T, u *upstream, base string, f func(c *upConn)) {
+	t.Helper()
+	p, err := u.host(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.idle) != 1 {
+		t.Fatalf("%d pooled connections, want 1", len(p.idle))
+	}
+	f(p.idle[0])
+}
+
 func idleConns(t *testing.T, u *upstream, base string) int {
 	t.Helper()
 	p, err := u.host(base)
@@ -296,8 +315,7 @@ func TestUpstreamRefusesEndlessHeaders(t *testing.T) {
 func TestUpstreamSkipsInformationalAnswers(t *testing.T) {
 	base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
 		if readRequest(t, br) {
-			_, _ = io.WriteString(conn, "HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"+
-				"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			_, _ = io.WriteString(conn, "HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"+okAnswer)
 		}
 	})
 	resp, body := send(t, testUpstream(t), base, post("{}"))
@@ -431,17 +449,8 @@ func TestUpstreamReusesAConnectionWhoseLastDeadlinePassed(t *testing.T) {
 	send(t, u, srv.URL, post("{}"))
 	// Pooled connections keep their last deadline; here it has passed while the connection
 	// was idle, as it does after a long enough pause.
-	p, err := u.host(srv.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.mu.Lock()
-	if len(p.idle) != 1 {
-		p.mu.Unlock()
-		t.Fatalf("%d idle connections, want 1", len(p.idle))
-	}
-	c := p.idle[0]
-	p.mu.Unlock()
+	var c *upConn
+	withOnlyPooled(t, u, srv.URL, func(pc *upConn) { c = pc })
 	c.mu.Lock()
 	_ = c.conn.SetDeadline(aLongTimeAgo)
 	c.readBy, c.writeBy = aLongTimeAgo, aLongTimeAgo
@@ -842,7 +851,7 @@ func TestUpstreamReadsAnAnswerOnlyOnceItCame(t *testing.T) {
 			_ = f.Close()
 			mu.Unlock()
 		}()
-		answer := []byte("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		answer := []byte(okAnswer)
 		buf := make([]byte, 64<<10)
 		for {
 			if n, err := syscall.Read(fd, buf); n <= 0 || err != nil {
@@ -917,7 +926,7 @@ func TestUpstreamRetriesAtOnceWhenALongIdleConnectionWasHalfClosed(t *testing.T)
 	base := rawWorker(t, func(conn net.Conn, br *bufio.Reader) {
 		first := conns.Add(1) == 1
 		for readRequest(t, br) {
-			if _, err := io.WriteString(conn, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"); err != nil {
+			if _, err := io.WriteString(conn, okAnswer); err != nil {
 				return
 			}
 			if first {
@@ -932,17 +941,7 @@ func TestUpstreamRetriesAtOnceWhenALongIdleConnectionWasHalfClosed(t *testing.T)
 	u := testUpstream(t)
 	send(t, u, base, post("{}"))
 	<-halfClosed
-	p, err := u.host(base)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.mu.Lock()
-	if len(p.idle) != 1 {
-		p.mu.Unlock()
-		t.Fatalf("%d pooled connections, want 1", len(p.idle))
-	}
-	p.idle[0].idleSince = time.Now().Add(-2 * rawWaitIdle)
-	p.mu.Unlock()
+	withOnlyPooled(t, u, base, func(c *upConn) { c.idleSince = time.Now().Add(-2 * rawWaitIdle) })
 	resp, _, err := u.roundTrip(context.Background(), base, post("{}"), time.Now().Add(20*time.Second))
 	if err != nil {
 		t.Fatalf("the request on a half-closed connection: %v", err)
